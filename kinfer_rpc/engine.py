@@ -1,0 +1,319 @@
+"""The engine: a queue, a fixed number of slots, and one worker thread running the step loop.
+
+Each step is ONE decode pass over every active sequence: one token of every running reply plus
+chunks of waiting prompts (chunked prefill), at most `batch` tokens in all. Requests join between
+steps; finished and cancelled ones leave at once and free their slot. The worker owns the loaded
+model: every decode and KV-cache call happens on it.
+
+The worker hands events to the host through `post(callback)`, a thread-safe function that runs
+`callback` on the host's event loop; all events of one step go in one callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+import attrs
+
+from . import errors
+from .sampling import SamplingOptions, sample
+from .textstream import TextStream
+from .types import LoadedModel, SeqChunk
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class GenerateOptions:
+    """What one inference request asks of the engine (validated at the protocol edge)."""
+
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    sampling: SamplingOptions = SamplingOptions()
+
+
+@attrs.define(eq=False)
+class Job:
+    """One request, from the queue to its last token. Fields written by the worker only."""
+
+    prompt: list
+    options: GenerateOptions
+    on_piece: Callable[[str, list], None] | None = None  # runs on the host loop
+    on_done: Callable[["Job"], None] | None = None  # runs on the host loop
+    slot: int = -1
+    n_past: int = 0  # tokens of this job already in its slot's KV cache
+    generated: list = attrs.field(factory=list)
+    stop_reason: str | None = None
+    error: Exception | None = None
+    cancelled: bool = False  # set from any thread; seen at the next step
+    stream: TextStream = None
+    text: str = ""
+    t_submit: float = attrs.field(factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    def __attrs_post_init__(self):
+        self.stream = TextStream(self.options.stop)
+
+    def result(self) -> dict:
+        """The reply as the protocol returns it (also the partial result of a cancel)."""
+        t_end = self.t_end or time.perf_counter()
+        prompt_s = (self.t_first - self.t_start) if self.t_first else 0.0
+        gen_s = (t_end - self.t_first) if self.t_first else 0.0
+        n = len(self.generated)
+        return {
+            "text": self.text,
+            "tokens": list(self.generated),
+            "stopReason": self.stop_reason or "cancelled",
+            "seed": self.options.sampling.seed,
+            "usage": {"promptTokens": len(self.prompt), "completionTokens": n},
+            "timings": {
+                "queueMs": round(max(0.0, (self.t_start or t_end) - self.t_submit) * 1000, 3),
+                "promptMs": round(prompt_s * 1000, 3),
+                "generateMs": round(gen_s * 1000, 3),
+                "tokensPerSecond": round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
+            },
+        }
+
+
+class Engine:
+    """Runs one loaded model on one worker thread.
+
+    `load(progress)` is called on the worker to get the LoadedModel; `post(fn)` runs fn on the
+    host's event loop. `ready` is set (through post) once the model is loaded or failed.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[Callable[[float], None]], LoadedModel],
+        post: Callable[[Callable[[], None]], None],
+        *,
+        batch: int = 2048,
+        max_queue: int = 4096,
+        on_progress: Callable[[float], None] | None = None,
+        on_ready: Callable[[Exception | None], None] | None = None,
+    ):
+        self._load = load
+        self._post = post
+        self.batch = batch
+        self.max_queue = max_queue
+        self._on_progress = on_progress
+        self._on_ready = on_ready
+        self.model: LoadedModel | None = None
+        self.template: str | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []  # in admission order
+        self._free: list[int] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
+        self._decoded = collections.deque(maxlen=64)  # (time, tokens generated) per step
+        self.steps = 0
+
+    # -- host side (any thread) -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        info = self.model.info
+        if not job.prompt:
+            raise errors.invalid_params("the prompt is empty (0 tokens)")
+        if len(job.prompt) >= info.context_length:
+            raise errors.KinferError(
+                errors.CONTEXT_OVERFLOW,
+                f"the prompt is {len(job.prompt)} tokens but the context holds {info.context_length}"
+                f" per slot (at least one token must be left for the reply)",
+                {"promptTokens": len(job.prompt), "contextLength": info.context_length},
+            )
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                raise errors.KinferError(
+                    errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)"
+                )
+            self._queue.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def status(self) -> dict:
+        info = self.model.info if self.model else None
+        window = list(self._decoded)
+        tps = 0.0
+        if len(window) >= 2 and window[-1][0] > window[0][0]:
+            tps = sum(n for _, n in window[1:]) / (window[-1][0] - window[0][0])
+        active = list(self._active)
+        return {
+            "slots": info.slots if info else 0,
+            "slotsBusy": len(active),
+            "queueLength": len(self._queue),
+            "cellsUsed": sum(j.n_past for j in active),
+            "tokensPerSecond": round(tps, 2),
+            "steps": self.steps,
+            "memory": self.model.memory() if self.model else {},
+        }
+
+    # -- worker ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            progress = self._on_progress or (lambda f: None)
+            self.model = self._load(lambda f: self._post(lambda: progress(f)))
+            self.template = self.model.chat_template()
+            self._free = list(range(self.model.info.slots))
+        except Exception as exc:
+            log.exception("model load failed")
+            if self._on_ready:
+                self._post(lambda: self._on_ready(exc))
+            return
+        if self._on_ready:
+            self._post(lambda: self._on_ready(None))
+        try:
+            while self._step():
+                pass
+        except Exception as exc:  # the device failed: answer everyone, never hang them
+            log.exception("engine step failed")
+            self._fail_all(exc)
+        finally:
+            self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
+            model, self.model = self.model, None
+            if model is not None:
+                model.close()
+
+    def _fail_all(self, exc: Exception) -> None:
+        events = []
+        with self._cond:
+            jobs = list(self._active) + list(self._queue)
+            self._active.clear()
+            self._queue.clear()
+        for job in jobs:
+            job.error = exc
+            self._finish(job, None, events)
+        self._flush(events)
+
+    def _step(self) -> bool:
+        events: list = []
+        with self._cond:
+            while not self._stopping and not self._queue and not self._active:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            # Leave: cancelled jobs free their slot before anything runs.
+            for job in [j for j in self._active if j.cancelled]:
+                self._finish(job, "cancelled", events)
+            for job in [j for j in self._queue if j.cancelled]:
+                self._queue.remove(job)
+                self._finish(job, "cancelled", events)
+            # Join: lowest free slot first.
+            while self._queue and self._free:
+                job = self._queue.popleft()
+                self._free.sort()
+                job.slot = self._free.pop(0)
+                job.t_start = time.perf_counter()
+                self.model.seq_remove(job.slot)
+                self._active.append(job)
+        chunks, owners = self._plan()
+        if chunks:
+            logits = self.model.decode(chunks)
+            self.steps += 1
+            self._take(chunks, owners, logits, events)
+        self._flush(events)
+        return True
+
+    def _plan(self):
+        """Chunks for one pass: every running reply's last token, then prompt chunks."""
+        budget = self.batch
+        chunks, owners = [], []
+        for job in self._active:
+            if job.n_past >= len(job.prompt):  # decoding: feed the last sampled token
+                chunks.append(SeqChunk(job.slot, job.n_past, [job.generated[-1]], 1))
+                owners.append(job)
+                budget -= 1
+        for job in self._active:
+            left = len(job.prompt) - job.n_past
+            if left > 0 and budget > 0:
+                take = min(left, budget)
+                ends = take == left
+                chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))
+                owners.append(job)
+                budget -= take
+        return chunks, owners
+
+    def _take(self, chunks, owners, logits, events) -> None:
+        row = 0
+        produced = 0
+        now = time.perf_counter()
+        for chunk, job in zip(chunks, owners):
+            job.n_past += len(chunk.tokens)
+            if not chunk.outputs:
+                continue
+            if not job.t_first:
+                job.t_first = now
+            history = job.prompt + job.generated
+            token = sample(logits[row], history, len(history), job.options.sampling)
+            row += chunk.outputs
+            produced += 1
+            self._accept(job, token, events)
+        self._decoded.append((now, produced))
+
+    def _accept(self, job: Job, token: int, events) -> None:
+        model = self.model
+        if model.is_eog(token):
+            self._finish(job, "stop", events)
+            return
+        job.generated.append(token)
+        piece = job.stream.push(model.token_bytes(token))
+        if piece:
+            job.text += piece
+            if job.on_piece:
+                events.append((job.on_piece, piece, [token]))
+        elif job.on_piece:
+            events.append((job.on_piece, "", [token]))
+        if job.stream.stopped:
+            self._finish(job, "stop", events)
+        elif job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens:
+            self._finish(job, "length", events)
+        elif job.n_past + 1 >= model.info.context_length:
+            self._finish(job, "length", events)
+
+    def _finish(self, job: Job, reason: str | None, events) -> None:
+        if reason is not None:
+            job.stop_reason = reason
+            if reason != "cancelled":
+                rest = job.stream.finish()
+                if rest:
+                    job.text += rest
+                    if job.on_piece:
+                        events.append((job.on_piece, rest, []))
+        job.t_end = time.perf_counter()
+        if job in self._active:
+            self._active.remove(job)
+            self._free.append(job.slot)
+            if self.model is not None:
+                self.model.seq_remove(job.slot)
+        if job.on_done:
+            events.append((job.on_done, job))
+
+    def _flush(self, events) -> None:
+        if events:
+            def deliver(events=events):
+                for fn, *args in events:
+                    try:
+                        fn(*args)
+                    except Exception:
+                        log.exception("event callback failed")
+
+            self._post(deliver)

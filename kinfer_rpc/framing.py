@@ -1,0 +1,151 @@
+"""The LSP base protocol's framing: bytes <-> JSON messages. Knows nothing of methods.
+
+A frame is `Content-Length: N\\r\\n`, optional `Content-Type: application/vscode-jsonrpc;
+charset=utf-8\\r\\n`, a blank line, then N bytes of UTF-8 JSON. Bad input never stops the reader:
+it yields a `FrameError` (with the message's id when the body told us one) and goes on with the
+next frame, resynchronising on the next `Content-Length` header when the headers were broken.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import AsyncIterator
+
+import attrs
+
+from . import errors
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # default limit of one frame's body
+MAX_HEADER_BYTES = 8192
+_HEADER_START = re.compile(rb"content-length\s*:", re.IGNORECASE)
+
+
+@attrs.frozen
+class FrameError:
+    """A frame that could not become a message: answered if `id` is known, else logged."""
+
+    code: int
+    message: str
+    id: object = None
+    has_id: bool = False
+
+
+def encode(message: dict) -> bytes:
+    """One whole frame for a message."""
+    body = json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def _parse_body(body: bytes):
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return FrameError(errors.PARSE_ERROR, f"the body is not UTF-8: {exc}")
+    try:
+        message = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return FrameError(errors.PARSE_ERROR, f"the body is not JSON: {exc}")
+    if isinstance(message, list):
+        return FrameError(errors.INVALID_REQUEST, "JSON-RPC batches are not supported (as in LSP)")
+    if not isinstance(message, dict):
+        return FrameError(errors.INVALID_REQUEST, "a message must be a JSON object")
+    return message
+
+
+class FrameReader:
+    """Reads frames from a byte stream (anything with `async receive() -> bytes`)."""
+
+    def __init__(self, stream, max_frame: int = MAX_FRAME_BYTES):
+        self._stream = stream
+        self._buf = bytearray()
+        self.max_frame = max_frame
+        self._eof = False
+
+    async def _fill(self) -> bool:
+        if self._eof:
+            return False
+        try:
+            data = await self._stream.receive()
+        except Exception:  # EndOfStream, ClosedResourceError, BrokenResourceError
+            data = b""
+        if not data:
+            self._eof = True
+            return False
+        self._buf += data
+        return True
+
+    def _resync(self, start: int) -> None:
+        """Drop bytes up to the next Content-Length header after `start`."""
+        m = _HEADER_START.search(self._buf, start)
+        del self._buf[: m.start() if m else max(0, len(self._buf) - 32)]
+
+    async def __aiter__(self) -> AsyncIterator[dict | FrameError]:
+        while True:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > MAX_HEADER_BYTES:
+                    yield FrameError(errors.PARSE_ERROR, "headers too long or missing the blank line")
+                    self._resync(1)
+                    continue
+                if not await self._fill():
+                    if self._buf.strip():
+                        yield FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's headers")
+                    return
+                continue
+            headers = bytes(self._buf[:end])
+            length, problem = _content_length(headers)
+            if problem:
+                yield FrameError(errors.PARSE_ERROR, problem)
+                self._resync(1)
+                continue
+            del self._buf[: end + 4]
+            if length > self.max_frame:
+                yield FrameError(
+                    errors.INVALID_REQUEST,
+                    f"frame of {length} bytes is over the limit of {self.max_frame} bytes",
+                )
+                if not await self._skip(length):
+                    return
+                continue
+            while len(self._buf) < length:
+                if not await self._fill():
+                    yield FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's body")
+                    return
+            body = bytes(self._buf[:length])
+            del self._buf[:length]
+            yield _parse_body(body)
+
+    async def _skip(self, n: int) -> bool:
+        while True:
+            if len(self._buf) >= n:
+                del self._buf[:n]
+                return True
+            n -= len(self._buf)
+            self._buf.clear()
+            if not await self._fill():
+                return False
+
+
+def _content_length(headers: bytes) -> tuple[int, str | None]:
+    length = None
+    try:
+        text = headers.decode("ascii")
+    except UnicodeDecodeError:
+        return 0, "headers are not ASCII"
+    for line in text.split("\r\n"):
+        name, sep, value = line.partition(":")
+        if not sep:
+            return 0, f"malformed header line {line[:80]!r}"
+        name, value = name.strip().lower(), value.strip()
+        if name == "content-length":
+            if not value.isdigit():
+                return 0, f"Content-Length is not a number: {value[:40]!r}"
+            length = int(value)
+        elif name == "content-type":
+            charset = re.search(r"charset\s*=\s*([^;\s]+)", value, re.IGNORECASE)
+            if charset and charset.group(1).strip("'\"").lower() not in ("utf-8", "utf8"):
+                return 0, f"unsupported charset {charset.group(1)!r} (only utf-8)"
+    if length is None:
+        return 0, "missing Content-Length header"
+    return length, None

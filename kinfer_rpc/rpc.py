@@ -1,0 +1,220 @@
+"""The JSON-RPC layer: ids, dispatch, errors, cancellation, progress. Knows nothing of inference.
+
+Requests are dispatched with jsonrpcserver, each in a task of its own, so one slow request never
+blocks another. What jsonrpcserver does not do is done here: `"params": null`, refusing batches,
+`$/cancelRequest` (the request answers -32800 RequestCancelled with any partial result in
+error.data), `$/progress`, and the server's own notifications and requests to the client.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Awaitable, Callable
+
+import anyio
+import attrs
+from jsonrpcserver import Error, Success, async_dispatch_to_serializable
+
+from . import errors
+from .framing import FrameError
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class RequestContext:
+    """Given to a handler: its request's id and tokens, and ways to report progress."""
+
+    connection: "Connection"
+    id: Any
+    method: str
+    partial_result_token: Any = None
+    work_done_token: Any = None
+    partial: Callable[[], Any] | None = None  # set by a handler: its partial result so far
+
+    async def report_partial(self, value) -> None:
+        if self.partial_result_token is not None:
+            await self.connection.notify("$/progress", {"token": self.partial_result_token, "value": value})
+
+    async def work_done(self, kind: str, **fields) -> None:
+        if self.work_done_token is not None:
+            await self.connection.notify("$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}})
+
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+class Connection:
+    """One client. `handlers` map method names to `async def handler(ctx, **params)`.
+
+    `gate(method, is_request)` may return a KinferError to refuse a message before dispatch
+    (the lifecycle uses it). `send(message)` writes one message.
+    """
+
+    def __init__(self, send: Callable[[dict], Awaitable[None]], handlers: dict[str, Handler], notifications: dict[str, Handler], gate=None):
+        self._send = send
+        self._notifications = notifications
+        self._gate = gate
+        self._running: dict[Any, tuple[anyio.CancelScope, RequestContext]] = {}
+        self._pending: dict[Any, tuple[anyio.Event, list]] = {}
+        self._ids = itertools.count(1)
+        self._tg = None
+        self._methods = {name: self._wrap(fn) for name, fn in handlers.items()}
+
+    @staticmethod
+    def _wrap(fn: Handler):
+        async def method(ctx: RequestContext, **params):
+            try:
+                return Success(await fn(ctx, **params))
+            except errors.KinferError as exc:
+                return Error(exc.code, exc.message, exc.data)
+        return method
+
+    # -- outgoing ---------------------------------------------------------------------------
+    async def notify(self, method: str, params=None) -> None:
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        await self._send(message)
+
+    async def request(self, method: str, params=None, timeout: float = 30.0):
+        """Send a request to the client and wait for its response (result, or raises)."""
+        rid = f"kinfer-{next(self._ids)}"
+        event, box = anyio.Event(), []
+        self._pending[rid] = (event, box)
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            message["params"] = params
+        try:
+            await self._send(message)
+            with anyio.fail_after(timeout):
+                await event.wait()
+        finally:
+            self._pending.pop(rid, None)
+        response = box[0]
+        if "error" in response:
+            err = response["error"] or {}
+            raise errors.KinferError(err.get("code", errors.INTERNAL_ERROR), err.get("message", ""), err.get("data"))
+        return response.get("result")
+
+    async def _error(self, id, code: int, message: str, data=None) -> None:
+        err = {"code": code, "message": message}
+        if data is not None:
+            err["data"] = data
+        await self._send({"jsonrpc": "2.0", "id": id, "error": err})
+
+    # -- incoming ---------------------------------------------------------------------------
+    async def serve(self, messages) -> None:
+        """Handle messages until the iterator ends; requests still running are cancelled then."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            async for message in messages:
+                try:
+                    await self.receive(message)
+                except Exception:  # never let one message stop the server
+                    log.exception("failed to handle a message")
+            tg.cancel_scope.cancel()
+
+    async def receive(self, message) -> None:
+        if isinstance(message, FrameError):
+            log.warning("bad frame: %s", message.message)
+            await self._error(message.id, message.code, message.message)
+            return
+        has_id = "id" in message
+        rid = message.get("id")
+        if has_id and not (rid is None or isinstance(rid, (str, int))) or isinstance(rid, bool):
+            await self._error(None, errors.INVALID_REQUEST, "id must be a string, a number or null")
+            return
+        if message.get("jsonrpc") != "2.0":
+            if has_id:
+                await self._error(rid, errors.INVALID_REQUEST, 'jsonrpc must be "2.0"')
+            else:
+                log.warning("dropped a message without jsonrpc 2.0")
+            return
+        method = message.get("method")
+        if method is None and has_id and ("result" in message or "error" in message):
+            pending = self._pending.get(rid)
+            if pending:
+                pending[1].append(message)
+                pending[0].set()
+            else:
+                log.warning("a response to no request of ours: id %r", rid)
+            return
+        if not isinstance(method, str):
+            if has_id:
+                await self._error(rid, errors.INVALID_REQUEST, "method must be a string")
+            else:
+                log.warning("dropped a message without a method")
+            return
+        params = message.get("params")
+        if params is None:
+            params = {}
+        if not isinstance(params, (dict, list)):
+            if has_id:
+                await self._error(rid, errors.INVALID_REQUEST, "params must be an object or an array")
+            return
+        if self._gate:
+            refusal = self._gate(method, has_id)
+            if refusal is not None:
+                if has_id:
+                    await self._error(rid, refusal.code, refusal.message, refusal.data)
+                else:
+                    log.info("dropped notification %s: %s", method, refusal.message)
+                return
+        if not has_id:
+            await self._notification(method, params)
+            return
+        if rid in self._running:
+            await self._error(rid, errors.INVALID_REQUEST, f"a request with id {rid!r} is already running")
+            return
+        ctx = RequestContext(self, rid, method)
+        if isinstance(params, dict):
+            ctx.partial_result_token = params.pop("partialResultToken", None)
+            ctx.work_done_token = params.pop("workDoneToken", None)
+        scope = anyio.CancelScope()
+        self._running[rid] = (scope, ctx)
+        self._tg.start_soon(self._run, ctx, scope, {"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+
+    async def _run(self, ctx: RequestContext, scope: anyio.CancelScope, request: dict) -> None:
+        response = None
+        try:
+            with scope:
+                response = await async_dispatch_to_serializable(
+                    request, methods=self._methods, context=ctx, deserializer=lambda r: r
+                )
+        finally:
+            self._running.pop(ctx.id, None)
+        if scope.cancel_called:
+            partial = None
+            if ctx.partial is not None:
+                try:
+                    partial = ctx.partial()
+                except Exception:
+                    log.exception("partial result failed")
+            with anyio.CancelScope(shield=True):
+                await self._error(ctx.id, errors.REQUEST_CANCELLED, "the request was cancelled", partial)
+            return
+        if response is not None:
+            await self._send(response)
+
+    async def _notification(self, method: str, params) -> None:
+        if method == "$/cancelRequest":
+            rid = params.get("id") if isinstance(params, dict) else None
+            running = self._running.get(rid)
+            if running:
+                running[0].cancel()
+            return
+        handler = self._notifications.get(method)
+        if handler is None:
+            if not method.startswith("$/"):
+                log.info("ignored unknown notification %s", method)
+            return
+        try:
+            await handler(**params) if isinstance(params, dict) else await handler(*params)
+        except Exception:
+            log.exception("notification %s failed", method)
+
+    def cancel_all(self) -> None:
+        for scope, _ in list(self._running.values()):
+            scope.cancel()

@@ -1,0 +1,308 @@
+"""The models a server holds, and the inference methods on them.
+
+Each loaded model is one Engine (one worker thread). Handlers here are the `model/*` and
+`inference/*` methods; they receive a RequestContext for progress and partial results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import anyio
+import attrs
+
+from . import chat, errors, params
+from .engine import Engine, Job
+from .plugins import Plugins
+from .store import ModelStore
+from .types import LoadOptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 4
+DEFAULT_CONTEXT = 4096
+
+
+@attrs.define(eq=False)
+class Loaded:
+    name: str
+    backend: str
+    options: LoadOptions
+    engine: Engine
+    ready: anyio.Event
+    error: Exception | None = None
+    source: str = ""
+
+
+def _load_options(obj) -> tuple[LoadOptions, dict]:
+    f = params.Fields(obj, "options")
+    slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
+    batch = f.int("batch", 2048, lo=1, hi=1 << 20)
+    opts = LoadOptions(
+        context_length=f.int("contextLength", DEFAULT_CONTEXT, lo=16, hi=1 << 24),
+        slots=slots,
+        batch=batch,
+        ubatch=f.int("ubatch", min(512, batch), lo=1, hi=1 << 20),
+        threads=f.int("threads", None, lo=1, hi=1024),
+        gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
+        flash_attention=f.bool("flashAttention", True),
+    )
+    extra = {"maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20)}
+    f.done()
+    if opts.slots > opts.batch:
+        raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
+    return opts, extra
+
+
+class Runtime:
+    def __init__(self, plugins: Plugins, store: ModelStore | None = None):
+        self.plugins = plugins
+        self.store = store or ModelStore()
+        self.loaded: dict[str, Loaded] = {}
+        self._last: str | None = None
+
+    # -- models ------------------------------------------------------------------------------
+    async def model_list(self, ctx, **p):
+        params.Fields(p, "params").done()
+        return {
+            "models": [
+                {
+                    "name": r.name,
+                    "source": r.source,
+                    "format": r.format,
+                    "path": r.path,
+                    "sizeBytes": r.size_bytes,
+                    "loaded": r.name in self.loaded,
+                }
+                for r in self.store.list()
+            ]
+        }
+
+    async def model_load(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        backend = f.str("backend")
+        options = f.raw("options")
+        f.done()
+        entry = await self._load(ctx, name, backend, options)
+        return self._describe(entry)
+
+    def _describe(self, entry: Loaded) -> dict:
+        info = entry.engine.model.info
+        return {
+            "model": entry.name,
+            "backend": entry.backend,
+            "path": info.path,
+            "source": entry.source,
+            "architecture": info.architecture,
+            "parameters": info.parameters,
+            "sizeBytes": info.size_bytes,
+            "contextLength": info.context_length,
+            "contextTrain": info.context_train,
+            "slots": info.slots,
+            "batch": entry.options.batch,
+            "ubatch": entry.options.ubatch,
+            "gpuLayers": entry.options.gpu_layers,
+            "flashAttention": entry.options.flash_attention,
+        }
+
+    async def _load(self, ctx, name, backend_name, options) -> Loaded:
+        ref = self.store.resolve(name)
+        existing = self.loaded.get(ref.name)
+        if existing is not None:
+            if options:
+                _load_options(options)  # still refuse bad options
+            await existing.ready.wait()
+            if existing.error is not None:
+                raise existing.error
+            self._last = ref.name
+            return existing
+        opts, extra = _load_options(options)
+        backend = self._backend_for(ref.format, backend_name)
+        loop = asyncio.get_running_loop()
+        ready = anyio.Event()
+        entry = None
+
+        def on_ready(exc):
+            entry.error = (
+                None if exc is None else
+                exc if isinstance(exc, errors.KinferError) else
+                errors.KinferError(errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}")
+            )
+            ready.set()
+
+        progress_sent = [0]
+
+        def on_progress(fraction):
+            pct = int(fraction * 100)
+            if pct >= progress_sent[0] + 10 or pct == 100:
+                progress_sent[0] = pct
+                if ctx is not None and ctx.work_done_token is not None:
+                    loop.create_task(ctx.work_done("report", percentage=pct, message=f"loading {ref.name}"))
+
+        engine = Engine(
+            lambda progress: backend.load(ref.path, opts, progress),
+            loop.call_soon_threadsafe,
+            batch=opts.batch,
+            max_queue=extra["maxQueue"],
+            on_progress=on_progress,
+            on_ready=on_ready,
+        )
+        entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source)
+        self.loaded[ref.name] = entry
+        if ctx is not None:
+            await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
+        engine.start()
+        try:
+            await ready.wait()
+        finally:
+            if ctx is not None:
+                await ctx.work_done("end", message="loaded" if entry.error is None else "failed")
+        if entry.error is not None:
+            self.loaded.pop(ref.name, None)
+            raise entry.error
+        self._last = ref.name
+        log.info("loaded %s with %s: %s", ref.name, backend.name, engine.model.info.description)
+        return entry
+
+    def _backend_for(self, fmt: str, wanted: str | None):
+        backends = self.plugins.backends
+        if wanted is not None:
+            if wanted not in backends:
+                raise errors.KinferError(
+                    errors.BACKEND_UNAVAILABLE,
+                    f"backend {wanted!r} is not available; loaded backends: {', '.join(sorted(backends)) or 'none'}",
+                )
+            if fmt not in backends[wanted].formats:
+                raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"backend {wanted!r} cannot read {fmt} models")
+            return backends[wanted]
+        for backend in backends.values():
+            if fmt in backend.formats:
+                return backend
+        raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)")
+
+    async def model_unload(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        f.done()
+        if name is None:
+            raise errors.invalid_params("params.model is required")
+        entry = self.loaded.get(name)
+        if entry is None:
+            matches = [n for n in self.loaded if n.startswith(name)]
+            if len(matches) != 1:
+                raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.loaded) or 'none'}")
+            entry = self.loaded[matches[0]]
+        self.loaded.pop(entry.name, None)
+        if self._last == entry.name:
+            self._last = None
+        await anyio.to_thread.run_sync(entry.engine.stop)
+        return None
+
+    async def model_status(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        f.done()
+        out = []
+        for entry in list(self.loaded.values()):
+            if name is not None and entry.name != name:
+                continue
+            if not entry.ready.is_set() or entry.error is not None:
+                out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
+                continue
+            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status()})
+        return {"models": out}
+
+    def close(self) -> None:
+        for entry in list(self.loaded.values()):
+            entry.engine.stop(timeout=2.0)
+        self.loaded.clear()
+
+    # -- inference ---------------------------------------------------------------------------
+    async def _model_for(self, ctx, name) -> Loaded:
+        if name is None and self._last is not None and self._last in self.loaded:
+            name = self._last
+        return await self._load(None, name, None, None)
+
+    async def inference_generate(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        prompt = f.str("prompt")
+        tokens = f.raw("tokens")
+        add_special = f.bool("addSpecial", None)
+        options = f.raw("options")
+        f.done()
+        if (prompt is None) == (tokens is None):
+            raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
+        opts = params.generate_options(options, random.getrandbits(63))
+        entry = await self._model_for(ctx, name)
+        model = entry.engine.model
+        if tokens is not None:
+            ids = params.tokens(tokens, model.info.n_vocab)
+        else:
+            add = model.info.add_bos if add_special is None else add_special
+            ids = model.tokenize(prompt, add, True)
+        return await self._run(ctx, entry, ids, opts)
+
+    async def inference_chat(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        messages = params.messages(f.raw("messages"))
+        options = f.raw("options")
+        f.done()
+        opts = params.generate_options(options, random.getrandbits(63))
+        entry = await self._model_for(ctx, name)
+        model = entry.engine.model
+        text = chat.render(entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
+        add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
+        ids = model.tokenize(text, add_bos, True)
+        return await self._run(ctx, entry, ids, opts)
+
+    async def inference_tokenize(self, ctx, **p):
+        f = params.Fields(p, "params")
+        name = f.str("model")
+        text = f.str("text")
+        add_special = f.bool("addSpecial", None)
+        parse_special = f.bool("parseSpecial", True)
+        f.done()
+        if text is None:
+            raise errors.invalid_params("params.text is required")
+        entry = await self._model_for(ctx, name)
+        model = entry.engine.model
+        add = model.info.add_bos if add_special is None else add_special
+        ids = model.tokenize(text, add, parse_special)
+        return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
+
+    async def _run(self, ctx, entry: Loaded, ids: list[int], opts) -> dict:
+        done = anyio.Event()
+        pieces: list = []
+        wake = anyio.Event()
+
+        def on_piece(text, toks):
+            pieces.append((text, toks))
+            wake.set()
+
+        job = Job(ids, opts, on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
+                  on_done=lambda j: (done.set(), wake.set()))
+        if ctx is not None:
+            ctx.partial = job.result
+        entry.engine.submit(job)
+        try:
+            while not done.is_set() or pieces:
+                if pieces:
+                    batch = pieces[:]
+                    pieces.clear()
+                    text = "".join(t for t, _ in batch)
+                    toks = [x for _, ts in batch for x in ts]
+                    await ctx.report_partial({"text": text, "tokens": toks})
+                    continue
+                await wake.wait()
+                wake = anyio.Event()
+        except BaseException:
+            entry.engine.cancel(job)
+            raise
+        if job.error is not None:
+            raise job.error
+        return {"model": entry.name, **job.result()}

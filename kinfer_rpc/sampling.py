@@ -1,0 +1,73 @@
+"""Per-request sampling.
+
+Every random draw comes from a stream keyed by (seed, position of the token being sampled), so
+a seeded reply depends on nothing but its own logits: not on its neighbours, not on how many
+steps it waited, not on whether drafts were checked in the same pass.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+
+@attrs.frozen
+class SamplingOptions:
+    """Sampling settings of one request. temperature <= 0 means greedy (argmax)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+
+def uniform(seed: int, position: int) -> float:
+    """The one uniform draw in [0, 1) for the token at `position` of a request seeded `seed`."""
+    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, position]).random())
+
+
+def _penalise(logits: np.ndarray, history, opts: SamplingOptions) -> np.ndarray:
+    if opts.repeat_penalty == 1.0 or opts.repeat_last_n == 0 or not len(history):
+        return logits
+    recent = np.unique(np.asarray(history[-opts.repeat_last_n :] if opts.repeat_last_n > 0 else history))
+    logits = logits.copy()
+    vals = logits[recent]
+    logits[recent] = np.where(vals > 0, vals / opts.repeat_penalty, vals * opts.repeat_penalty)
+    return logits
+
+
+def sample(logits: np.ndarray, history, position: int, opts: SamplingOptions) -> int:
+    """Pick the token at `position` from one row of logits.
+
+    `history` is the request's tokens so far (prompt and reply), used by the repeat penalty.
+    Order as llama.cpp's default chain: penalties, top-k, temperature, top-p, min-p, draw.
+    """
+    logits = _penalise(logits, history, opts)
+    if opts.temperature <= 0:
+        return int(np.argmax(logits))
+    n = logits.shape[0]
+    k = opts.top_k if 0 < opts.top_k < n else n
+    if k < n:
+        idx = np.argpartition(-logits, k - 1)[:k]
+    else:
+        idx = np.arange(n)
+    # A stable order (by logit, then token id) so the draw is a pure function of the logits.
+    vals = logits[idx].astype(np.float64)
+    order = np.lexsort((idx, -vals))
+    idx, vals = idx[order], vals[order]
+    vals = vals / opts.temperature
+    probs = np.exp(vals - vals[0])
+    probs /= probs.sum()
+    if opts.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), opts.top_p)) + 1
+        idx, probs = idx[:cut], probs[:cut]
+    if opts.min_p > 0.0:
+        keep = probs >= opts.min_p * probs[0]
+        idx, probs = idx[keep], probs[keep]
+    probs = probs / probs.sum()
+    u = uniform(opts.seed, position)
+    pick = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+    return int(idx[min(pick, len(idx) - 1)])

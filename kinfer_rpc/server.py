@@ -1,0 +1,264 @@
+"""`kinfer-rpc`: the process an editor spawns. Stdout carries frames and nothing else.
+
+At start-up the real stdout is moved aside and file descriptor 1 pointed at stderr, so native
+libraries that print can never corrupt the stream. The lifecycle follows LSP: `initialize`
+first (other requests get -32002), `initialized`, `shutdown`, `exit` (0 after shutdown, else 1).
+The server also exits when stdin closes and when the client's process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+
+import anyio
+from anyio.streams.file import FileReadStream, FileWriteStream
+
+from . import PROTOCOL_VERSION, __version__, errors
+from .framing import MAX_FRAME_BYTES, FrameReader, encode
+from .plugins import load_plugins
+from .rpc import Connection
+from .runtime import Runtime
+
+log = logging.getLogger("kinfer_rpc")
+
+LOG_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+MESSAGE_TYPE = {logging.ERROR: 1, logging.WARNING: 2, logging.INFO: 3, logging.DEBUG: 4}
+
+
+class ClientLogHandler(logging.Handler):
+    """Sends log records to the client as window/logMessage once it asked for them."""
+
+    def __init__(self, server: "Server"):
+        super().__init__(logging.CRITICAL + 1)
+        self.server = server
+
+    def emit(self, record):
+        loop = self.server.loop
+        if loop is None or loop.is_closed():
+            return
+        message = {"type": MESSAGE_TYPE.get(record.levelno, 4), "message": self.format(record)}
+        if threading.get_ident() == self.server.loop_thread:
+            self.server.queue_notification("window/logMessage", message)
+        else:
+            loop.call_soon_threadsafe(self.server.queue_notification, "window/logMessage", message)
+
+
+class Server:
+    def __init__(self, write_stream, *, max_frame: int = MAX_FRAME_BYTES):
+        self.state = "uninitialized"  # -> initialized -> shutdown
+        self.plugins = load_plugins()
+        self.runtime = Runtime(self.plugins)
+        self.max_frame = max_frame
+        self.exit_code: int | None = None
+        self.client_pid: int | None = None
+        self.loop = None
+        self.loop_thread = None
+        self._write = write_stream
+        self._out_send, self._out_recv = anyio.create_memory_object_stream(float("inf"))
+        self.log_handler = ClientLogHandler(self)
+        self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        self._stop = anyio.Event()
+        r = self.runtime
+        self.connection = Connection(
+            self.send,
+            {
+                "initialize": self.initialize,
+                "shutdown": self.shutdown,
+                "model/list": r.model_list,
+                "model/load": r.model_load,
+                "model/unload": r.model_unload,
+                "model/status": r.model_status,
+                "inference/generate": r.inference_generate,
+                "inference/chat": r.inference_chat,
+                "inference/tokenize": r.inference_tokenize,
+            },
+            {"initialized": self.initialized, "exit": self.exit},
+            gate=self.gate,
+        )
+
+    # -- output: one writer, whole frames ---------------------------------------------------
+    async def send(self, message: dict) -> None:
+        await self._out_send.send(message)
+
+    def queue_notification(self, method: str, params) -> None:
+        try:
+            self._out_send.send_nowait({"jsonrpc": "2.0", "method": method, "params": params})
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    async def _writer(self) -> None:
+        async for message in self._out_recv:
+            try:
+                await self._write.send(encode(message))
+            except Exception:
+                log.error("stdout is gone; stopping")
+                self._stop.set()
+                return
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def gate(self, method: str, is_request: bool):
+        if method == "exit":
+            return None
+        if self.state == "uninitialized" and method != "initialize":
+            return errors.KinferError(errors.SERVER_NOT_INITIALIZED, f"{method}: the server is not initialized yet")
+        if self.state != "uninitialized" and method == "initialize":
+            return errors.KinferError(errors.INVALID_REQUEST, "initialize was already called")
+        if self.state == "shutdown":
+            return errors.KinferError(errors.INVALID_REQUEST, f"{method}: the server is shutting down")
+        return None
+
+    async def initialize(self, ctx, **p):
+        from .params import Fields
+
+        f = Fields(p, "params")
+        pid = f.int("processId", None, lo=0)
+        f.raw("clientInfo")
+        f.raw("capabilities")
+        f.raw("rootUri")
+        f.raw("trace")
+        init = f.raw("initializationOptions") or {}
+        f.done()
+        if not isinstance(init, dict):
+            raise errors.invalid_params("params.initializationOptions must be an object")
+        level = init.get("logLevel")
+        if level is not None:
+            if level not in LOG_LEVELS:
+                raise errors.invalid_params("initializationOptions.logLevel must be one of " + ", ".join(LOG_LEVELS))
+            self.log_handler.setLevel(LOG_LEVELS[level])
+        if pid is not None and self.client_pid is None:
+            self.client_pid = pid
+        self.state = "initialized"
+        for broken in self.plugins.broken:
+            self.queue_notification(
+                "window/logMessage",
+                {"type": 1, "message": f"plugin {broken['name']} was skipped: {broken['error']}"},
+            )
+        return {
+            "serverInfo": {"name": "kinfer-rpc", "version": __version__},
+            "protocolVersion": PROTOCOL_VERSION,
+            "capabilities": {
+                **self.plugins.capabilities(),
+                "methods": sorted(self.connection._methods),
+                "partialResults": True,
+                "workDoneProgress": True,
+                "cancellation": True,
+                "maxFrameBytes": self.max_frame,
+            },
+        }
+
+    async def initialized(self, **_):
+        return None
+
+    async def shutdown(self, ctx, **p):
+        from .params import Fields
+
+        Fields(p, "params").done()
+        self.state = "shutdown"
+        await anyio.to_thread.run_sync(self.runtime.close)
+        return None
+
+    async def exit(self, **_):
+        self.exit_code = 0 if self.state == "shutdown" else 1
+        self._stop.set()
+
+    async def _watch_parent(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            pid = self.client_pid
+            if pid and not _alive(pid):
+                log.warning("the client process %d died; exiting", pid)
+                self.exit_code = 1
+                self._stop.set()
+                return
+
+    async def run(self, read_stream) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._writer)
+            tg.start_soon(self._watch_parent)
+
+            async def read():
+                await self.connection.serve(FrameReader(read_stream, self.max_frame))
+                # stdin closed: nothing more will come
+                if self.exit_code is None:
+                    self.exit_code = 0 if self.state == "shutdown" else 1
+                self._stop.set()
+
+            tg.start_soon(read)
+            await self._stop.wait()
+            self.loop = None
+            await anyio.to_thread.run_sync(self.runtime.close)
+            # Let what is queued reach the client, briefly.
+            self._out_send.close()
+            with anyio.move_on_after(1.0):
+                while self._out_recv.statistics().current_buffer_used:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        return self.exit_code if self.exit_code is not None else 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _take_stdout() -> int:
+    """Move the real stdout aside and point fd 1 at stderr; return the fd frames go to."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return real
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kinfer-rpc", description=__doc__.splitlines()[0])
+    parser.add_argument("--clientProcessId", type=int, default=None, help="exit when this process dies")
+    parser.add_argument("--log-file", default=None, help="also write logs to this file")
+    parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))
+    parser.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
+    parser.add_argument("--stdio", action="store_true", help="accepted for LSP clients; stdio is the only transport")
+    parser.add_argument("--version", action="version", version=f"kinfer-rpc {__version__}")
+    args = parser.parse_args(argv)
+
+    out_fd = _take_stdout()
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    stderr_handler = logging.StreamHandler(sys.stderr)
+    stderr_handler.setLevel(LOG_LEVELS[args.log_level])
+    stderr_handler.setFormatter(logging.Formatter("kinfer-rpc %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(stderr_handler)
+    if args.log_file:
+        fh = logging.FileHandler(args.log_file)
+        fh.setLevel(logging.DEBUG)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
+
+    async def amain() -> int:
+        write = FileWriteStream(os.fdopen(out_fd, "wb", buffering=0))
+        read = FileReadStream(os.fdopen(0, "rb", buffering=0))
+        server = Server(write, max_frame=args.max_frame_bytes)
+        root.addHandler(server.log_handler)
+        if args.clientProcessId:
+            server.client_pid = args.clientProcessId
+        return await server.run(read)
+
+    code = anyio.run(amain, backend="asyncio")
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)  # the stdin reader thread may still block in read(); don't wait for it
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Public types shared by the host, the engine and plugins.
+
+A plugin imports only this module and kinfer_rpc.hookspecs. The engine talks to a backend through
+the `Backend` and `LoadedModel` protocols below and never imports a backend's library.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import attrs
+
+
+@attrs.frozen
+class LoadOptions:
+    """What `model/load` asked for, after the placement filled in what it decides.
+
+    `context_length` is the context of ONE sequence (one slot): a load of 4 slots at 2048 holds
+    4 x 2048 cells. `batch` is how many tokens one decode pass takes; `ubatch` the physical
+    micro-batch. `gpu_layers` -1 means every layer. `host_tensors` are tensor-name patterns kept in
+    host memory (placements). `kv_unified` False gives every slot its own KV stream, which is
+    what keeps replies independent of their neighbours.
+    """
+
+    context_length: int = 4096
+    slots: int = 4
+    batch: int = 2048
+    ubatch: int = 512
+    threads: int | None = None
+    gpu_layers: int = -1
+    flash_attention: bool = True
+    kv_unified: bool = False
+    host_tensors: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class SeqChunk:
+    """Tokens of one sequence for one decode pass.
+
+    `pos` is the position of `tokens[0]`. `outputs` is how many of the trailing tokens need
+    logits (0 for a prompt chunk that does not end the prompt, 1 for the last prompt token or a
+    decode token, k+1 when k drafts are verified).
+    """
+
+    seq: int
+    pos: int
+    tokens: Sequence[int]
+    outputs: int = 1
+
+
+@attrs.frozen
+class ModelInfo:
+    """What a loaded model tells the engine about itself."""
+
+    name: str
+    path: str
+    backend: str
+    n_vocab: int
+    context_length: int
+    slots: int
+    architecture: str = ""
+    parameters: int = 0
+    size_bytes: int = 0
+    context_train: int = 0
+    description: str = ""
+    bos_text: str = ""
+    eos_text: str = ""
+    add_bos: bool = False
+
+
+@runtime_checkable
+class LoadedModel(Protocol):
+    """A model a backend loaded, owned by exactly one engine thread.
+
+    Every method is called from that thread only. `decode` runs ONE pass over every chunk and
+    returns the logits of the rows that asked for them, in chunk order, as a float32 array of
+    shape (sum(outputs), n_vocab). The sequence ids are 0..slots-1 (a slot's id).
+    """
+
+    info: ModelInfo
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def chat_template(self) -> str | None: ...
+
+    def decode(self, chunks: Sequence[SeqChunk]): ...
+
+    def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None: ...
+
+    def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None: ...
+
+    def memory(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """A way to run models (llama.cpp, MLX), registered by a plugin.
+
+    `formats` lists the model formats it reads ("gguf", "mlx"). `load` is called on the engine
+    thread; it reports progress in [0, 1] through `progress` and raises on failure with a
+    message a user can act on.
+    """
+
+    name: str
+    formats: tuple[str, ...]
+
+    def load(
+        self, path: str, options: LoadOptions, progress: Callable[[float], None]
+    ) -> LoadedModel: ...
+
+
+class DraftPolicy(Protocol):
+    """Proposes draft tokens for speculative decoding.
+
+    `propose(history, k)` gets a request's prompt + reply tokens so far and returns at most k
+    draft tokens. It must depend only on that request's own history, so that a reply never
+    depends on its neighbours.
+    """
+
+    name: str
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+
+@attrs.frozen
+class MachineInfo:
+    """What a placement may know of the machine."""
+
+    gpu_free_bytes: int = 0
+    gpu_total_bytes: int = 0
+    host_free_bytes: int = 0
+    has_gpu: bool = False
+
+
+@attrs.frozen
+class ModelFacts:
+    """What a placement may know of a model before loading it (from its file's metadata)."""
+
+    path: str
+    size_bytes: int
+    layers: int = 0
+    experts: int = 0
+    architecture: str = ""
+
+
+@attrs.frozen
+class PlacementPlan:
+    """A placement's decision: GPU layers, tensors kept in host memory, pass size, and why."""
+
+    gpu_layers: int
+    host_tensors: tuple[str, ...] = ()
+    batch: int | None = None
+    reason: str = ""
+
+
+class Placement(Protocol):
+    """Decides what lives in GPU memory and what in host memory for one load.
+
+    `plan(model, machine, options)` returns a PlacementPlan or raises ValueError whose message
+    says what would fit.
+    """
+
+    name: str
+
+    def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan: ...

@@ -1,0 +1,251 @@
+"""The `llama` backend: llama.cpp through llama-cpp-python's low-level API.
+
+One llama_context per load with `slots` sequences. Each `decode` fills one llama_batch from numpy
+arrays we own (no per-token ctypes calls) and makes one llama_decode call; the logits of the rows
+that asked for them come back in batch order from llama_get_logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+import kinfer_rpc
+from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
+
+log = logging.getLogger("kinfer_rpc.llama")
+_init_lock = threading.Lock()
+_initialised = False
+_log_callback = None  # kept alive: llama.cpp holds the pointer
+
+
+def _llama():
+    """Import llama_cpp lazily and once: it loads a native library and may print."""
+    global _initialised, _log_callback
+    import llama_cpp as L
+
+    with _init_lock:
+        if not _initialised:
+            @L.llama_log_callback
+            def forward(level, text, _user):
+                # llama.cpp logs a lot at load; keep it at debug unless it's an error.
+                msg = text.decode("utf-8", "replace").rstrip()
+                if msg:
+                    log.log(logging.ERROR if level == 2 else logging.DEBUG, "%s", msg)
+
+            _log_callback = forward
+            L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _initialised = True
+    return L
+
+
+class _Batch:
+    """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
+
+    def __init__(self, L, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        ptr_t = ctypes.POINTER(ctypes.c_int32)
+        self.seq_ptrs = (ptr_t * capacity)()
+        base = self.seq.ctypes.data
+        for i in range(capacity):
+            self.seq_ptrs[i] = ctypes.cast(base + 4 * i, ptr_t)
+        self.batch = L.llama_batch()
+        self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ptr_t)
+        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ptr_t))
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, chunks: Sequence[SeqChunk]) -> int:
+        n = 0
+        outputs = 0
+        for c in chunks:
+            k = len(c.tokens)
+            self.token[n : n + k] = c.tokens
+            self.pos[n : n + k] = np.arange(c.pos, c.pos + k, dtype=np.int32)
+            self.seq[n : n + k] = c.seq
+            self.logits[n : n + k] = 0
+            if c.outputs:
+                self.logits[n + k - c.outputs : n + k] = 1
+                outputs += c.outputs
+            n += k
+        self.batch.n_tokens = n
+        return outputs
+
+
+class LlamaModel:
+    """A GGUF model loaded into one llama.cpp context (the LoadedModel contract)."""
+
+    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]):
+        L = self.L = _llama()
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
+        if options.host_tensors:
+            raise NotImplementedError("keeping tensors in host memory is not supported yet")
+
+        @L.llama_progress_callback
+        def on_progress(fraction, _user):
+            progress(float(fraction))
+            return True
+
+        self._progress_cb = on_progress
+        mparams.progress_callback = on_progress
+        self.model = L.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path!r} (not a GGUF file it can read?)")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+
+        cparams = L.llama_context_default_params()
+        slots = options.slots
+        cparams.n_seq_max = slots
+        # Without a unified buffer llama.cpp gives each sequence n_ctx / n_seq_max cells.
+        cparams.n_ctx = options.context_length * (1 if options.kv_unified else slots)
+        cparams.n_batch = options.batch
+        cparams.n_ubatch = min(options.ubatch, options.batch)
+        threads = options.threads or max(1, os.cpu_count() or 1)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.kv_unified = options.kv_unified
+        cparams.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise RuntimeError(
+                f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots"
+            )
+        self.mem = L.llama_get_memory(self.ctx)
+        self._batch = _Batch(L, options.batch)
+        self._pieces: dict[int, bytes] = {}
+        ctx_seq = L.llama_n_ctx_seq(self.ctx) if hasattr(L, "llama_n_ctx_seq") else options.context_length
+        self.info = ModelInfo(
+            name=os.path.basename(path),
+            path=path,
+            backend="llama",
+            n_vocab=self.n_vocab,
+            context_length=int(ctx_seq),
+            slots=slots,
+            architecture=self.meta("general.architecture") or "",
+            parameters=int(L.llama_model_n_params(self.model)),
+            size_bytes=int(L.llama_model_size(self.model)),
+            context_train=int(L.llama_model_n_ctx_train(self.model)),
+            description=self._desc(),
+            bos_text=self._special_text(L.llama_vocab_bos(self.vocab)),
+            eos_text=self._special_text(L.llama_vocab_eos(self.vocab)),
+            add_bos=bool(L.llama_vocab_get_add_bos(self.vocab)),
+        )
+
+    # -- metadata ---------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self.L.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self.token_bytes(token).decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        t = self.L.llama_model_chat_template(self.model, None)
+        return t.decode("utf-8") if t else None
+
+    # -- tokens -----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (self.L.llama_token * cap)()
+        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (self.L.llama_token * cap)()
+            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
+
+    # -- decoding ---------------------------------------------------------------------------
+    def decode(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
+        total = sum(len(c.tokens) for c in chunks)
+        if total > self._batch.capacity:
+            raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
+        n_out = self._batch.fill(chunks)
+        rc = self.L.llama_decode(self.ctx, self._batch.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        if n_out == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        ptr = self.L.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+
+    def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
+        self.L.llama_memory_seq_rm(self.mem, seq, start, end)
+
+    def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
+        self.L.llama_memory_seq_cp(self.mem, src, dst, start, end)
+
+    def memory(self) -> dict:
+        return {
+            "modelBytes": self.info.size_bytes,
+            "contextCells": int(self.L.llama_n_ctx(self.ctx)),
+        }
+
+    def close(self) -> None:
+        if self.ctx:
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaBackend:
+    """llama.cpp: reads GGUF."""
+
+    name = "llama"
+    formats = ("gguf",)
+
+    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
+        return LlamaModel(path, options, progress)
+
+
+@kinfer_rpc.hookimpl
+def register_backends(register):
+    register(LlamaBackend())

@@ -168,12 +168,16 @@ class Engine:
         }
 
     # -- worker ------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        """Load the model on the calling thread (the worker's, or a test's driving step())."""
+        progress = self._on_progress or (lambda f: None)
+        self.model = self._load(lambda f: self._post(lambda: progress(f)))
+        self.template = self.model.chat_template()
+        self._free = list(range(self.model.info.slots))
+
     def _run(self) -> None:
         try:
-            progress = self._on_progress or (lambda f: None)
-            self.model = self._load(lambda f: self._post(lambda: progress(f)))
-            self.template = self.model.chat_template()
-            self._free = list(range(self.model.info.slots))
+            self.load_model()
         except Exception as exc:
             log.exception("model load failed")
             if self._on_ready:
@@ -182,8 +186,13 @@ class Engine:
         if self._on_ready:
             self._post(lambda: self._on_ready(None))
         try:
-            while self._step():
-                pass
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._queue and not self._active:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                self.step()
         except Exception as exc:  # the device failed: answer everyone, never hang them
             log.exception("engine step failed")
             self._fail_all(exc)
@@ -204,13 +213,10 @@ class Engine:
             self._finish(job, None, events)
         self._flush(events)
 
-    def _step(self) -> bool:
+    def step(self) -> bool:
+        """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle."""
         events: list = []
         with self._cond:
-            while not self._stopping and not self._queue and not self._active:
-                self._cond.wait()
-            if self._stopping:
-                return False
             # Leave: cancelled jobs free their slot before anything runs.
             for job in [j for j in self._active if j.cancelled]:
                 self._finish(job, "cancelled", events)
@@ -231,7 +237,7 @@ class Engine:
             self.steps += 1
             self._take(chunks, owners, logits, events)
         self._flush(events)
-        return True
+        return bool(chunks)
 
     def _plan(self):
         """Chunks for one pass: every running reply's last token, then prompt chunks."""

@@ -33,10 +33,11 @@ def _llama():
         if not _initialised:
             @L.llama_log_callback
             def forward(level, text, _user):
-                # llama.cpp logs a lot at load; keep it at debug unless it's an error.
+                # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Loads log a lot:
+                # keep info at debug so a user sees only what needs them.
                 msg = text.decode("utf-8", "replace").rstrip()
                 if msg:
-                    log.log(logging.ERROR if level == 2 else logging.DEBUG, "%s", msg)
+                    log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), "%s", msg)
 
             _log_callback = forward
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))

@@ -1,0 +1,220 @@
+"""The engine on the real model (SmolLM2-135M through the llama backend), CPU.
+
+The core property: a request's tokens are the same whether it runs alone or among others,
+whatever the slot count, the pass size, when it arrived, and whether neighbours were cancelled.
+The engine is driven step by step from the test thread, so arrival steps are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kinfer_llama import LlamaBackend
+from kinfer_rpc import errors
+from kinfer_rpc.engine import Engine, GenerateOptions, Job
+from kinfer_rpc.sampling import SamplingOptions
+from kinfer_rpc.store import embedded_default_path
+from kinfer_rpc.types import LoadOptions
+
+CTX = 512
+WORDS = (
+    "the quick brown fox jumps over lazy dog code editor agent function return value "
+    "Paris France capital river bridge night rain coffee müde café 東京 über naïve "
+    "def class import print while for if else True None 0 1 2 42 { } ( ) ; : , . \n"
+).split(" ")
+
+
+def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX) -> Engine:
+    path = embedded_default_path()
+    opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2)
+    engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch)
+    engine.load_model()
+    return engine
+
+
+def run_until_done(engine: Engine, jobs, arrivals=None, cancels=None, limit=5000):
+    """Submit jobs at their arrival steps, cancel at given steps, step until all are done."""
+    arrivals = arrivals or [0] * len(jobs)
+    cancels = cancels or {}
+    done = set()
+    for job in jobs:
+        job.on_done = lambda j: done.add(id(j))
+    step = 0
+    while len(done) < len(jobs):
+        for job, at in zip(jobs, arrivals):
+            if at == step:
+                engine.submit(job)
+        for i, at in cancels.items():
+            if at == step:
+                engine.cancel(jobs[i])
+        engine.step()
+        step += 1
+        assert step < limit, "the engine did not finish"
+    return jobs
+
+
+@functools.lru_cache(maxsize=None)
+def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int) -> tuple:
+    engine = _alone_engine()
+    job = Job(list(prompt), _options(max_tokens, temperature, seed))
+    run_until_done(engine, [job])
+    return tuple(job.generated)
+
+
+@functools.lru_cache(maxsize=1)
+def _alone_engine():
+    return make_engine(slots=1, batch=512)
+
+
+def _options(max_tokens, temperature, seed):
+    return GenerateOptions(max_tokens=max_tokens, sampling=SamplingOptions(temperature=temperature, seed=seed))
+
+
+@functools.lru_cache(maxsize=None)
+def tokenize(text: str) -> tuple:
+    return tuple(_alone_engine().model.tokenize(text, False, True))
+
+
+request = st.tuples(
+    st.lists(st.sampled_from(WORDS), min_size=1, max_size=120).map(" ".join),
+    st.integers(1, 12),  # max tokens
+    st.sampled_from([0.0, 0.0, 0.7, 1.2]),  # greedy twice as often
+    st.integers(0, 2**32),  # seed
+    st.integers(0, 6),  # arrival step
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    requests=st.lists(request, min_size=2, max_size=7),
+    slots=st.sampled_from([1, 2, 3, 8]),
+    batch=st.sampled_from([16, 48, 512]),
+    cancel=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), max_size=2),
+)
+def test_reply_is_the_same_alone_or_batched(requests, slots, batch, cancel):
+    engine = make_engine(slots=slots, batch=batch, ubatch=min(batch, 512))
+    try:
+        jobs = [Job(list(tokenize(text)), _options(n, t, seed)) for text, n, t, seed, _ in requests]
+        arrivals = [r[4] for r in requests]
+        cancels = {i % len(jobs): at for i, at in cancel}
+        run_until_done(engine, jobs, arrivals, cancels)
+        for job, (text, n, t, seed, _) in zip(jobs, requests):
+            if job.stop_reason == "cancelled":
+                continue
+            assert tuple(job.generated) == alone(tokenize(text), n, t, seed), (text, n, t, seed)
+    finally:
+        engine.stop()
+        engine.model.close()
+
+
+def test_chunked_prompt_matches_one_pass():
+    text = " ".join(WORDS * 3)
+    prompt = tokenize(text)
+    assert len(prompt) > 64
+    want = alone(prompt, 10, 0.0, 0)
+    engine = make_engine(slots=2, batch=16, ubatch=16)
+    try:
+        job = Job(list(prompt), _options(10, 0.0, 0))
+        run_until_done(engine, [job])
+        assert tuple(job.generated) == want
+    finally:
+        engine.model.close()
+
+
+@pytest.fixture(scope="module")
+def engine4():
+    engine = make_engine(slots=4, batch=256)
+    yield engine
+    engine.model.close()
+
+
+def test_max_tokens_and_length_reason(engine4):
+    job = Job(list(tokenize("Count: one two three")), _options(5, 0.0, 0))
+    run_until_done(engine4, [job])
+    assert job.stop_reason == "length" and len(job.generated) == 5
+    assert job.result()["usage"] == {"promptTokens": len(job.prompt), "completionTokens": 5}
+
+
+def test_stop_string_is_never_streamed(engine4):
+    prompt = list(tokenize("one two three four five six seven eight nine ten one two three four"))
+    free = Job(prompt, _options(20, 0.0, 0))
+    run_until_done(engine4, [free])
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    pieces = []
+    job = Job(prompt, GenerateOptions(max_tokens=20, stop=(stop,), sampling=SamplingOptions(temperature=0.0)))
+    job.on_piece = lambda text, toks: pieces.append(text)
+    run_until_done(engine4, [job])
+    assert job.stop_reason == "stop"
+    assert job.text == free.text[: free.text.find(stop)]
+    assert "".join(pieces) == job.text
+    assert stop not in "".join(pieces)
+
+
+def test_streamed_text_is_whole_characters(engine4):
+    prompt = list(tokenize("Write in Japanese: 東京は日本の首都です。 東京"))
+    pieces = []
+    job = Job(prompt, _options(24, 0.9, 7))
+    job.on_piece = lambda text, toks: pieces.append(text)
+    run_until_done(engine4, [job])
+    assert "".join(pieces) == job.text
+    raw = b"".join(engine4.model.token_bytes(t) for t in job.generated)
+    assert job.text == raw.decode("utf-8", "replace")
+    for piece in pieces:
+        piece.encode("utf-8")  # no lone surrogates / half characters
+        assert "\ufffd" not in piece or "\ufffd" in raw.decode("utf-8", "replace")
+
+
+def test_end_of_generation_stops(engine4):
+    # SmolLM2 ends a chat turn with <|im_end|>: a short answer must stop by itself.
+    from kinfer_rpc import chat
+
+    info = engine4.model.info
+    text = chat.render(engine4.template, [{"role": "user", "content": "Say just: hi"}], bos=info.bos_text, eos=info.eos_text)
+    job = Job(engine4.model.tokenize(text, False, True), _options(200, 0.0, 0))
+    run_until_done(engine4, [job])
+    assert job.stop_reason == "stop"
+    assert len(job.generated) < 200
+    assert not any(engine4.model.is_eog(t) for t in job.generated)
+
+
+def test_context_overflow_names_both_numbers(engine4):
+    job = Job(list(range(1, CTX + 10)), _options(1, 0.0, 0))
+    with pytest.raises(errors.KinferError) as exc:
+        engine4.submit(job)
+    assert exc.value.code == errors.CONTEXT_OVERFLOW
+    assert str(CTX + 9) in exc.value.message and str(CTX) in exc.value.message
+
+
+def test_queue_full_is_an_error():
+    engine = make_engine(slots=1, batch=64)
+    engine.max_queue = 2
+    try:
+        prompt = list(tokenize("hello"))
+        engine.submit(Job(prompt, _options(1, 0.0, 0)))
+        engine.submit(Job(prompt, _options(1, 0.0, 0)))
+        with pytest.raises(errors.KinferError) as exc:
+            engine.submit(Job(prompt, _options(1, 0.0, 0)))
+        assert exc.value.code == errors.QUEUE_FULL
+    finally:
+        engine.model.close()
+
+
+def test_cancel_frees_the_slot_at_the_next_step(engine4):
+    prompt = list(tokenize("tell me a long story about a fox"))
+    jobs = [Job(prompt, _options(300, 0.0, 0)) for _ in range(4)]
+    for job in jobs:
+        engine4.submit(job)
+    for _ in range(3):
+        engine4.step()
+    assert engine4.status()["slotsBusy"] == 4
+    for job in jobs:
+        engine4.cancel(job)
+    engine4.step()
+    status = engine4.status()
+    assert status["slotsBusy"] == 0 and status["queueLength"] == 0
+    assert all(j.stop_reason == "cancelled" for j in jobs)

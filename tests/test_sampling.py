@@ -1,0 +1,77 @@
+"""Sampling and text streaming, without a model."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kinfer_rpc.sampling import SamplingOptions, sample, uniform
+from kinfer_rpc.textstream import TextStream
+
+
+def test_greedy_is_argmax():
+    logits = np.array([0.1, 3.0, 2.0, -1.0], dtype=np.float32)
+    assert sample(logits, [], 5, SamplingOptions(temperature=0.0)) == 1
+
+
+def test_repeat_penalty_changes_greedy_choice():
+    logits = np.array([2.0, 1.9, 0.0], dtype=np.float32)
+    opts = SamplingOptions(temperature=0.0, repeat_penalty=1.5)
+    assert sample(logits, [0], 1, opts) == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**63 - 1), st.integers(0, 100000))
+def test_draw_depends_only_on_seed_and_position(seed, pos):
+    assert uniform(seed, pos) == uniform(seed, pos)
+    assert 0.0 <= uniform(seed, pos) < 1.0
+
+
+def test_seeded_sampling_is_a_pure_function():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=1000).astype(np.float32)
+    opts = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=123)
+    picks = [sample(logits, [], p, opts) for p in range(200)]
+    assert picks == [sample(logits, [], p, opts) for p in range(200)]
+    assert len(set(picks)) > 5  # it really samples
+    top = set(np.argsort(-logits)[:50])
+    assert set(picks) <= top
+
+
+def test_min_p_keeps_only_likely_tokens():
+    logits = np.array([10.0, 9.9, 0.0, -5.0], dtype=np.float32)
+    opts = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5, seed=9)
+    assert {sample(logits, [], p, opts) for p in range(100)} == {0, 1}
+
+
+def test_stream_holds_back_possible_stop_prefix():
+    s = TextStream(("STOP",))
+    assert s.push(b"hello S") == "hello "
+    assert s.push(b"T") == ""
+    assert s.push(b"x") == "STx"
+    assert s.push(b" STO") == " "
+    assert s.push(b"P and more") == ""
+    assert s.stopped and s.text == "hello STx "
+
+
+def test_stream_never_splits_a_character():
+    s = TextStream()
+    data = "é東".encode()
+    out = [s.push(data[i : i + 1]) for i in range(len(data))]
+    assert out == ["", "é", "", "", "東"]
+    assert s.finish() == ""
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=0, max_size=40), st.lists(st.integers(1, 5), min_size=1, max_size=20), st.text(min_size=1, max_size=4))
+def test_stream_pieces_concatenate_to_text_before_stop(text, cuts, stop):
+    data = text.encode()
+    s = TextStream((stop,))
+    pieces, i, k = [], 0, 0
+    while i < len(data) and not s.stopped:
+        n = cuts[k % len(cuts)]
+        pieces.append(s.push(data[i : i + n]))
+        i, k = i + n, k + 1
+    pieces.append(s.finish())
+    joined = "".join(pieces)
+    expected = text[: text.find(stop)] if stop in text else text
+    assert joined == expected

@@ -1,0 +1,88 @@
+"""kinfer's engine against llama.cpp's own tools, side by side in one run, on one model.
+
+    python bench/compare.py MODEL.gguf --tools DIR [--threads N] [--ngl 99] [--npl 1,8,32,128]
+
+Runs `llama-bench` (tg) and `llama-batched-bench` (decode with N at once) from DIR, then
+bench/engine_bench.py with the same shapes, and prints a markdown table with the ratios plus the
+raw JSON lines (to keep beside docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def jsonl(cmd: list[str], env=None) -> list[dict]:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"{cmd[0]} failed with {out.returncode}")
+    rows = []
+    for line in (out.stdout + "\n" + out.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tools", required=True, help="folder with llama-bench and llama-batched-bench")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--npp", type=int, default=128)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("--npl", default="1,8,32,128")
+    ap.add_argument("--kvu", action="store_true")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    npl = [int(x) for x in args.npl.split(",")]
+    t = str(args.threads)
+
+    tg = jsonl([os.path.join(args.tools, "llama-bench"), "-m", args.model, "-p", "0", "-n", str(args.ntg),
+                "-fa", "1", "-t", t, "-ngl", str(args.ngl), "-r", "3", "-o", "jsonl"])
+    llama_tg = next(r["avg_ts"] for r in tg if r.get("n_gen") == args.ntg)
+    ctx = max(npl) * (args.npp + args.ntg + 8)
+    bb_cmd = [os.path.join(args.tools, "llama-batched-bench"), "-m", args.model, "-c", str(ctx), "-b", "2048",
+              "-ub", "512", "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", args.npl, "-fa", "on",
+              "-t", t, "-tb", t, "-ngl", str(args.ngl), "--output-format", "jsonl"]
+    if args.kvu:
+        bb_cmd.append("-kvu")
+    bb = {r["pl"]: r for r in jsonl(bb_cmd) if "speed_tg" in r}
+
+    ours_cmd = [sys.executable, os.path.join(HERE, "engine_bench.py"), args.model, "--npp", str(args.npp),
+                "--ntg", str(args.ntg), "--npl", args.npl, "--threads", t, "--gpu-layers", str(args.ngl), "--tg"]
+    if args.kvu:
+        ours_cmd.append("--kvu")
+    ours = jsonl(ours_cmd)
+    ours_tg = next(r for r in ours if r["case"] == "tg")
+    ours_bb = {r["npl"]: r for r in ours if r["case"] == "batched"}
+
+    label = args.label or os.path.basename(args.model)
+    print(f"\n#### {label}{' (-kvu)' if args.kvu else ''}\n")
+    print("| case | llama.cpp tok/s | kinfer tok/s | kinfer / llama.cpp |")
+    print("|---|---:|---:|---:|")
+    print(f"| single stream, tg{args.ntg} (llama-bench) | {llama_tg:,.1f} | {ours_tg['decode_tps']:,.1f} | "
+          f"{ours_tg['decode_tps'] / llama_tg:.0%} |")
+    for n in npl:
+        a, b = bb[n]["speed_tg"], ours_bb[n]["decode_tps"]
+        print(f"| {n} at once, decode (llama-batched-bench S_TG, pp{args.npp} tg{args.ntg}) | {a:,.1f} | {b:,.1f} | {b / a:.0%} |")
+    print("\n<details><summary>raw</summary>\n")
+    for r in tg + list(bb.values()) + ours:
+        print("    " + json.dumps(r))
+    print("\n</details>")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the H200 (the device tool), from the repo root, with .gpu carried (see ../shared/device/README.md):
+#   bash bench/gpu_compare.sh [shapes...]     default: 1b 7b
+# Synthesises Llama-shaped models with random weights, quantizes them to Q4_K_M, and runs
+# bench/compare.py (llama-bench + llama-batched-bench vs kinfer's engine) on each.
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p /tmp/lc /tmp/site "$OUT"
+if [ ! -x /tmp/lc/llama-bench ]; then
+  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
+  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
+fi
+export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for shape in "${@:-1b 7b}"; do
+  for s in $shape; do
+    if [ ! -f /tmp/m-$s.gguf ]; then
+      python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
+      /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
+      rm -f /tmp/m-$s-f16.gguf
+    fi
+    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads 8 --ngl 99 \
+      --label "$s-shaped Q4_K_M, H200" ${KVU:+--kvu} | tee -a "$OUT/compare.md"
+  done
+done

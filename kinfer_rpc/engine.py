@@ -33,6 +33,7 @@ class GenerateOptions:
 
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: keep generating through end-of-generation tokens
     sampling: SamplingOptions = SamplingOptions()
 
 
@@ -259,17 +260,26 @@ class Engine:
         return chunks, owners
 
     def _take(self, chunks, owners, logits, events) -> None:
+        # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
+        plain = [
+            job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
+            for job in owners
+        ]
+        best = logits.argmax(axis=1) if any(plain) else None
         row = 0
         produced = 0
         now = time.perf_counter()
-        for chunk, job in zip(chunks, owners):
+        for chunk, job, is_plain in zip(chunks, owners, plain):
             job.n_past += len(chunk.tokens)
             if not chunk.outputs:
                 continue
             if not job.t_first:
                 job.t_first = now
-            history = job.prompt + job.generated
-            token = sample(logits[row], history, len(history), job.options.sampling)
+            if is_plain:
+                token = int(best[row])
+            else:
+                history = job.prompt + job.generated
+                token = sample(logits[row], history, len(history), job.options.sampling)
             row += chunk.outputs
             produced += 1
             self._accept(job, token, events)
@@ -277,7 +287,7 @@ class Engine:
 
     def _accept(self, job: Job, token: int, events) -> None:
         model = self.model
-        if model.is_eog(token):
+        if model.is_eog(token) and not job.options.ignore_eos:
             self._finish(job, "stop", events)
             return
         job.generated.append(token)

@@ -103,8 +103,9 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
         repeat_last_n=f.int("repeatLastN", 64, lo=-1),
         seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
     )
+    ignore_eos = f.bool("ignoreEos", False)
     f.done()
-    return GenerateOptions(max_tokens=max_tokens, stop=stop, sampling=sampling)
+    return GenerateOptions(max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sampling=sampling)
 
 
 def messages(value) -> list[dict]:

@@ -74,7 +74,8 @@ class LoadedModel(Protocol):
 
     Every method is called from that thread only. `decode` runs ONE pass over every chunk and
     returns the logits of the rows that asked for them, in chunk order, as a float32 array of
-    shape (sum(outputs), n_vocab). The sequence ids are 0..slots-1 (a slot's id).
+    shape (sum(outputs), n_vocab); it may be a view of the backend's buffer, valid until the
+    next decode. The sequence ids are 0..slots-1 (a slot's id).
     """
 
     info: ModelInfo

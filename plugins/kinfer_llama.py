@@ -133,6 +133,8 @@ class LlamaModel:
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = _Batch(L, options.batch)
         self._pieces: dict[int, bytes] = {}
+        # Asked once per generated token: a set lookup, not a call into the library.
+        self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         ctx_seq = L.llama_n_ctx_seq(self.ctx) if hasattr(L, "llama_n_ctx_seq") else options.context_length
         self.info = ModelInfo(
             name=os.path.basename(path),
@@ -200,7 +202,7 @@ class LlamaModel:
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
+        return token in self._eog
 
     # -- decoding ---------------------------------------------------------------------------
     def decode(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
@@ -213,8 +215,9 @@ class LlamaModel:
             raise RuntimeError(f"llama_decode failed with code {rc}")
         if n_out == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
+        # A view of llama.cpp's own buffer: no copy; valid until the next decode.
         ptr = self.L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)

@@ -1,0 +1,3 @@
+"""A plugin that cannot even be imported: the server must skip it, say why, and keep serving."""
+
+raise RuntimeError("kinfer_broken_import is broken on purpose")

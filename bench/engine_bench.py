@@ -23,6 +23,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
+# On the H200 machine, llama.cpp's CUDA build segfaults in model load when numpy was imported
+# before it (seen with numpy 2.x from a torch venv): load llama.cpp's libraries first.
+import llama_cpp  # noqa: E402,F401
+
 from kinfer_llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.sampling import SamplingOptions  # noqa: E402

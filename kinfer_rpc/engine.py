@@ -48,6 +48,7 @@ class Job:
     slot: int = -1
     n_past: int = 0  # tokens of this job already in its slot's KV cache
     generated: list = attrs.field(factory=list)
+    n_text: int = 0  # how many of `generated` have been turned into text
     stop_reason: str | None = None
     error: Exception | None = None
     cancelled: bool = False  # set from any thread; seen at the next step
@@ -110,6 +111,8 @@ class Engine:
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []  # in admission order
+        self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
+        self._eog: frozenset = frozenset()
         self._free: list[int] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
@@ -118,7 +121,13 @@ class Engine:
 
     # -- host side (any thread) -------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        # Native loaders (CUDA's above all) need more stack than a thread may get by default
+        # (a load segfaulted on the H200 machine); the size applies to threads started now.
+        previous = threading.stack_size(64 * 1024 * 1024)
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
 
     def submit(self, job: Job) -> None:
         info = self.model.info
@@ -175,6 +184,7 @@ class Engine:
         self.model = self._load(lambda f: self._post(lambda: progress(f)))
         self.template = self.model.chat_template()
         self._free = list(range(self.model.info.slots))
+        self._eog = frozenset(self.model.eog_tokens())
 
     def _run(self) -> None:
         try:
@@ -233,10 +243,16 @@ class Engine:
                 self.model.seq_remove(job.slot)
                 self._active.append(job)
         chunks, owners = self._plan()
-        if chunks:
-            logits = self.model.decode(chunks)
+        wait = self.model.decode(chunks) if chunks else None
+        # While the device runs this pass, turn the previous step's tokens into text. A stop
+        # string found now ends its job; the token the job has in this pass is thrown away.
+        ended = self._drain_text(events)
+        if wait is not None:
+            logits = wait()
             self.steps += 1
             self._take(chunks, owners, logits, events)
+        for job in ended:
+            self._release(job)
         self._flush(events)
         return bool(chunks)
 
@@ -246,7 +262,7 @@ class Engine:
         chunks, owners = [], []
         for job in self._active:
             if job.n_past >= len(job.prompt):  # decoding: feed the last sampled token
-                chunks.append(SeqChunk(job.slot, job.n_past, [job.generated[-1]], 1))
+                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1))
                 owners.append(job)
                 budget -= 1
         for job in self._active:
@@ -260,52 +276,72 @@ class Engine:
         return chunks, owners
 
     def _take(self, chunks, owners, logits, events) -> None:
+        """Sample every row that asked for logits; the text work waits for the next pass."""
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [
             job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
             for job in owners
         ]
-        best = logits.argmax(axis=1) if any(plain) else None
+        best = logits.argmax(axis=1).tolist() if any(plain) else None
         row = 0
         produced = 0
         now = time.perf_counter()
+        context = self.model.info.context_length
         for chunk, job, is_plain in zip(chunks, owners, plain):
             job.n_past += len(chunk.tokens)
             if not chunk.outputs:
                 continue
+            r, row = row, row + chunk.outputs
+            if job.stop_reason is not None:  # ended by a stop string while this pass ran
+                continue
             if not job.t_first:
                 job.t_first = now
             if is_plain:
-                token = int(best[row])
+                token = best[r]
             else:
                 history = job.prompt + job.generated
-                token = sample(logits[row], history, len(history), job.options.sampling)
-            row += chunk.outputs
+                token = sample(logits[r], history, len(history), job.options.sampling)
             produced += 1
-            self._accept(job, token, events)
+            if token in self._eog and not job.options.ignore_eos:
+                self._text(job, events)
+                self._finish(job, "stop", events)
+                continue
+            job.generated.append(token)
+            self._pending.append(job)
+            if (job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens) or (
+                job.n_past + 1 >= context
+            ):
+                self._finish(job, "stop" if self._text(job, events) else "length", events)
         self._decoded.append((now, produced))
 
-    def _accept(self, job: Job, token: int, events) -> None:
+    def _drain_text(self, events) -> list:
+        """Text of the tokens taken last step; returns the jobs a stop string ended."""
+        pending, self._pending = self._pending, []
+        ended = []
+        for job in pending:
+            if job.stop_reason is None and self._text(job, events):
+                self._finish(job, "stop", events, release=False)
+                ended.append(job)
+        return ended
+
+    def _text(self, job: Job, events) -> bool:
+        """Push the job's tokens not yet turned into text; True if a stop string ended it."""
         model = self.model
-        if model.is_eog(token) and not job.options.ignore_eos:
-            self._finish(job, "stop", events)
-            return
-        job.generated.append(token)
-        piece = job.stream.push(model.token_bytes(token))
-        if piece:
-            job.text += piece
+        while job.n_text < len(job.generated):
+            token = job.generated[job.n_text]
+            job.n_text += 1
+            piece = job.stream.push(model.token_bytes(token))
+            if piece:
+                job.text += piece
             if job.on_piece:
                 events.append((job.on_piece, piece, [token]))
-        elif job.on_piece:
-            events.append((job.on_piece, "", [token]))
-        if job.stream.stopped:
-            self._finish(job, "stop", events)
-        elif job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens:
-            self._finish(job, "length", events)
-        elif job.n_past + 1 >= model.info.context_length:
-            self._finish(job, "length", events)
+            if job.stream.stopped:
+                # Tokens after the one that completed the stop string are not part of the reply.
+                del job.generated[job.n_text :]
+                return True
+        return False
 
-    def _finish(self, job: Job, reason: str | None, events) -> None:
+    def _finish(self, job: Job, reason: str | None, events, release: bool = True) -> None:
         if reason is not None:
             job.stop_reason = reason
             if reason != "cancelled":
@@ -315,13 +351,18 @@ class Engine:
                     if job.on_piece:
                         events.append((job.on_piece, rest, []))
         job.t_end = time.perf_counter()
+        if release:
+            self._release(job)
+        if job.on_done:
+            events.append((job.on_done, job))
+
+    def _release(self, job: Job) -> None:
+        """Give the job's slot back (after any pass it was part of has finished)."""
         if job in self._active:
             self._active.remove(job)
             self._free.append(job.slot)
             if self.model is not None:
                 self.model.seq_remove(job.slot)
-        if job.on_done:
-            events.append((job.on_done, job))
 
     def _flush(self, events) -> None:
         if events:

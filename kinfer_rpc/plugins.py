@@ -40,6 +40,7 @@ class Plugins:
         }
 
 
+_NOUN = {"backends": "backend", "draft_policies": "draft policy", "placements": "placement"}
 _REQUIRED = {
     "backends": ("name", "formats", "load"),
     "draft_policies": ("name", "propose"),
@@ -66,6 +67,10 @@ def load_plugins(entry_points=None) -> Plugins:
     for ep in entry_points:
         if wanted is not None and ep.name not in wanted:
             continue
+        if ep.name in owners:
+            plugins.broken.append({"name": ep.name, "error": "another installed plugin has the same entry-point name"})
+            log.error("plugin %s: a second entry point of that name was skipped", ep.name)
+            continue
         try:
             module = ep.load()
             pm.register(module, name=ep.name)
@@ -76,26 +81,46 @@ def load_plugins(entry_points=None) -> Plugins:
         version = ep.dist.version if getattr(ep, "dist", None) else None
         owners[ep.name] = {"name": ep.name, "version": version}
 
-    for kind in ("backends", "draft_policies", "placements"):
-        hook = getattr(pm.hook, f"register_{kind}")
-        table = getattr(plugins, kind)
-        for impl in hook.get_hookimpls():
-            def register(obj, _kind=kind, _table=table, _plugin=impl.plugin_name):
+    # Collect each plugin's registrations apart, and keep them only if all of its hooks worked:
+    # a plugin that fails halfway must not leave half of itself behind.
+    staged: dict[str, dict[str, list]] = {}
+    failed: dict[str, str] = {}
+    for kind in _REQUIRED:
+        for impl in getattr(pm.hook, f"register_{kind}").get_hookimpls():
+            name = impl.plugin_name
+            if name in failed:
+                continue
+            found: list = []
+
+            def register(obj, _kind=kind, _found=found):
                 missing = [a for a in _REQUIRED[_kind] if not hasattr(obj, a)]
                 if missing:
-                    raise TypeError(f"{_kind[:-1]} {obj!r} lacks {', '.join(missing)}")
-                if obj.name in _table:
-                    raise ValueError(f"{_kind[:-1]} {obj.name!r} is registered twice")
-                _table[obj.name] = obj
+                    raise TypeError(f"{_NOUN[_kind]} {obj!r} lacks {', '.join(missing)}")
+                _found.append(obj)
 
             try:
                 impl.function(register=register)
             except Exception as exc:
-                plugins.broken.append(
-                    {"name": impl.plugin_name, "error": f"register_{kind}: {type(exc).__name__}: {exc}"}
-                )
-                log.error("plugin %s failed in register_%s: %s", impl.plugin_name, kind, exc)
-                owners.pop(impl.plugin_name, None)
-    broken_names = {b["name"] for b in plugins.broken}
-    plugins.loaded = [info for name, info in owners.items() if name not in broken_names]
+                failed[name] = f"register_{kind}: {type(exc).__name__}: {exc}"
+                continue
+            staged.setdefault(name, {}).setdefault(kind, []).extend(found)
+    for name, kinds in staged.items():
+        if name in failed:
+            continue
+        clashes = [
+            f"{_NOUN[kind]} {obj.name!r} is registered twice"
+            for kind, objs in kinds.items()
+            for obj in objs
+            if obj.name in getattr(plugins, kind) or sum(o.name == obj.name for o in objs) > 1
+        ]
+        if clashes:
+            failed[name] = "; ".join(clashes)
+            continue
+        for kind, objs in kinds.items():
+            for obj in objs:
+                getattr(plugins, kind)[obj.name] = obj
+    for name, error in failed.items():
+        plugins.broken.append({"name": name, "error": error})
+        log.error("plugin %s was skipped: %s", name, error)
+    plugins.loaded = [info for name, info in owners.items() if name not in failed]
     return plugins

@@ -16,7 +16,7 @@ import sys
 import threading
 
 import anyio
-from anyio.streams.file import FileReadStream, FileWriteStream
+from anyio.streams.file import FileWriteStream
 
 from . import PROTOCOL_VERSION, __version__, errors
 from .framing import MAX_FRAME_BYTES, FrameReader, encode
@@ -203,6 +203,34 @@ class Server:
         return self.exit_code if self.exit_code is not None else 1
 
 
+class StdinStream:
+    """Bytes from a file descriptor, read by a daemon thread.
+
+    anyio's file streams read in worker threads that cannot be cancelled, so a server told to
+    exit would wait for the next byte on stdin; this reader leaves its thread behind instead.
+    """
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def pump():
+            while True:
+                try:
+                    data = os.read(self._fd, 65536)
+                except OSError:
+                    data = b""
+                loop.call_soon_threadsafe(self._queue.put_nowait, data)
+                if not data:
+                    return
+
+        threading.Thread(target=pump, name="kinfer-stdin", daemon=True).start()
+
+    async def receive(self) -> bytes:
+        return await self._queue.get()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -247,7 +275,7 @@ def main(argv=None) -> int:
 
     async def amain() -> int:
         write = FileWriteStream(os.fdopen(out_fd, "wb", buffering=0))
-        read = FileReadStream(os.fdopen(0, "rb", buffering=0))
+        read = StdinStream(0)
         server = Server(write, max_frame=args.max_frame_bytes)
         root.addHandler(server.log_handler)
         if args.clientProcessId:

@@ -6,7 +6,10 @@ the `Backend` and `LoadedModel` protocols below and never imports a backend's li
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 import attrs
 
@@ -72,10 +75,12 @@ class ModelInfo:
 class LoadedModel(Protocol):
     """A model a backend loaded, owned by exactly one engine thread.
 
-    Every method is called from that thread only. `decode` runs ONE pass over every chunk and
-    returns the logits of the rows that asked for them, in chunk order, as a float32 array of
-    shape (sum(outputs), n_vocab); it may be a view of the backend's buffer, valid until the
-    next decode. The sequence ids are 0..slots-1 (a slot's id).
+    `decode(chunks)` starts ONE pass over every chunk and returns a function that waits for it
+    and returns the logits of the rows that asked for them, in chunk order, as a float32 array
+    of shape (sum(outputs), n_vocab); the array may be a view of the backend's buffer, valid
+    until the next decode. Between the two the engine does host work while the device computes.
+    The sequence ids are 0..slots-1 (a slot's id). `tokenize`, `token_bytes`, `eog_tokens` and
+    `chat_template` may be called from any thread; everything else only from the engine thread.
     """
 
     info: ModelInfo
@@ -84,11 +89,11 @@ class LoadedModel(Protocol):
 
     def token_bytes(self, token: int) -> bytes: ...
 
-    def is_eog(self, token: int) -> bool: ...
+    def eog_tokens(self) -> Iterable[int]: ...
 
     def chat_template(self) -> str | None: ...
 
-    def decode(self, chunks: Sequence[SeqChunk]): ...
+    def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], "np.ndarray"]: ...
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None: ...
 

@@ -70,20 +70,27 @@ class _Batch:
         self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
     def fill(self, chunks: Sequence[SeqChunk]) -> int:
-        n = 0
-        outputs = 0
+        # One numpy assignment per array for the whole pass: per-chunk slicing costs more than
+        # the pass itself when 128 sequences each bring one token.
+        tokens, pos, seq, out = [], [], [], []
         for c in chunks:
             k = len(c.tokens)
-            self.token[n : n + k] = c.tokens
-            self.pos[n : n + k] = np.arange(c.pos, c.pos + k, dtype=np.int32)
-            self.seq[n : n + k] = c.seq
-            self.logits[n : n + k] = 0
-            if c.outputs:
-                self.logits[n + k - c.outputs : n + k] = 1
-                outputs += c.outputs
-            n += k
+            tokens.extend(c.tokens)
+            if k == 1:
+                pos.append(c.pos)
+                seq.append(c.seq)
+                out.append(1 if c.outputs else 0)
+            else:
+                pos.extend(range(c.pos, c.pos + k))
+                seq.extend([c.seq] * k)
+                out.extend([0] * (k - c.outputs) + [1] * c.outputs)
+        n = len(tokens)
+        self.token[:n] = tokens
+        self.pos[:n] = pos
+        self.seq[:n] = seq
+        self.logits[:n] = out
         self.batch.n_tokens = n
-        return outputs
+        return sum(out)
 
 
 class LlamaModel:
@@ -201,23 +208,29 @@ class LlamaModel:
             piece = self._pieces[token] = buf.raw[:n]
         return piece
 
-    def is_eog(self, token: int) -> bool:
-        return token in self._eog
+    def eog_tokens(self):
+        return self._eog
 
     # -- decoding ---------------------------------------------------------------------------
-    def decode(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
+    def decode(self, chunks: Sequence[SeqChunk]):
         total = sum(len(c.tokens) for c in chunks)
         if total > self._batch.capacity:
             raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
         n_out = self._batch.fill(chunks)
+        # On a GPU llama_decode returns once the pass is queued; reading the logits waits for it.
         rc = self.L.llama_decode(self.ctx, self._batch.batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
-        if n_out == 0:
-            return np.zeros((0, self.n_vocab), dtype=np.float32)
-        # A view of llama.cpp's own buffer: no copy; valid until the next decode.
-        ptr = self.L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+        def logits() -> np.ndarray:
+            if n_out == 0:
+                self.L.llama_synchronize(self.ctx)
+                return np.zeros((0, self.n_vocab), dtype=np.float32)
+            # A view of llama.cpp's own buffer: no copy; valid until the next decode.
+            ptr = self.L.llama_get_logits(self.ctx)
+            return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+        return logits
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)

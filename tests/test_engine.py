@@ -58,11 +58,11 @@ def run_until_done(engine: Engine, jobs, arrivals=None, cancels=None, limit=5000
 
 
 @functools.lru_cache(maxsize=None)
-def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int) -> tuple:
+def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int, stop: str | None = None) -> tuple:
     engine = _alone_engine()
-    job = Job(list(prompt), _options(max_tokens, temperature, seed))
+    job = Job(list(prompt), _options(max_tokens, temperature, seed, stop))
     run_until_done(engine, [job])
-    return tuple(job.generated)
+    return tuple(job.generated), job.text, job.stop_reason
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,8 +70,12 @@ def _alone_engine():
     return make_engine(slots=1, batch=512)
 
 
-def _options(max_tokens, temperature, seed):
-    return GenerateOptions(max_tokens=max_tokens, sampling=SamplingOptions(temperature=temperature, seed=seed))
+def _options(max_tokens, temperature, seed, stop=None):
+    return GenerateOptions(
+        max_tokens=max_tokens,
+        stop=(stop,) if stop else (),
+        sampling=SamplingOptions(temperature=temperature, seed=seed),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +89,7 @@ request = st.tuples(
     st.sampled_from([0.0, 0.0, 0.7, 1.2]),  # greedy twice as often
     st.integers(0, 2**32),  # seed
     st.integers(0, 6),  # arrival step
+    st.sampled_from([None, None, "e", ".", " the", "\n"]),  # stop string
 )
 
 
@@ -98,14 +103,15 @@ request = st.tuples(
 def test_reply_is_the_same_alone_or_batched(requests, slots, batch, cancel):
     engine = make_engine(slots=slots, batch=batch, ubatch=min(batch, 512))
     try:
-        jobs = [Job(list(tokenize(text)), _options(n, t, seed)) for text, n, t, seed, _ in requests]
+        jobs = [Job(list(tokenize(text)), _options(n, t, seed, stop)) for text, n, t, seed, _, stop in requests]
         arrivals = [r[4] for r in requests]
         cancels = {i % len(jobs): at for i, at in cancel}
         run_until_done(engine, jobs, arrivals, cancels)
-        for job, (text, n, t, seed, _) in zip(jobs, requests):
+        for job, (text, n, t, seed, _, stop) in zip(jobs, requests):
             if job.stop_reason == "cancelled":
                 continue
-            assert tuple(job.generated) == alone(tokenize(text), n, t, seed), (text, n, t, seed)
+            got = (tuple(job.generated), job.text, job.stop_reason)
+            assert got == alone(tokenize(text), n, t, seed, stop), (text, n, t, seed, stop)
     finally:
         engine.stop()
         engine.model.close()
@@ -120,7 +126,7 @@ def test_chunked_prompt_matches_one_pass():
     try:
         job = Job(list(prompt), _options(10, 0.0, 0))
         run_until_done(engine, [job])
-        assert tuple(job.generated) == want
+        assert (tuple(job.generated), job.text, job.stop_reason) == want
     finally:
         engine.model.close()
 
@@ -179,7 +185,7 @@ def test_end_of_generation_stops(engine4):
     run_until_done(engine4, [job])
     assert job.stop_reason == "stop"
     assert len(job.generated) < 200
-    assert not any(engine4.model.is_eog(t) for t in job.generated)
+    assert not set(engine4.model.eog_tokens()) & set(job.generated)
 
 
 def test_context_overflow_names_both_numbers(engine4):

@@ -409,11 +409,6 @@ def test_KINFER_RPC_PLUGINS_skips_unwanted_entry_points_without_loading_them(mon
     assert plugins.broken == []
 
 
-@pytest.mark.xfail(
-    reason="kinfer_rpc/plugins.py keeps what a plugin registered before it failed, though the "
-    "plugin is reported broken and 'skipped'",
-    strict=False,
-)
 def test_a_plugin_that_fails_half_way_leaves_nothing_registered(no_plugin_filter):
     class HalfWay:
         @kinfer_rpc.hookimpl

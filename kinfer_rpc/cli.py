@@ -45,16 +45,41 @@ def _chat(args) -> int:
             history.append({"role": "assistant", "content": reply})
 
 
+def _human(n, units, step=1000.0, digits=1) -> str:
+    if n is None:
+        return "-"
+    for unit in units:
+        if abs(n) < step or unit == units[-1]:
+            return f"{n:.{digits if unit != units[0] else 0}f}{unit}"
+        n /= step
+    return "-"
+
+
 def _list(args) -> int:
     with Client() as kinfer:
         models = kinfer.request("model/list", {})["models"]
     if args.json:
         print(json.dumps(models))
         return 0
-    width = max([len(m["name"]) for m in models] + [4])
-    print(f"{'NAME':<{width}}  {'SOURCE':<8}  {'FORMAT':<6}  {'SIZE':>9}  PATH")
+    rows = [["NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT"]]
     for m in models:
-        print(f"{m['name']:<{width}}  {m['source']:<8}  {m['format']:<6}  {m['sizeBytes'] / 2**20:>7.1f}MB  {m['path']}")
+        rows.append([
+            m["name"] + (" *" if m.get("loaded") else ""),
+            m["source"],
+            m["format"],
+            _human(m.get("sizeBytes"), [" B", " KB", " MB", " GB", " TB"]),
+            m.get("architecture") or "-",
+            _human(m.get("parameters"), ["", "K", "M", "B", "T"]),
+            m.get("quantization") or "-",
+            str(m["contextLength"]) if m.get("contextLength") else "-",
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = {3, 5, 7}
+    for r in rows:
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    for m in models:
+        if m.get("error"):
+            print(m["error"] if m["name"] in m["error"] else f"{m['name']}: {m['error']}", file=sys.stderr)
     return 0
 
 

@@ -1,11 +1,28 @@
-"""A Python client: spawns `kinfer-rpc`, does the lifecycle, and offers generate/chat.
+"""Python clients: spawn `kinfer-rpc`, do the lifecycle, and offer generate/chat.
+
+Blocking, and an iterator of streamed pieces:
+
+    from kinfer_rpc.client import Client
 
     with Client() as kinfer:
         print(kinfer.chat([{"role": "user", "content": "Hi"}], maxTokens=50).text)
         for piece in kinfer.stream_chat([{"role": "user", "content": "Hi"}]):
             print(piece, end="", flush=True)
 
-Breaking out of a stream sends `$/cancelRequest`. Options are the protocol's camelCase ones.
+Async (anyio: asyncio or trio):
+
+    from kinfer_rpc.client import AsyncClient
+
+    async with AsyncClient() as kinfer:
+        result = await kinfer.chat([{"role": "user", "content": "Hi"}], maxTokens=50)
+        async for piece in kinfer.stream_chat([{"role": "user", "content": "Hi"}]):
+            print(piece, end="", flush=True)
+
+Breaking out of a stream, closing it, cancelling the task that awaits a call (an anyio cancel
+scope, a timeout) or Ctrl-C in a blocking call sends `$/cancelRequest`; the server stops the work
+and answers -32800. Options are the protocol's camelCase ones (`maxTokens`, `temperature`, `seed`,
+`stop`, `ignoreEos`, ...). `close()`, leaving the `with` block, and garbage collection of a
+`Client` shut the server down cleanly (`shutdown`, `exit`, exit code 0, the process reaped).
 """
 
 from __future__ import annotations
@@ -18,21 +35,51 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from concurrent.futures import Future
+from typing import Any, Callable
 
+import anyio
 import attrs
 
+REQUEST_CANCELLED = -32800
+SERVER_GONE = -32099  # a client-side code: the server exited before it answered
 
+
+# -- errors and typed results ------------------------------------------------------------------
 class RpcError(Exception):
+    """An error response. `data` is the error's data (for -32800, the partial result)."""
+
     def __init__(self, code: int, message: str, data=None):
         super().__init__(f"{message} ({code})")
         self.code, self.message, self.data = code, message, data
+
+
+class Cancelled(RpcError):
+    """The server answered -32800: the request was cancelled. `partial` is what it had made."""
+
+    @property
+    def partial(self) -> "Result | None":
+        d = self.data
+        return Result.from_json(d) if isinstance(d, dict) and "text" in d else None
 
 
 @attrs.frozen
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+
+
+@attrs.frozen
+class Timings:
+    queue_ms: float = 0.0
+    prompt_ms: float = 0.0
+    generate_ms: float = 0.0
+    tokens_per_second: float = 0.0
+
+    @classmethod
+    def from_json(cls, t: dict) -> "Timings":
+        return cls(t.get("queueMs", 0.0), t.get("promptMs", 0.0), t.get("generateMs", 0.0), t.get("tokensPerSecond", 0.0))
 
 
 @attrs.frozen
@@ -43,18 +90,100 @@ class Result:
     tokens: list
     stop_reason: str
     usage: Usage
-    timings: dict
+    timings: Timings
     seed: int | None = None
     model: str | None = None
 
     @classmethod
     def from_json(cls, r: dict) -> "Result":
-        u = r.get("usage", {})
-        return cls(r["text"], r["tokens"], r["stopReason"], Usage(u.get("promptTokens", 0), u.get("completionTokens", 0)),
-                   r.get("timings", {}), r.get("seed"), r.get("model"))
+        u = r.get("usage") or {}
+        return cls(r.get("text", ""), list(r.get("tokens", [])), r.get("stopReason", "cancelled"),
+                   Usage(u.get("promptTokens", 0), u.get("completionTokens", 0)),
+                   Timings.from_json(r.get("timings") or {}), r.get("seed"), r.get("model"))
+
+
+@attrs.frozen
+class Model:
+    """One entry of `model/list`."""
+
+    name: str
+    source: str
+    format: str
+    path: str
+    size_bytes: int
+    loaded: bool
+
+    @classmethod
+    def from_json(cls, m: dict) -> "Model":
+        return cls(m["name"], m["source"], m["format"], m["path"], m["sizeBytes"], m["loaded"])
+
+
+@attrs.frozen
+class LoadedModel:
+    """The result of `model/load`."""
+
+    model: str
+    backend: str
+    path: str
+    source: str
+    architecture: str
+    parameters: int
+    size_bytes: int
+    context_length: int
+    context_train: int
+    slots: int
+    batch: int
+    ubatch: int
+    gpu_layers: int
+    flash_attention: bool
+
+    @classmethod
+    def from_json(cls, m: dict) -> "LoadedModel":
+        return cls(m["model"], m["backend"], m["path"], m["source"], m.get("architecture", ""), m.get("parameters", 0),
+                   m.get("sizeBytes", 0), m.get("contextLength", 0), m.get("contextTrain", 0), m.get("slots", 0),
+                   m.get("batch", 0), m.get("ubatch", 0), m.get("gpuLayers", -1), m.get("flashAttention", False))
+
+
+@attrs.frozen
+class ModelStatus:
+    """One entry of `model/status`: state is "loading" or "ready" (then the rest is filled)."""
+
+    model: str
+    backend: str
+    state: str
+    slots: int = 0
+    slots_busy: int = 0
+    queue_length: int = 0
+    cells_used: int = 0
+    tokens_per_second: float = 0.0
+    steps: int = 0
+    memory: dict = attrs.field(factory=dict)
+
+    @classmethod
+    def from_json(cls, m: dict) -> "ModelStatus":
+        return cls(m["model"], m["backend"], m["state"], m.get("slots", 0), m.get("slotsBusy", 0), m.get("queueLength", 0),
+                   m.get("cellsUsed", 0), m.get("tokensPerSecond", 0.0), m.get("steps", 0), m.get("memory") or {})
+
+
+@attrs.frozen
+class Progress:
+    """A work-done `$/progress` value (model loads): kind is begin, report or end."""
+
+    kind: str
+    title: str | None = None
+    message: str | None = None
+    percentage: int | None = None
+
+    @classmethod
+    def from_json(cls, v: dict) -> "Progress":
+        return cls(v.get("kind", "report"), v.get("title"), v.get("message"), v.get("percentage"))
 
 
 def server_command() -> list[str]:
+    """`$KINFER_RPC`, the `kinfer-rpc` next to this Python, on PATH, or `python -m kinfer_rpc`."""
+    env = os.environ.get("KINFER_RPC")
+    if env:
+        return [env]
     here = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
     if os.path.exists(here):
         return [here]
@@ -62,130 +191,206 @@ def server_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "kinfer_rpc"]
 
 
-class Client:
-    def __init__(self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None):
-        self._proc = subprocess.Popen(
-            (command or server_command()) + ["--clientProcessId", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
-        )
-        self._ids = itertools.count(1)
-        self._pending: dict[int, Future] = {}
-        self._streams: dict[str, queue.Queue] = {}
-        self._write_lock = threading.Lock()
-        self._closed = False
-        self.notifications: queue.Queue = queue.Queue()  # everything else the server sends
-        self._reader = threading.Thread(target=self._read, name="kinfer-client-reader", daemon=True)
-        self._reader.start()
-        self.server_info = self.request("initialize", {"processId": os.getpid(), "clientInfo": {"name": "kinfer_rpc.client"},
-                                                       "capabilities": {}, "initializationOptions": initialization_options or {}})
-        self.notify("initialized", {})
+def _params(model, options, **fields):
+    params = {k: v for k, v in fields.items() if v is not None}
+    if model is not None:
+        params["model"] = model
+    if options:
+        params["options"] = options
+    return params
 
-    # -- wire --------------------------------------------------------------------------------
-    def _send(self, message: dict) -> None:
-        body = json.dumps(message).encode()
-        with self._write_lock:
-            self._proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            self._proc.stdin.flush()
+
+def _error(response: dict) -> RpcError:
+    e = response.get("error") or {}
+    cls = Cancelled if e.get("code") == REQUEST_CANCELLED else RpcError
+    return cls(e.get("code"), e.get("message"), e.get("data"))
+
+
+def _unwrap(response: dict):
+    if "error" in response:
+        raise _error(response)
+    return response.get("result")
+
+
+def _frame(message: dict) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def _content_length(headers: bytes) -> int:
+    for line in headers.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    raise ValueError(f"a frame without Content-Length: {headers!r}")
+
+
+def _initialize_params(initialization_options) -> dict:
+    return {"processId": os.getpid(), "clientInfo": {"name": "kinfer_rpc.client"}, "capabilities": {},
+            "initializationOptions": initialization_options or {}}
+
+
+_DONE = object()
+
+
+# -- the blocking client -----------------------------------------------------------------------
+class _Wire:
+    """The process and its frames. Holds no reference to the Client, so a Client can be collected."""
+
+    def __init__(self, argv, env, stderr, cwd):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd)
+        self.ids = itertools.count(1)
+        self.pending: dict[int, Future] = {}
+        self.tokens: dict[str, queue.Queue] = {}  # $/progress tokens -> their queue
+        self.lock = threading.Lock()
+        self.notifications: queue.Queue = queue.Queue()
+        self.closed = False
+        threading.Thread(target=self._read, name="kinfer-client-reader", daemon=True).start()
+
+    def send(self, message: dict) -> None:
+        data = _frame(message)
+        with self.lock:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
 
     def _read(self) -> None:
-        out = self._proc.stdout
+        out = self.proc.stdout
         try:
             while True:
-                length = None
+                headers = b""
                 while True:
                     line = out.readline()
                     if not line:
                         return
-                    line = line.strip()
-                    if not line:
-                        break
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                message = json.loads(out.read(length))
+                    if not line.strip():
+                        if headers:
+                            break
+                        continue
+                    headers += line
+                message = json.loads(out.read(_content_length(headers)))
                 if "id" in message and "method" not in message:
-                    fut = self._pending.pop(message["id"], None)
-                    if fut is not None:
+                    fut = self.pending.pop(message["id"], None)
+                    if fut is not None and not fut.done():
                         fut.set_result(message)
-                elif message.get("method") == "$/progress" and message["params"]["token"] in self._streams:
-                    self._streams[message["params"]["token"]].put(message["params"]["value"])
+                elif message.get("method") == "$/progress" and (message.get("params") or {}).get("token") in self.tokens:
+                    q = self.tokens.get(message["params"]["token"])
+                    if q is not None:
+                        q.put(message["params"].get("value"))
                 else:
                     self.notifications.put(message)
+        except Exception:  # a broken stream: treat as the end
+            pass
         finally:
-            for fut in list(self._pending.values()):
+            gone = {"error": {"code": SERVER_GONE, "message": "the server exited"}}
+            for fut in list(self.pending.values()):
                 if not fut.done():
-                    fut.set_result({"error": {"code": -32099, "message": "the server exited"}})
-            for q in self._streams.values():
-                q.put(None)
+                    fut.set_result(gone)
+            self.pending.clear()
 
-    def notify(self, method: str, params=None) -> None:
-        self._send({"jsonrpc": "2.0", "method": method, "params": params})
-
-    def request_future(self, method: str, params=None) -> tuple[int, Future]:
-        rid = next(self._ids)
+    def request(self, method: str, params) -> tuple[int, Future]:
+        rid = next(self.ids)
         fut: Future = Future()
-        self._pending[rid] = fut
-        self._send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+        self.pending[rid] = fut
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            message["params"] = params
+        try:
+            self.send(message)
+        except (OSError, ValueError):
+            self.pending.pop(rid, None)
+            fut.set_result({"error": {"code": SERVER_GONE, "message": "the server exited"}})
         return rid, fut
 
-    def request(self, method: str, params=None, timeout: float | None = None):
-        _, fut = self.request_future(method, params)
-        return _unwrap(fut.result(timeout))
+    def notify(self, method: str, params=None) -> None:
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
 
     def cancel(self, rid: int) -> None:
-        self.notify("$/cancelRequest", {"id": rid})
+        try:
+            self.notify("$/cancelRequest", {"id": rid})
+        except (OSError, ValueError):
+            pass
 
-    # -- inference ---------------------------------------------------------------------------
-    def generate(self, prompt: str, model: str | None = None, **options) -> Result:
-        return Result.from_json(self.request("inference/generate", _params(model, options, prompt=prompt)))
+    def close(self, timeout: float = 10.0) -> int:
+        """shutdown, exit, wait. Idempotent; returns the exit code."""
+        if self.closed:
+            return self.proc.wait()
+        self.closed = True
+        if self.proc.poll() is None:
+            try:
+                _, fut = self.request("shutdown", None)
+                fut.result(timeout)
+                self.notify("exit")
+            except Exception:
+                pass
+            try:
+                self.proc.stdin.close()
+            except Exception:
+                pass
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
-    def chat(self, messages: list[dict], model: str | None = None, **options) -> Result:
-        return Result.from_json(self.request("inference/chat", _params(model, options, messages=messages)))
 
-    def stream_generate(self, prompt: str, model: str | None = None, **options):
-        return self._stream("inference/generate", _params(model, options, prompt=prompt))
+class Stream:
+    """The pieces of a streamed reply, as they come. After the last, `result` is the Result.
 
-    def stream_chat(self, messages: list[dict], model: str | None = None, **options):
-        return self._stream("inference/chat", _params(model, options, messages=messages))
+    Breaking out of the loop (the stream is collected), `close()` or leaving a `with` block
+    before the end sends `$/cancelRequest`. `response` is the request's Future (the raw response).
+    """
 
-    def _stream(self, method, params):
-        token = f"stream-{next(self._ids)}"
-        q: queue.Queue = queue.Queue()
-        self._streams[token] = q
-        rid, fut = self.request_future(method, {**params, "partialResultToken": token})
-        fut.add_done_callback(lambda _: q.put(None))
-        finished = False
+    def __init__(self, wire: _Wire, method: str, params: dict):
+        self._wire = wire
+        self.token = f"stream-{next(wire.ids)}"
+        self._queue: queue.Queue = queue.Queue()
+        wire.tokens[self.token] = self._queue
+        self.id, self.response = wire.request(method, {**params, "partialResultToken": self.token})
+        q = self._queue  # the callback must not hold the stream: a dropped stream is collected, and cancels
+        self.response.add_done_callback(lambda _: q.put(_DONE))
+        self.text = ""
+        self.result: Result | None = None
+        self._finished = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self._finished:
+            raise StopIteration
         try:
             while True:
-                value = q.get()
-                if value is None:
-                    break
-                if value["text"]:
-                    yield value["text"]
-            response = fut.result()
-            finished = True
-            _unwrap(response)
-        finally:
-            if not finished and not fut.done():
-                self.cancel(rid)
-            self._streams.pop(token, None)
+                value = self._queue.get()
+                if value is _DONE:
+                    self._finished = True
+                    self._wire.tokens.pop(self.token, None)
+                    self.result = Result.from_json(_unwrap(self.response.result()))
+                    raise StopIteration
+                if value and value.get("text"):
+                    self.text += value["text"]
+                    return value["text"]
+        except (StopIteration, RpcError):
+            raise
+        except BaseException:  # Ctrl-C while waiting
+            self.close()
+            raise
 
-    # -- lifetime ----------------------------------------------------------------------------
-    def close(self, timeout: float = 10.0) -> int:
-        if self._closed:
-            return self._proc.returncode
-        self._closed = True
-        try:
-            self.request("shutdown", None, timeout=timeout)
-            self.notify("exit")
-            self._proc.stdin.close()
-        except Exception:
-            pass
-        try:
-            return self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            return self._proc.wait()
+    def wait(self, timeout: float | None = None) -> Result:
+        """Wait for the end (without reading the rest); raises Cancelled if it was cancelled."""
+        return Result.from_json(_unwrap(self.response.result(timeout)))
+
+    def cancel(self) -> None:
+        if not self.response.done():
+            self._wire.cancel(self.id)
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.cancel()
+            self._wire.tokens.pop(self.token, None)
 
     def __enter__(self):
         return self
@@ -195,22 +400,422 @@ class Client:
 
     def __del__(self):
         try:
-            self.close(timeout=2.0)
+            self.close()
         except Exception:
             pass
 
 
-def _params(model, options, **fields):
-    params = dict(fields)
-    if model is not None:
-        params["model"] = model
-    if options:
-        params["options"] = options
-    return params
+class Client:
+    """A `kinfer-rpc` process of our own, initialized. Thread-safe: calls may come from many threads."""
+
+    def __init__(self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None):
+        argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
+        self._wire = _Wire(argv, env, stderr, cwd)
+        self._finalizer = weakref.finalize(self, self._wire.close, 5.0)
+        try:
+            self.server_info = self.request("initialize", _initialize_params(initialization_options), timeout=60)
+            self.notify("initialized", {})
+        except BaseException:
+            self.close(timeout=2.0)
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._wire.proc.pid
+
+    @property
+    def capabilities(self) -> dict:
+        return self.server_info.get("capabilities", {})
+
+    @property
+    def notifications(self) -> queue.Queue:
+        """Everything else the server sends (window/logMessage, ...)."""
+        return self._wire.notifications
+
+    # -- raw messages ------------------------------------------------------------------------
+    def notify(self, method: str, params=None) -> None:
+        self._wire.notify(method, params)
+
+    def request_future(self, method: str, params=None) -> tuple[int, Future]:
+        """Send a request; returns its id and a Future of the raw response message."""
+        return self._wire.request(method, params)
+
+    def request(self, method: str, params=None, timeout: float | None = None):
+        """Send a request and wait for its result (raises RpcError). Ctrl-C cancels it."""
+        rid, fut = self._wire.request(method, params)
+        try:
+            response = fut.result(timeout)
+        except BaseException:
+            self._wire.cancel(rid)
+            raise
+        return _unwrap(response)
+
+    def cancel(self, rid: int) -> None:
+        self._wire.cancel(rid)
+
+    # -- models ------------------------------------------------------------------------------
+    def models(self) -> list[Model]:
+        return [Model.from_json(m) for m in self.request("model/list", {})["models"]]
+
+    def load(self, model: str | None = None, *, backend: str | None = None,
+             progress: Callable[[Progress], Any] | None = None, **options) -> LoadedModel:
+        """Load a model (the default one without a name); `progress` is called with Progress values."""
+        params = _params(model, options, backend=backend)
+        if progress is None:
+            return LoadedModel.from_json(self.request("model/load", params))
+        token = f"load-{next(self._wire.ids)}"
+        q: queue.Queue = queue.Queue()
+        self._wire.tokens[token] = q
+        try:
+            rid, fut = self._wire.request("model/load", {**params, "workDoneToken": token})
+            fut.add_done_callback(lambda _: q.put(_DONE))
+            while (value := q.get()) is not _DONE:
+                progress(Progress.from_json(value or {}))
+            while not q.empty():  # progress that raced the response
+                value = q.get_nowait()
+                if value is not _DONE:
+                    progress(Progress.from_json(value or {}))
+            return LoadedModel.from_json(_unwrap(fut.result()))
+        finally:
+            self._wire.tokens.pop(token, None)
+
+    def unload(self, model: str) -> None:
+        self.request("model/unload", {"model": model})
+
+    def status(self, model: str | None = None) -> list[ModelStatus]:
+        return [ModelStatus.from_json(m) for m in self.request("model/status", _params(model, None))["models"]]
+
+    # -- inference ---------------------------------------------------------------------------
+    def generate(self, prompt: str, model: str | None = None, **options) -> Result:
+        return Result.from_json(self.request("inference/generate", _params(model, options, prompt=prompt)))
+
+    def chat(self, messages: list[dict], model: str | None = None, **options) -> Result:
+        return Result.from_json(self.request("inference/chat", _params(model, options, messages=messages)))
+
+    def stream_generate(self, prompt: str, model: str | None = None, **options) -> Stream:
+        return Stream(self._wire, "inference/generate", _params(model, options, prompt=prompt))
+
+    def stream_chat(self, messages: list[dict], model: str | None = None, **options) -> Stream:
+        return Stream(self._wire, "inference/chat", _params(model, options, messages=messages))
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> int:
+        """shutdown + exit, then wait for the process; returns its exit code (0 when clean)."""
+        self._finalizer.detach()
+        return self._wire.close(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-def _unwrap(response: dict):
-    if "error" in response:
-        e = response["error"]
-        raise RpcError(e.get("code"), e.get("message"), e.get("data"))
-    return response.get("result")
+# -- the async client (anyio) ------------------------------------------------------------------
+class AsyncStream:
+    """`async for piece in stream`: the pieces of a streamed reply; then `result` is the Result.
+
+    Breaking out of the loop (the stream is collected), `await aclose()`, leaving an
+    `async with` block early, or cancelling the task that iterates sends `$/cancelRequest`.
+    """
+
+    def __init__(self, client: "AsyncClient", method: str, params: dict):
+        self._client = client
+        self.token = token = f"stream-{next(client._ids)}"
+        send, self._recv = anyio.create_memory_object_stream(float("inf"))
+        client._tokens[token] = send
+        box = self._box = []
+
+        def on_response(response: dict) -> None:  # holds no reference to the stream
+            box.append(response)
+            client._tokens.pop(token, None)
+            try:
+                send.send_nowait(_DONE)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+            send.close()
+
+        self.id = client._request_nowait(method, {**params, "partialResultToken": token}, on_response)
+        self.text = ""
+        self.result: Result | None = None
+        self._finished = False
+
+    @property
+    def response(self) -> dict | None:
+        """The raw response message once it came."""
+        return self._box[0] if self._box else None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            while True:
+                try:
+                    value = await self._recv.receive()
+                except anyio.EndOfStream:
+                    value = _DONE
+                if value is _DONE:
+                    self._finished = True
+                    self.result = Result.from_json(_unwrap(self.response or {"error": {
+                        "code": SERVER_GONE, "message": "the server exited"}}))
+                    raise StopAsyncIteration
+                if value and value.get("text"):
+                    self.text += value["text"]
+                    return value["text"]
+        except (StopAsyncIteration, RpcError):
+            raise
+        except BaseException:  # our task was cancelled
+            self.cancel()
+            raise
+
+    async def wait(self) -> Result:
+        """Read to the end and return the Result (raises Cancelled if it was cancelled)."""
+        async for _ in self:
+            pass
+        return self.result
+
+    def cancel(self) -> None:
+        if self.response is None and not self._finished:
+            self._finished = True
+            self._client._cancel_nowait(self.id)
+
+    async def aclose(self) -> None:
+        self.cancel()
+        self._finished = True
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    def __del__(self):
+        try:
+            if self.response is None and not self._finished and threading.get_ident() == self._client._thread:
+                self.cancel()
+        except Exception:
+            pass
+
+
+class AsyncClient:
+    """The async client: `async with AsyncClient() as kinfer:` spawns and initializes a server,
+    leaving the block shuts it down. Runs on asyncio or trio (anyio)."""
+
+    def __init__(self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None):
+        self._argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
+        self._env, self._init, self._stderr, self._cwd = env, initialization_options, stderr, cwd
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Callable[[dict], None]] = {}
+        self._tokens: dict[str, Any] = {}  # $/progress token -> a send stream or a callable
+        self._out_send, self._out_recv = anyio.create_memory_object_stream(float("inf"))
+        self._proc = None
+        self._tg = None
+        self._writer_done = anyio.Event()
+        self._closed = False
+        self._thread = threading.get_ident()
+        self.notifications: list[dict] = []  # everything else the server sends
+        self.server_info: dict = {}
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    @property
+    def capabilities(self) -> dict:
+        return self.server_info.get("capabilities", {})
+
+    async def __aenter__(self) -> "AsyncClient":
+        self._thread = threading.get_ident()
+        self._proc = await anyio.open_process(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              stderr=self._stderr, env=self._env, cwd=self._cwd)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._tg.start_soon(self._writer)
+            self._tg.start_soon(self._reader)
+            with anyio.fail_after(60):
+                self.server_info = await self.request("initialize", _initialize_params(self._init))
+            await self.notify("initialized", {})
+        except BaseException as exc:
+            await self.aclose(timeout=2.0)
+            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc):
+        try:
+            await self.aclose()
+        finally:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(*exc)
+
+    # -- wire --------------------------------------------------------------------------------
+    async def _writer(self) -> None:
+        try:
+            async for data in self._out_recv:
+                await self._proc.stdin.send(data)
+        except Exception:
+            pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._proc.stdin.aclose()
+                except Exception:
+                    pass
+            self._writer_done.set()
+
+    async def _reader(self) -> None:
+        from anyio.streams.buffered import BufferedByteReceiveStream
+
+        stream = BufferedByteReceiveStream(self._proc.stdout)
+        try:
+            while True:
+                headers = await stream.receive_until(b"\r\n\r\n", 65536)
+                if not headers.strip():
+                    continue
+                message = json.loads(await stream.receive_exactly(_content_length(headers)))
+                self._dispatch(message)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError, anyio.BrokenResourceError, ValueError):
+            pass
+        finally:
+            gone = {"error": {"code": SERVER_GONE, "message": "the server exited"}}
+            for callback in list(self._pending.values()):
+                callback(gone)
+            self._pending.clear()
+
+    def _dispatch(self, message: dict) -> None:
+        if "id" in message and "method" not in message:
+            callback = self._pending.pop(message["id"], None)
+            if callback is not None:
+                callback(message)
+            return
+        params = message.get("params") or {}
+        if message.get("method") == "$/progress" and isinstance(params, dict) and params.get("token") in self._tokens:
+            target = self._tokens[params["token"]]
+            if callable(target):
+                target(params.get("value"))
+            else:
+                try:
+                    target.send_nowait(params.get("value"))
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+            return
+        self.notifications.append(message)
+
+    def _send_nowait(self, message: dict) -> None:
+        try:
+            self._out_send.send_nowait(_frame(message))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    def _request_nowait(self, method: str, params, on_response: Callable[[dict], None]) -> int:
+        rid = next(self._ids)
+        if self._closed and method != "shutdown" or self._proc is None or self._proc.returncode is not None:
+            on_response({"error": {"code": SERVER_GONE, "message": "the client is closed"}})
+            return rid
+        self._pending[rid] = on_response
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            message["params"] = params
+        self._send_nowait(message)
+        return rid
+
+    def _cancel_nowait(self, rid: int) -> None:
+        self._send_nowait({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": rid}})
+
+    # -- raw messages ------------------------------------------------------------------------
+    async def notify(self, method: str, params=None) -> None:
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        self._send_nowait(message)
+
+    async def request(self, method: str, params=None):
+        """Send a request and wait for its result (raises RpcError). Cancelling the waiting
+        task sends `$/cancelRequest`."""
+        done = anyio.Event()
+        box: list[dict] = []
+
+        def on_response(response):
+            box.append(response)
+            done.set()
+
+        rid = self._request_nowait(method, params, on_response)
+        try:
+            await done.wait()
+        except BaseException:
+            if not box:
+                self._pending.pop(rid, None)
+                self._cancel_nowait(rid)
+            raise
+        return _unwrap(box[0])
+
+    # -- models ------------------------------------------------------------------------------
+    async def models(self) -> list[Model]:
+        return [Model.from_json(m) for m in (await self.request("model/list", {}))["models"]]
+
+    async def load(self, model: str | None = None, *, backend: str | None = None,
+                   progress: Callable[[Progress], Any] | None = None, **options) -> LoadedModel:
+        params = _params(model, options, backend=backend)
+        if progress is None:
+            return LoadedModel.from_json(await self.request("model/load", params))
+        token = f"load-{next(self._ids)}"
+        self._tokens[token] = lambda value: progress(Progress.from_json(value or {}))
+        try:
+            return LoadedModel.from_json(await self.request("model/load", {**params, "workDoneToken": token}))
+        finally:
+            self._tokens.pop(token, None)
+
+    async def unload(self, model: str) -> None:
+        await self.request("model/unload", {"model": model})
+
+    async def status(self, model: str | None = None) -> list[ModelStatus]:
+        return [ModelStatus.from_json(m) for m in (await self.request("model/status", _params(model, None)))["models"]]
+
+    # -- inference ---------------------------------------------------------------------------
+    async def generate(self, prompt: str, model: str | None = None, **options) -> Result:
+        return Result.from_json(await self.request("inference/generate", _params(model, options, prompt=prompt)))
+
+    async def chat(self, messages: list[dict], model: str | None = None, **options) -> Result:
+        return Result.from_json(await self.request("inference/chat", _params(model, options, messages=messages)))
+
+    def stream_generate(self, prompt: str, model: str | None = None, **options) -> AsyncStream:
+        return AsyncStream(self, "inference/generate", _params(model, options, prompt=prompt))
+
+    def stream_chat(self, messages: list[dict], model: str | None = None, **options) -> AsyncStream:
+        return AsyncStream(self, "inference/chat", _params(model, options, messages=messages))
+
+    # -- lifetime ----------------------------------------------------------------------------
+    async def aclose(self, timeout: float = 10.0) -> int:
+        """shutdown + exit, then wait for the process; returns its exit code (0 when clean)."""
+        if self._proc is None:
+            return 0
+        if self._closed:
+            with anyio.CancelScope(shield=True):
+                return await self._proc.wait()
+        self._closed = True
+        with anyio.move_on_after(timeout, shield=True):
+            if self._proc.returncode is None:
+                try:
+                    await self.request("shutdown")
+                except Exception:
+                    pass
+                await self.notify("exit")
+            self._out_send.close()
+            await self._writer_done.wait()
+            await self._proc.wait()
+        with anyio.CancelScope(shield=True):
+            if self._proc.returncode is None:
+                self._proc.kill()
+            code = await self._proc.wait()
+            for s in (self._proc.stdout, self._proc.stderr):
+                if s is not None:
+                    await s.aclose()
+        return code

@@ -12,6 +12,8 @@ The worker hands events to the host through `post(callback)`, a thread-safe func
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import os
 import logging
 import threading
 import time
@@ -113,6 +115,7 @@ class Engine:
         self._active: list[Job] = []  # in admission order
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
         self._eog: frozenset = frozenset()
+        self._pool = None  # threads for the argmax of large passes
         self._free: list[int] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
@@ -212,6 +215,8 @@ class Engine:
             model, self.model = self.model, None
             if model is not None:
                 model.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
     def _fail_all(self, exc: Exception) -> None:
         events = []
@@ -282,7 +287,7 @@ class Engine:
             job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
             for job in owners
         ]
-        best = logits.argmax(axis=1).tolist() if any(plain) else None
+        best = self._argmax(logits) if any(plain) else None
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -313,6 +318,18 @@ class Engine:
             ):
                 self._finish(job, "stop" if self._text(job, events) else "length", events)
         self._decoded.append((now, produced))
+
+    def _argmax(self, logits) -> list:
+        """Row-wise argmax; large passes split over threads (numpy lets go of the GIL)."""
+        rows = logits.shape[0]
+        if logits.size < (1 << 22) or rows < 8:
+            return logits.argmax(axis=1).tolist()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "kinfer-argmax")
+        parts = self._pool._max_workers
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        chunks = self._pool.map(lambda ab: logits[ab[0] : ab[1]].argmax(axis=1), zip(bounds, bounds[1:]))
+        return [int(x) for part in chunks for x in part]
 
     def _drain_text(self, events) -> list:
         """Text of the tokens taken last step; returns the jobs a stop string ended."""

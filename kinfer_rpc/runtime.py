@@ -34,14 +34,23 @@ class Loaded:
     ready: anyio.Event
     error: Exception | None = None
     source: str = ""
+    defaults: dict = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
+    system: str | None = None  # the model's default system message (Ollama system layer)
 
 
-def _load_options(obj) -> tuple[LoadOptions, dict]:
+def _with_defaults(defaults: dict, options):
+    """A model's default options under the request's (a null option counts as absent)."""
+    if not defaults or not isinstance(options, (dict, type(None))):
+        return options
+    return {**defaults, **{k: v for k, v in (options or {}).items() if v is not None}}
+
+
+def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions, dict]:
     f = params.Fields(obj, "options")
     slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
     batch = f.int("batch", 2048, lo=1, hi=1 << 20)
     opts = LoadOptions(
-        context_length=f.int("contextLength", DEFAULT_CONTEXT, lo=16, hi=1 << 24),
+        context_length=f.int("contextLength", context_default or DEFAULT_CONTEXT, lo=16, hi=1 << 24),
         slots=slots,
         batch=batch,
         ubatch=f.int("ubatch", min(512, batch), lo=1, hi=1 << 20),
@@ -49,7 +58,7 @@ def _load_options(obj) -> tuple[LoadOptions, dict]:
         gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
         flash_attention=f.bool("flashAttention", True),
     )
-    extra = {"maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20)}
+    extra = {"maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20), "verify": f.bool("verify", None)}
     f.done()
     if opts.slots > opts.batch:
         raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
@@ -66,19 +75,9 @@ class Runtime:
     # -- models ------------------------------------------------------------------------------
     async def model_list(self, ctx, **p):
         params.Fields(p, "params").done()
-        return {
-            "models": [
-                {
-                    "name": r.name,
-                    "source": r.source,
-                    "format": r.format,
-                    "path": r.path,
-                    "sizeBytes": r.size_bytes,
-                    "loaded": r.name in self.loaded,
-                }
-                for r in self.store.list()
-            ]
-        }
+        store = self.store
+        described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
+        return {"models": [{**d, "loaded": d["name"] in self.loaded} for d in described]}
 
     async def model_load(self, ctx, **p):
         f = params.Fields(p, "params")
@@ -111,6 +110,12 @@ class Runtime:
     async def _load(self, ctx, name, backend_name, options) -> Loaded:
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
+        if existing is None:
+            opts, extra = _load_options(options, ref.context_length)
+            backend = self._backend_for(ref.format, backend_name)
+            # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
+            await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
+            existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
             if options:
                 _load_options(options)  # still refuse bad options
@@ -119,8 +124,6 @@ class Runtime:
                 raise existing.error
             self._last = ref.name
             return existing
-        opts, extra = _load_options(options)
-        backend = self._backend_for(ref.format, backend_name)
         loop = asyncio.get_running_loop()
         ready = anyio.Event()
         entry = None
@@ -150,7 +153,8 @@ class Runtime:
             on_progress=on_progress,
             on_ready=on_ready,
         )
-        entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source)
+        entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source,
+                       defaults=dict(ref.defaults), system=ref.system)
         self.loaded[ref.name] = entry
         if ctx is not None:
             await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
@@ -236,8 +240,11 @@ class Runtime:
         f.done()
         if (prompt is None) == (tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
-        opts = params.generate_options(options, random.getrandbits(63))
+        seed = random.getrandbits(63)
+        opts = params.generate_options(options, seed)
         entry = await self._model_for(ctx, name)
+        if entry.defaults:
+            opts = params.generate_options(_with_defaults(entry.defaults, options), seed)
         model = entry.engine.model
         if tokens is not None:
             ids = params.tokens(tokens, model.info.n_vocab)
@@ -252,8 +259,13 @@ class Runtime:
         messages = params.messages(f.raw("messages"))
         options = f.raw("options")
         f.done()
-        opts = params.generate_options(options, random.getrandbits(63))
+        seed = random.getrandbits(63)
+        opts = params.generate_options(options, seed)
         entry = await self._model_for(ctx, name)
+        if entry.defaults:
+            opts = params.generate_options(_with_defaults(entry.defaults, options), seed)
+        if entry.system and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": entry.system}, *messages]
         model = entry.engine.model
         text = chat.render(entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))

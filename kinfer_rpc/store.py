@@ -1,19 +1,36 @@
-"""Finding models by name: the embedded default, kinfer's own folder, and plain paths.
+"""Finding models by name: the embedded default, kinfer's own folder, Ollama's store, and paths.
 
-A name resolves to a ModelRef (a file or directory and its format). Unique prefixes resolve;
-an ambiguous name is an error listing the candidates; an unknown one lists what exists.
+A name resolves to a ModelRef (a file or directory, its format, and for Ollama models the
+defaults their manifest carries). Exact names win; a unique prefix resolves; an ambiguous name is
+an error listing the candidates, never a guess; an unknown one lists what exists.
+
+Ollama's store (`$OLLAMA_MODELS` or `~/.ollama/models`) is only read: a name
+`[host/][namespace/]model[:tag]` (defaults registry.ollama.ai, library, latest) is the manifest
+`manifests/<host>/<namespace>/<model>/<tag>`, whose layers name blobs `blobs/sha256-<hex>`. Its
+Go template is never executed: chats render with the GGUF's own Jinja template, while the system
+layer is the default system message and the params layer the default options (requests override).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import threading
 from pathlib import Path
 
 import attrs
 
-from . import errors
+from . import errors, gguf_meta
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
+VERIFY_LIMIT = 2 << 30  # Ollama blobs under this are checked against their digest by default
+_MEDIA = "application/vnd.ollama.image."
+_SMALL_LAYER = 1 << 20  # template/system/params layers larger than this are not read
 
 
 @attrs.frozen
@@ -23,6 +40,14 @@ class ModelRef:
     format: str  # gguf | mlx
     source: str  # embedded | kinfer | path | ollama
     size_bytes: int = 0
+    aliases: tuple[str, ...] = ()  # other exact names (Ollama's long forms)
+    digest: str | None = None  # "sha256:<hex>" of the model blob, when the store knows it
+    system: str | None = None  # the default system message (Ollama's system layer)
+    defaults: dict = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
+    context_length: int | None = None  # the default contextLength of a load (Ollama's num_ctx)
+    template: str | None = None  # Ollama's Go template: kept for information, never executed
+    unsupported: str | None = None  # why this model cannot be served, if it cannot
+    blobs: tuple[tuple[str, str], ...] = ()  # (tensor name, blob path) of an Ollama safetensors model
 
 
 def embedded_default_path() -> str:
@@ -43,17 +68,100 @@ def kinfer_dir() -> Path:
     return Path(os.environ.get("KINFER_MODELS") or Path.home() / ".kinfer" / "models")
 
 
+def kinfer_home() -> Path:
+    return Path(os.environ.get("KINFER_HOME") or Path.home() / ".kinfer")
+
+
+def ollama_dir() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
+
+
 def _format_of(path: Path) -> str | None:
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf"
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf"
+        try:
+            with open(path, "rb") as fh:
+                return "gguf" if fh.read(4) == gguf_meta.MAGIC else None
+        except OSError:
+            return None
     if path.is_dir() and (path / "config.json").exists():
         return "mlx"
     return None
 
 
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# -- Ollama ------------------------------------------------------------------------------------
+def ollama_name(name: str) -> str | None:
+    """`[host/][namespace/]model[:tag]` in full (`host/namespace/model:tag`), or None if not one."""
+    parts = name.split("/")
+    if not 1 <= len(parts) <= 3 or not all(parts):
+        return None
+    model, _, tag = parts[-1].partition(":")
+    if not model or ":" in tag:
+        return None
+    host, namespace = {1: (OLLAMA_HOST, OLLAMA_NAMESPACE), 2: (OLLAMA_HOST, parts[0]), 3: parts[:2]}[len(parts)]
+    return f"{host}/{namespace}/{model}:{tag or OLLAMA_TAG}".casefold()
+
+
+def _ollama_display(host: str, namespace: str, model: str, tag: str) -> str:
+    """The name as `ollama list` shows it."""
+    if host != OLLAMA_HOST:
+        return f"{host}/{namespace}/{model}:{tag}"
+    return f"{model}:{tag}" if namespace == OLLAMA_NAMESPACE else f"{namespace}/{model}:{tag}"
+
+
+_OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
+    "temperature": "temperature", "top_k": "topK", "top_p": "topP", "min_p": "minP",
+    "repeat_penalty": "repeatPenalty", "repeat_last_n": "repeatLastN", "seed": "seed",
+    "stop": "stop", "num_predict": "maxTokens",
+}
+
+
+def _ollama_defaults(raw, where: str) -> tuple[dict, int | None]:
+    """Ollama's params layer as kinfer's generate options (each checked as a request's would be)."""
+    from .params import generate_options  # late: params imports the engine
+
+    defaults, num_ctx = {}, None
+    if not isinstance(raw, dict):
+        log.warning("%s: the params layer is not a JSON object; ignored", where)
+        return defaults, num_ctx
+    for key, value in raw.items():
+        if key == "num_ctx":
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 16:
+                num_ctx = value
+            continue
+        if key not in _OLLAMA_PARAMS:
+            log.debug("%s: Ollama parameter %s has no kinfer equivalent; ignored", where, key)
+            continue
+        if isinstance(value, float) and value.is_integer() and key in ("top_k", "repeat_last_n", "seed", "num_predict"):
+            value = int(value)
+        if key in ("num_predict", "seed") and isinstance(value, int) and value < 0:
+            continue  # Ollama's "unlimited" and "random"
+        option = {_OLLAMA_PARAMS[key]: value}
+        try:
+            generate_options(option, 0)
+        except errors.KinferError as exc:
+            log.warning("%s: Ollama parameter %s=%r ignored: %s", where, key, value, exc.message)
+            continue
+        defaults.update(option)
+    return defaults, num_ctx
+
+
 class ModelStore:
     """Every model this machine can serve, by name."""
 
+    def __init__(self):
+        self._manifests: dict[tuple, ModelRef | None] = {}
+        self._verified: dict[tuple, str] | None = None
+        self._lock = threading.Lock()
+
+    # -- listing ---------------------------------------------------------------------------
     def list(self) -> list[ModelRef]:
         refs = []
         try:
@@ -66,34 +174,209 @@ class ModelStore:
             for entry in sorted(folder.iterdir()):
                 fmt = _format_of(entry)
                 if fmt:
-                    name = entry.stem if fmt == "gguf" else entry.name
-                    size = entry.stat().st_size if entry.is_file() else sum(
-                        f.stat().st_size for f in entry.rglob("*") if f.is_file()
-                    )
-                    refs.append(ModelRef(name, str(entry), fmt, "kinfer", size))
+                    name = entry.stem if fmt == "gguf" and entry.suffix == ".gguf" else entry.name
+                    refs.append(ModelRef(name, str(entry), fmt, "kinfer", _size(entry)))
+        refs.extend(self._ollama_refs())
         return refs
 
+    def _ollama_refs(self) -> list[ModelRef]:
+        root = ollama_dir() / "manifests"
+        if not root.is_dir():
+            return []
+        refs = []
+        for manifest in sorted(root.glob("*/*/*/*")):
+            if manifest.is_file() and not manifest.name.startswith("."):
+                ref = self._ollama_ref(manifest)
+                if ref is not None:
+                    refs.append(ref)
+        return sorted(refs, key=lambda r: r.name)
+
+    def _ollama_ref(self, manifest: Path) -> ModelRef | None:
+        try:
+            st = manifest.stat()
+        except OSError:
+            return None
+        key = (str(manifest), st.st_size, st.st_mtime_ns)
+        if key not in self._manifests:
+            try:
+                self._manifests[key] = self._read_manifest(manifest)
+            except Exception as exc:  # noqa: BLE001 - a broken manifest is skipped, never fatal
+                log.warning("skipping the Ollama manifest %s: %s", manifest, exc)
+                self._manifests[key] = None
+        return self._manifests[key]
+
+    def _read_manifest(self, manifest: Path) -> ModelRef | None:
+        host, namespace, model, tag = manifest.parts[-4:]
+        display = _ollama_display(host, namespace, model, tag)
+        layers = json.loads(manifest.read_bytes())["layers"]
+        if not isinstance(layers, list) or not all(isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers):
+            raise ValueError("its layers are not a list of {mediaType, digest, size}")
+        blobs = ollama_dir() / "blobs"
+
+        def blob(layer) -> Path:
+            return blobs / layer["digest"].replace(":", "-").replace("/", "")
+
+        def text(kind) -> str | None:
+            for layer in layers:
+                if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= _SMALL_LAYER:
+                    try:
+                        return blob(layer).read_text("utf-8", "replace")
+                    except OSError as exc:
+                        log.warning("%s: cannot read its %s layer: %s", display, kind, exc)
+            return None
+
+        media = [str(x.get("mediaType", "")) for x in layers]
+        model_layers = [x for x, m in zip(layers, media) if m == _MEDIA + "model"]
+        tensors = [x for x, m in zip(layers, media) if m.endswith(".tensor")]
+        unsupported = None
+        for kind, what in (("projector", "a vision projector"), ("adapter", "a LoRA adapter")):
+            if _MEDIA + kind in media:
+                unsupported = f"{display} uses {what} ({_MEDIA}{kind} layer), which kinfer does not support"
+        if model_layers:
+            fmt, path, digest = "gguf", str(blob(model_layers[0])), model_layers[0]["digest"]
+        elif tensors:
+            fmt, path, digest = "mlx", str(manifest), None
+        else:
+            fmt, path, digest = "gguf", str(manifest), None
+            unsupported = unsupported or f"{display} has no model layer in its manifest {manifest}"
+        params = text("params")
+        try:
+            raw = json.loads(params) if params else {}
+        except ValueError:
+            raw = None
+        defaults, num_ctx = _ollama_defaults(raw, display)
+        aliases = (f"{host}/{namespace}/{model}:{tag}", f"{namespace}/{model}:{tag}")
+        return ModelRef(
+            display, path, fmt, "ollama",
+            size_bytes=sum(int(x.get("size") or 0) for x in layers),
+            aliases=aliases,
+            digest=digest if isinstance(digest, str) and digest.startswith("sha256:") else None,
+            system=text("system"),
+            defaults=defaults,
+            context_length=num_ctx,
+            template=text("template"),
+            unsupported=unsupported,
+            blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
+        )
+
+    def describe(self, ref: ModelRef) -> dict:
+        """A model/list entry: what the store knows and what the file's header says."""
+        out = {
+            "name": ref.name, "source": ref.source, "format": ref.format, "path": ref.path,
+            "sizeBytes": ref.size_bytes, "architecture": None, "parameters": None,
+            "quantization": None, "contextLength": None,
+        }
+        try:
+            if ref.unsupported:
+                raise errors.KinferError(errors.NOT_SUPPORTED, ref.unsupported)
+            if ref.format == "gguf":
+                meta = gguf_meta.read(ref.path)
+                out.update(architecture=meta.architecture, parameters=meta.parameters,
+                           quantization=meta.quantization, contextLength=meta.context_length)
+            elif Path(ref.path).is_dir():
+                out.update(gguf_meta.read_mlx(ref.path))
+        except errors.KinferError as exc:
+            out["error"] = exc.message
+        return out
+
+    # -- resolving -------------------------------------------------------------------------
     def resolve(self, name: str | None) -> ModelRef:
         if not name:
             name = DEFAULT_MODEL
-        # A path the user named: taken as it is, nothing else on the disk is reachable by path.
-        if os.sep in name or name.endswith(".gguf"):
-            path = Path(name).expanduser()
-            fmt = _format_of(path)
-            if fmt is None:
-                raise errors.model_not_found(name, [r.name for r in self.list()])
-            return ModelRef(str(path), str(path), fmt, "path", path.stat().st_size if path.is_file() else 0)
+        if name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or (os.altsep and os.altsep in name):
+            return self._path_ref(name)
         refs = self.list()
-        exact = [r for r in refs if r.name == name]
-        if exact:
-            return exact[0]
-        matches = [r for r in refs if r.name.startswith(name)]
-        if len(matches) == 1:
-            return matches[0]
+        full = ollama_name(name)
+        folded = name.casefold()
+
+        def names(r):
+            return (r.name, *r.aliases)
+
+        exact = [r for r in refs if r.name == name or (r.source == "ollama" and full is not None and
+                                                         full in (a.casefold() for a in names(r)))]
+        matches = exact or [r for r in refs if any(a.casefold().startswith(folded) for a in names(r))]
         if len(matches) > 1:
             raise errors.KinferError(
                 errors.MODEL_NOT_FOUND,
                 f"model name {name!r} is ambiguous: {', '.join(r.name for r in matches)}",
                 {"model": name, "candidates": [r.name for r in matches]},
             )
-        raise errors.model_not_found(name, [r.name for r in refs])
+        if not matches:
+            if os.sep in name and Path(name).exists():
+                return self._path_ref(name)
+            raise errors.model_not_found(name, [r.name for r in refs])
+        ref = matches[0]
+        if ref.unsupported:
+            raise errors.KinferError(errors.NOT_SUPPORTED, ref.unsupported, {"model": ref.name})
+        return ref
+
+    def _path_ref(self, name: str) -> ModelRef:
+        """A path the user named: taken as it is; nothing else on the disk is reachable by path."""
+        path = Path(name).expanduser()
+        fmt = _format_of(path)
+        if fmt is None:
+            raise errors.model_not_found(name, [r.name for r in self.list()])
+        path = Path(os.path.abspath(path))
+        return ModelRef(str(path), str(path), fmt, "path", _size(path))
+
+    # -- before a load ---------------------------------------------------------------------
+    def prepare(self, ref: ModelRef, verify: bool | None = None) -> None:
+        """Check a model's file before a backend sees it: the digest (when asked, or by default
+        for Ollama blobs under VERIFY_LIMIT) and, for GGUF, a sound header with every tensor's
+        data inside the file. Slow for big files on first use (hashing): call it off the loop."""
+        if ref.format != "gguf":
+            return
+        if not os.path.isfile(ref.path):
+            raise errors.KinferError(errors.LOAD_FAILED, f"{ref.name}: its model file {ref.path} is missing"
+                                     + (" (an interrupted pull? pull it again)" if ref.source == "ollama" else ""))
+        if verify is None:
+            verify = ref.digest is not None and os.path.getsize(ref.path) < VERIFY_LIMIT
+        if verify and ref.digest:
+            self.verify(ref.path, ref.digest, ref.name)
+        gguf_meta.read(ref.path)
+
+    def verify(self, path: str, digest: str, name: str = "") -> None:
+        """LOAD_FAILED unless the file's sha256 is `digest` ("sha256:<hex>"); cached by path,
+        size and mtime, in memory and in KINFER_HOME/verified.json."""
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if self._verified is None:
+                self._verified = _load_verified()
+            if self._verified.get(key) == digest:
+                return
+        sha = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                sha.update(chunk)
+        actual = "sha256:" + sha.hexdigest()
+        if actual != digest:
+            raise errors.KinferError(
+                errors.LOAD_FAILED,
+                f"{name or path}: {path} is corrupt: its sha256 digest is {actual}, expected {digest}"
+                " (a damaged or truncated file; pull it again)",
+                {"path": path, "expected": digest, "actual": actual},
+            )
+        with self._lock:
+            self._verified[key] = digest
+            _save_verified(self._verified)
+
+
+def _load_verified() -> dict:
+    try:
+        doc = json.loads((kinfer_home() / "verified.json").read_text())
+        return {(e["path"], e["size"], e["mtime"]): e["digest"] for e in doc["verified"]}
+    except Exception:  # noqa: BLE001 - no cache, or a damaged one: start afresh
+        return {}
+
+
+def _save_verified(verified: dict) -> None:
+    target = kinfer_home() / "verified.json"
+    doc = {"verified": [{"path": p, "size": s, "mtime": m, "digest": d} for (p, s, m), d in verified.items()]}
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only home only costs re-hashing next time
+        log.debug("cannot save %s: %s", target, exc)

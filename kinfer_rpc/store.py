@@ -277,6 +277,9 @@ class ModelStore:
                 out.update(gguf_meta.read_mlx(ref.path))
         except errors.KinferError as exc:
             out["error"] = exc.message
+        except Exception as exc:  # noqa: BLE001 - one odd file never fails the whole list
+            log.warning("reading the metadata of %s failed", ref.path, exc_info=True)
+            out["error"] = f"cannot read {ref.path}: {exc}"
         return out
 
     # -- resolving -------------------------------------------------------------------------

@@ -36,6 +36,8 @@ class GenerateOptions:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: keep generating through end-of-generation tokens
+    drafts: int = 0  # draft tokens checked per step (0: no speculative decoding)
+    draft_policy: object = None  # a kinfer_rpc.types.DraftPolicy
     sampling: SamplingOptions = SamplingOptions()
 
 
@@ -60,6 +62,11 @@ class Job:
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
+    drafts: list = attrs.field(factory=list)  # proposed for the pass in flight
+    drafted: int = 0  # draft tokens proposed over the whole reply
+    accepted: int = 0  # ... and accepted
+    draft_pause: int = 0  # steps left without drafting (the low-acceptance fallback)
+    window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
 
     def __attrs_post_init__(self):
         self.stream = TextStream(self.options.stop)
@@ -75,7 +82,12 @@ class Job:
             "tokens": list(self.generated),
             "stopReason": self.stop_reason or "cancelled",
             "seed": self.options.sampling.seed,
-            "usage": {"promptTokens": len(self.prompt), "completionTokens": n},
+            "usage": {
+                "promptTokens": len(self.prompt),
+                "completionTokens": n,
+                "draftTokens": self.drafted,
+                "draftAccepted": self.accepted,
+            },
             "timings": {
                 "queueMs": round(max(0.0, (self.t_start or t_end) - self.t_submit) * 1000, 3),
                 "promptMs": round(prompt_s * 1000, 3),
@@ -116,6 +128,7 @@ class Engine:
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
         self._eog: frozenset = frozenset()
         self._pool = None  # threads for the argmax of large passes
+        self._drafts_total = [0, 0]  # drafted, accepted over the life of the load
         self._free: list[int] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
@@ -177,6 +190,8 @@ class Engine:
             "cellsUsed": sum(j.n_past for j in active),
             "tokensPerSecond": round(tps, 2),
             "steps": self.steps,
+            "draftTokens": self._drafts_total[0],
+            "draftAcceptance": round(self._drafts_total[1] / self._drafts_total[0], 4) if self._drafts_total[0] else 0.0,
             "memory": self.model.memory() if self.model else {},
         }
 
@@ -265,11 +280,13 @@ class Engine:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
         budget = self.batch
         chunks, owners = [], []
+        context = self.model.info.context_length
         for job in self._active:
             if job.n_past >= len(job.prompt):  # decoding: feed the last sampled token
-                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1))
+                job.drafts = self._propose(job, min(budget - 1, context - job.n_past - 2))
+                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
                 owners.append(job)
-                budget -= 1
+                budget -= 1 + len(job.drafts)
         for job in self._active:
             left = len(job.prompt) - job.n_past
             if left > 0 and budget > 0:
@@ -301,23 +318,84 @@ class Engine:
                 continue
             if not job.t_first:
                 job.t_first = now
-            if is_plain:
-                token = best[r]
-            else:
-                history = job.prompt + job.generated
-                token = sample(logits[r], history, len(history), job.options.sampling)
-            produced += 1
-            if token in self._eog and not job.options.ignore_eos:
-                self._text(job, events)
-                self._finish(job, "stop", events)
-                continue
-            job.generated.append(token)
-            self._pending.append(job)
-            if (job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens) or (
-                job.n_past + 1 >= context
-            ):
-                self._finish(job, "stop" if self._text(job, events) else "length", events)
+            base = job.n_past - len(chunk.tokens)  # position of the chunk's first token
+            # Verify drafts in order: the token sampled at each position, from that position's
+            # own random stream, must equal the draft; the first that differs is kept instead.
+            # So the reply is exactly what decoding one token at a time would give.
+            taken = 0
+            for i in range(chunk.outputs):
+                if is_plain:
+                    token = best[r + i]
+                else:
+                    history = job.prompt + job.generated
+                    token = sample(logits[r + i], history, len(history), job.options.sampling)
+                produced += 1
+                taken += 1
+                # The sampled token will sit right after the row's own token.
+                next_pos = base + len(chunk.tokens) - chunk.outputs + i + 1
+                if not self._append(job, token, next_pos, events):
+                    break
+                if i >= len(job.drafts) or token != job.drafts[i]:
+                    break
+                job.accepted += 1
+            if job.drafts:
+                job.drafted += len(job.drafts)
+                job.window[0] += len(job.drafts)
+                job.window[1] += taken - 1
+                self._drafts_total[0] += len(job.drafts)
+                self._drafts_total[1] += taken - 1
+                self._pause_if_unlucky(job)
+                if job.stop_reason is None:
+                    # Cells of rejected drafts leave the cache; the kept ones are the chunk's
+                    # first token and the accepted drafts.
+                    job.n_past = base + taken
+                    self.model.seq_remove(job.slot, job.n_past, -1)
+                job.drafts = []
         self._decoded.append((now, produced))
+
+    def _append(self, job: Job, token: int, next_pos: int, events) -> bool:
+        """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""
+        if token in self._eog and not job.options.ignore_eos:
+            self._text(job, events)
+            self._finish(job, "stop", events)
+            return False
+        job.generated.append(token)
+        if not self._pending or self._pending[-1] is not job:
+            self._pending.append(job)
+        if (job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens) or (
+            next_pos + 1 >= self.model.info.context_length
+        ):
+            self._finish(job, "stop" if self._text(job, events) else "length", events)
+            return False
+        return True
+
+    def _propose(self, job: Job, room: int) -> list:
+        """Drafts for this step: only from the job's own history, so replies never depend on
+        neighbours (and verification makes them not depend on the drafts either)."""
+        opts = job.options
+        if not opts.drafts or opts.draft_policy is None or room <= 0:
+            return []
+        if job.draft_pause:
+            job.draft_pause -= 1
+            return []
+        if opts.max_tokens is not None:
+            room = min(room, opts.max_tokens - len(job.generated) - 1)
+        k = min(opts.drafts, room)
+        if k <= 0:
+            return []
+        vocab = self.model.info.n_vocab
+        drafts = opts.draft_policy.propose(job.prompt + job.generated, k)
+        return [int(t) for t in drafts[:k] if 0 <= int(t) < vocab]
+
+    @staticmethod
+    def _pause_if_unlucky(job: Job) -> None:
+        # The fallback when drafts keep missing (a chat, not an edit): after 16 drafted tokens
+        # with under 1 in 8 accepted, stop drafting for 32 steps, then try again. It depends on
+        # this job's own history alone.
+        drafted, accepted = job.window
+        if drafted >= 16 and accepted * 8 < drafted:
+            job.draft_pause = 32
+            job.window = [0, 0]
 
     def _argmax(self, logits) -> list:
         """Row-wise argmax; large passes split over threads (numpy lets go of the GIL)."""

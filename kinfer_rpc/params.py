@@ -104,8 +104,13 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
         seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
     )
     ignore_eos = f.bool("ignoreEos", False)
+    drafts = f.int("drafts", None, lo=0, hi=64)
+    policy = f.str("draftPolicy", None)
     f.done()
-    return GenerateOptions(max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sampling=sampling)
+    return GenerateOptions(
+        max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sampling=sampling,
+        drafts=drafts, draft_policy=policy,
+    )
 
 
 def messages(value) -> list[dict]:

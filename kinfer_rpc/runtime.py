@@ -34,6 +34,7 @@ class Loaded:
     ready: anyio.Event
     error: Exception | None = None
     source: str = ""
+    draft_policy: str | None = None
     defaults: dict = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
 
@@ -58,7 +59,12 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
         flash_attention=f.bool("flashAttention", True),
     )
-    extra = {"maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20), "verify": f.bool("verify", None)}
+    extra = {
+        "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
+        "verify": f.bool("verify", None),
+        "draftPolicy": f.str("draftPolicy", None),
+        "drafts": f.int("drafts", None, lo=0, hi=64),
+    }
     f.done()
     if opts.slots > opts.batch:
         raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
@@ -105,6 +111,8 @@ class Runtime:
             "ubatch": entry.options.ubatch,
             "gpuLayers": entry.options.gpu_layers,
             "flashAttention": entry.options.flash_attention,
+            "draftPolicy": entry.draft_policy,
+            "drafts": entry.options.drafts,
         }
 
     async def _load(self, ctx, name, backend_name, options) -> Loaded:
@@ -113,6 +121,18 @@ class Runtime:
         if existing is None:
             opts, extra = _load_options(options, ref.context_length)
             backend = self._backend_for(ref.format, backend_name)
+            policy = extra["draftPolicy"]
+            if policy is not None and policy != "none" and policy not in self.plugins.draft_policies:
+                raise errors.invalid_params(
+                    f"unknown draft policy {policy!r}; available: "
+                    f"{', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
+                )
+            drafts = extra["drafts"]
+            if drafts is None:
+                # Room for the backend's default is kept even without a load-wide policy, so a
+                # request can still ask for drafting.
+                drafts = getattr(backend, "default_drafts", 4)
+            opts = attrs.evolve(opts, drafts=drafts)
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
             await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
@@ -154,7 +174,8 @@ class Runtime:
             on_ready=on_ready,
         )
         entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source,
-                       defaults=dict(ref.defaults), system=ref.system)
+                       defaults=dict(ref.defaults), system=ref.system,
+                       draft_policy=None if policy == "none" else policy)
         self.loaded[ref.name] = entry
         if ctx is not None:
             await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
@@ -287,7 +308,26 @@ class Runtime:
         ids = model.tokenize(text, add, parse_special)
         return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
 
+    def _drafting(self, entry: Loaded, opts):
+        """The request's draft policy and count: the load's, unless the request overrides."""
+        name = opts.draft_policy if opts.draft_policy is not None else entry.draft_policy
+        if name in (None, "none"):
+            return attrs.evolve(opts, draft_policy=None, drafts=0)
+        policy = self.plugins.draft_policies.get(name)
+        if policy is None:
+            raise errors.invalid_params(
+                f"unknown draft policy {name!r}; available: {', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
+            )
+        drafts = entry.options.drafts if opts.drafts is None else opts.drafts
+        if drafts > entry.options.drafts:
+            raise errors.invalid_params(
+                f"options.drafts ({drafts}) exceeds what the model was loaded for ({entry.options.drafts}); "
+                "load it with a larger drafts option"
+            )
+        return attrs.evolve(opts, draft_policy=policy, drafts=drafts)
+
     async def _run(self, ctx, entry: Loaded, ids: list[int], opts) -> dict:
+        opts = self._drafting(entry, opts)
         done = anyio.Event()
         pieces: list = []
         wake = anyio.Event()

@@ -34,6 +34,7 @@ class LoadOptions:
     flash_attention: bool = True
     kv_unified: bool = False
     host_tensors: tuple[str, ...] = ()
+    drafts: int = 0  # most draft tokens one sequence checks in a pass (outputs per sequence - 1)
 
 
 @attrs.frozen

@@ -130,6 +130,8 @@ class LlamaModel:
             L.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.kv_unified = options.kv_unified
+        # A sequence checking k drafts needs k + 1 logits rows in one pass.
+        cparams.n_outputs_max_per_seq = max(1, options.drafts + 1)
         cparams.no_perf = True
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -258,6 +260,10 @@ class LlamaBackend:
 
     name = "llama"
     formats = ("gguf",)
+    # Draft tokens checked per step when a load names a draft policy but no count. A pass over
+    # k+1 positions costs about one position's pass on a GPU for small k (the weights are read
+    # once); measured in docs/performance.md.
+    default_drafts = 4
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
         return LlamaModel(path, options, progress)

@@ -112,10 +112,16 @@ class Model:
     path: str
     size_bytes: int
     loaded: bool
+    architecture: str | None = None
+    parameters: int | None = None
+    quantization: str | None = None
+    context_length: int | None = None
+    error: str | None = None  # set when the file could not be read
 
     @classmethod
     def from_json(cls, m: dict) -> "Model":
-        return cls(m["name"], m["source"], m["format"], m["path"], m["sizeBytes"], m["loaded"])
+        return cls(m["name"], m["source"], m["format"], m["path"], m.get("sizeBytes", 0), m.get("loaded", False),
+                   m.get("architecture"), m.get("parameters"), m.get("quantization"), m.get("contextLength"), m.get("error"))
 
 
 @attrs.frozen

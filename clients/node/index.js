@@ -1,0 +1,249 @@
+// A small Node client for kinfer-rpc on vscode-jsonrpc (the library VS Code's language clients use).
+//
+//   import { KinferClient } from 'kinfer-rpc-client';
+//   const kinfer = await KinferClient.start();
+//   const reply = await kinfer.chat([{ role: 'user', content: 'Hi' }], { options: { maxTokens: 50 } });
+//   for await (const piece of kinfer.streamChat([{ role: 'user', content: 'Hi' }])) process.stdout.write(piece);
+//   await kinfer.close();
+//
+// Cancel with a CancellationTokenSource (`{ token }`) or by breaking out of a stream: vscode-jsonrpc
+// sends `$/cancelRequest` and the call rejects with a ResponseError whose code is -32800.
+
+import { spawn } from 'node:child_process';
+import rpc from 'vscode-jsonrpc/node.js';
+
+const {
+  CancellationTokenSource,
+  ProgressType,
+  ResponseError,
+  StreamMessageReader,
+  StreamMessageWriter,
+  createMessageConnection,
+} = rpc;
+
+export { CancellationTokenSource, ResponseError };
+
+/** The error code of a cancelled request (LSP's RequestCancelled). */
+export const REQUEST_CANCELLED = -32800;
+
+const progressType = new ProgressType();
+let tokens = 0;
+
+/**
+ * @typedef {{ role: string, content: string }} ChatMessage
+ * @typedef {{ text: string, tokens: number[], stopReason: string, seed: number,
+ *             usage: { promptTokens: number, completionTokens: number },
+ *             timings: { queueMs: number, promptMs: number, generateMs: number, tokensPerSecond: number },
+ *             model: string }} InferenceResult
+ * @typedef {{ model?: string, options?: Record<string, unknown>,
+ *             onPiece?: (text: string, value: { text: string, tokens: number[] }) => void,
+ *             token?: import('vscode-jsonrpc').CancellationToken }} CallOptions
+ * @typedef {{ command?: string, args?: string[], env?: NodeJS.ProcessEnv, cwd?: string,
+ *             initializationOptions?: Record<string, unknown>, stderr?: 'inherit' | 'ignore' | 'pipe' }} StartOptions
+ */
+
+export class KinferClient {
+  /**
+   * Spawn `kinfer-rpc` ($KINFER_RPC, or from PATH) and initialize it.
+   * @param {StartOptions} [opts]
+   * @returns {Promise<KinferClient>}
+   */
+  static async start(opts = {}) {
+    const command = opts.command ?? process.env.KINFER_RPC ?? 'kinfer-rpc';
+    const child = spawn(command, [...(opts.args ?? []), '--clientProcessId', String(process.pid)], {
+      stdio: ['pipe', 'pipe', opts.stderr ?? 'inherit'],
+      env: opts.env ?? process.env,
+      cwd: opts.cwd,
+    });
+    const exited = new Promise((resolve) => child.once('exit', (code, signal) => resolve(code ?? signal)));
+    await new Promise((resolve, reject) => {
+      child.once('spawn', resolve);
+      child.once('error', reject);
+    });
+    const connection = createMessageConnection(new StreamMessageReader(child.stdout), new StreamMessageWriter(child.stdin));
+    connection.listen();
+    const client = new KinferClient(child, connection, exited);
+    try {
+      client.serverInfo = await connection.sendRequest('initialize', {
+        processId: process.pid,
+        clientInfo: { name: 'kinfer-rpc-client (node)' },
+        capabilities: {},
+        initializationOptions: opts.initializationOptions ?? {},
+      });
+      await connection.sendNotification('initialized', {});
+    } catch (error) {
+      child.kill();
+      connection.dispose();
+      throw error;
+    }
+    return client;
+  }
+
+  /** @private */
+  constructor(child, connection, exited) {
+    /** The server process. */
+    this.process = child;
+    /** The vscode-jsonrpc MessageConnection, for anything this class does not wrap. */
+    this.connection = connection;
+    /** @type {any} the initialize result: serverInfo, protocolVersion, capabilities */
+    this.serverInfo = undefined;
+    this.exited = exited;
+    this.closed = false;
+  }
+
+  get capabilities() {
+    return this.serverInfo?.capabilities ?? {};
+  }
+
+  /** Any request: resolves with the result, rejects with a ResponseError. */
+  request(method, params, token) {
+    // (vscode-jsonrpc sends a lone undefined or null as `[null]`: leave params out instead)
+    const args = [...(params == null ? [] : [params]), ...(token ? [token] : [])];
+    return this.connection.sendRequest(method, ...args);
+  }
+
+  notify(method, params) {
+    return params == null ? this.connection.sendNotification(method) : this.connection.sendNotification(method, params);
+  }
+
+  /** @returns {Promise<Array<{ name: string, source: string, format: string, path: string, sizeBytes: number, loaded: boolean }>>} */
+  async models() {
+    return (await this.request('model/list', {})).models;
+  }
+
+  /**
+   * Load a model (the default without a name). `onProgress` gets the work-done values
+   * ({ kind: 'begin' | 'report' | 'end', title?, message?, percentage? }).
+   */
+  async load(model, { options, backend, onProgress, token } = {}) {
+    const params = { ...(model ? { model } : {}), ...(backend ? { backend } : {}), ...(options ? { options } : {}) };
+    if (!onProgress) return this.request('model/load', params, token);
+    const workDoneToken = `load-${++tokens}`;
+    const handler = this.connection.onProgress(progressType, workDoneToken, onProgress);
+    try {
+      return await this.request('model/load', { ...params, workDoneToken }, token);
+    } finally {
+      handler.dispose();
+    }
+  }
+
+  async status(model) {
+    return (await this.request('model/status', model ? { model } : {})).models;
+  }
+
+  /**
+   * inference/generate. With `onPiece`, pieces are streamed to it as they come.
+   * @param {string} prompt
+   * @param {CallOptions} [opts]
+   * @returns {Promise<InferenceResult>}
+   */
+  generate(prompt, opts = {}) {
+    return this.#call('inference/generate', { prompt }, opts);
+  }
+
+  /**
+   * inference/chat. With `onPiece`, pieces are streamed to it as they come.
+   * @param {ChatMessage[]} messages
+   * @param {CallOptions} [opts]
+   * @returns {Promise<InferenceResult>}
+   */
+  chat(messages, opts = {}) {
+    return this.#call('inference/chat', { messages }, opts);
+  }
+
+  /**
+   * `for await (const piece of kinfer.streamChat(messages, opts))`. Breaking out of the loop
+   * cancels the request; `.result` is the promise of the final result; `.cancel()` cancels.
+   * @param {ChatMessage[]} messages
+   * @param {CallOptions} [opts]
+   */
+  streamChat(messages, opts = {}) {
+    return this.#stream('inference/chat', { messages }, opts);
+  }
+
+  /** @param {string} prompt @param {CallOptions} [opts] */
+  streamGenerate(prompt, opts = {}) {
+    return this.#stream('inference/generate', { prompt }, opts);
+  }
+
+  async #call(method, fields, { model, options, onPiece, token } = {}) {
+    const params = { ...fields, ...(model ? { model } : {}), ...(options ? { options } : {}) };
+    if (!onPiece) return this.request(method, params, token);
+    const partialResultToken = `stream-${++tokens}`;
+    const handler = this.connection.onProgress(progressType, partialResultToken, (value) => {
+      if (value?.text) onPiece(value.text, value);
+    });
+    try {
+      return await this.request(method, { ...params, partialResultToken }, token);
+    } finally {
+      handler.dispose();
+    }
+  }
+
+  #stream(method, fields, opts) {
+    const source = new CancellationTokenSource();
+    opts.token?.onCancellationRequested(() => source.cancel());
+    const queue = [];
+    let wake = null;
+    let finished = false;
+    let failure = null;
+    const result = this.#call(method, fields, {
+      ...opts,
+      token: source.token,
+      onPiece: (text) => {
+        queue.push(text);
+        wake?.();
+      },
+    });
+    result.then(
+      () => { finished = true; wake?.(); },
+      (error) => { finished = true; failure = error; wake?.(); },
+    );
+    return {
+      result,
+      cancel: () => source.cancel(),
+      [Symbol.asyncIterator]() {
+        return this;
+      },
+      async next() {
+        for (;;) {
+          if (queue.length) return { value: queue.shift(), done: false };
+          if (finished) {
+            if (failure) throw failure;
+            return { value: undefined, done: true };
+          }
+          await new Promise((resolve) => { wake = resolve; });
+          wake = null;
+        }
+      },
+      async return() {
+        if (!finished) source.cancel();
+        return { value: undefined, done: true };
+      },
+    };
+  }
+
+  /** shutdown, exit, and wait for the process: resolves with its exit code (0 when clean). */
+  async close(timeoutMs = 10000) {
+    if (this.closed) return this.exited;
+    this.closed = true;
+    let timer;
+    const timeout = new Promise((resolve) => { timer = setTimeout(resolve, timeoutMs, 'timeout'); });
+    try {
+      if (this.process.exitCode === null) {
+        await Promise.race([this.request('shutdown'), timeout]);
+        await this.notify('exit');
+      }
+    } catch {
+      // the server is gone already
+    }
+    const code = await Promise.race([this.exited, timeout]);
+    clearTimeout(timer);
+    this.connection.dispose();
+    if (code === 'timeout') {
+      this.process.kill('SIGKILL');
+      return this.exited;
+    }
+    return code;
+  }
+}

@@ -58,6 +58,7 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         threads=f.int("threads", None, lo=1, hi=1024),
         gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
         flash_attention=f.bool("flashAttention", True),
+        kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
     )
     extra = {
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),

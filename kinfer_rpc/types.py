@@ -35,6 +35,7 @@ class LoadOptions:
     kv_unified: bool = False
     host_tensors: tuple[str, ...] = ()
     drafts: int = 0  # most draft tokens one sequence checks in a pass (outputs per sequence - 1)
+    kv_type: str | None = None  # KV cache cell type ("f16", "q8_0"); None: the backend's choice
 
 
 @attrs.frozen

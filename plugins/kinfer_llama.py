@@ -22,6 +22,7 @@ log = logging.getLogger("kinfer_rpc.llama")
 _init_lock = threading.Lock()
 _initialised = False
 _log_callback = None  # kept alive: llama.cpp holds the pointer
+_KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 
 
 def _llama():
@@ -100,6 +101,7 @@ class LlamaModel:
         L = self.L = _llama()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
+        self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
         if options.host_tensors:
             raise NotImplementedError("keeping tensors in host memory is not supported yet")
 
@@ -130,6 +132,15 @@ class LlamaModel:
             L.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.kv_unified = options.kv_unified
+        # The KV cache type decides which flash-attention kernel runs on the CPU. With f16 cells
+        # ggml picks by the pass's shape: a tiled kernel for 64+ rows of one sequence, a split-KV
+        # kernel for a lone one-row sequence over 512+ cells, a row-by-row one otherwise; each
+        # rounds differently, so a reply would depend on how it was scheduled. With q8_0 cells
+        # every pass takes the row-by-row kernel: replies are the same however they are batched
+        # or chunked (tests/test_invariance.py). The GPU keeps f16 unless asked.
+        kv_type = options.kv_type or ("q8_0" if self.on_cpu else "f16")
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
+        self.kv_type = kv_type
         # A sequence checking k drafts needs k + 1 logits rows in one pass.
         cparams.n_outputs_max_per_seq = max(1, options.drafts + 1)
         cparams.no_perf = True
@@ -244,6 +255,8 @@ class LlamaModel:
         return {
             "modelBytes": self.info.size_bytes,
             "contextCells": int(self.L.llama_n_ctx(self.ctx)),
+            "kvType": self.kv_type,
+            "device": "cpu" if self.on_cpu else "gpu",
         }
 
     def close(self) -> None:

@@ -1,0 +1,154 @@
+"""Speculative decoding: tok/s with and without a draft policy, on an edit and a chat workload,
+and the cost of one pass checking k drafts (the curve of step time over k).
+
+    python bench/drafts_bench.py [MODEL.gguf] [--drafts 4,8] [--curve MODEL.gguf]
+
+Edit: a code file in the prompt and the request to return it with a small change (editors and
+agents rewrite text they were given). Chat: an open question. Greedy, one request at a time,
+through the engine on its worker thread. Replies are compared token for token with drafting off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+
+import llama_cpp  # noqa: E402,F401  (load llama.cpp before numpy: see engine_bench.py)
+
+import attrs  # noqa: E402
+
+from kinfer_drafts import NgramPolicy  # noqa: E402
+from kinfer_llama import LlamaBackend  # noqa: E402
+from kinfer_rpc import chat  # noqa: E402
+from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+
+CODE = '''import math
+
+
+def area(radius):
+    """The area of a circle."""
+    return math.pi * radius ** 2
+
+
+def circumference(radius):
+    """The circumference of a circle."""
+    return 2 * math.pi * radius
+
+
+def describe(radius):
+    a = area(radius)
+    c = circumference(radius)
+    return f"radius {radius}: area {a:.2f}, circumference {c:.2f}"
+
+
+if __name__ == "__main__":
+    for r in (1, 2, 3):
+        print(describe(r))
+'''
+
+WORKLOADS = {
+    "edit": "Here is a Python file:\n\n```python\n" + CODE + "```\n\nReturn the whole file, unchanged except "
+    "that the function `area` is renamed to `disc_area` everywhere.",
+    "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None) -> Engine:
+    opts = LoadOptions(context_length=2048, slots=1, batch=2048, ubatch=512, threads=threads,
+                       gpu_layers=gpu_layers, drafts=max_drafts)
+    ready = threading.Event()
+    engine = Engine(lambda p: LlamaBackend().load(model, opts, p), lambda fn: fn(), on_ready=lambda e: ready.set())
+    engine.start()
+    ready.wait()
+    return engine
+
+
+def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
+    done = threading.Event()
+    job = Job(prompt, options, on_done=lambda j: done.set())
+    engine.submit(job)
+    done.wait()
+    return job
+
+
+def workloads(args):
+    engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads)
+    info = engine.model.info
+    base = GenerateOptions(max_tokens=args.max_tokens, sampling=SamplingOptions(temperature=0.0))
+    for name, text in WORKLOADS.items():
+        rendered = chat.render(engine.template, [{"role": "user", "content": text}], bos=info.bos_text, eos=info.eos_text)
+        prompt = engine.model.tokenize(rendered, False, True)
+        run(engine, prompt[:16], attrs.evolve(base, max_tokens=4))  # warm up
+        plain = run(engine, prompt, base)
+        plain_tps = plain.result()["timings"]["tokensPerSecond"]
+        print(json.dumps({"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated),
+                          "tps": plain_tps}), flush=True)
+        for k in args.drafts:
+            job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=NgramPolicy()))
+            r = job.result()
+            u = r["usage"]
+            print(json.dumps({
+                "workload": name, "policy": "ngram", "drafts": k, "tokens": len(job.generated),
+                "tps": r["timings"]["tokensPerSecond"],
+                "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
+                "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
+                "same_reply": job.generated == plain.generated,
+            }), flush=True)
+    engine.stop()
+
+
+def curve(args):
+    """Step time of one pass over 1 + k positions of one sequence, k = 0..16."""
+    opts = LoadOptions(context_length=4096, slots=1, batch=2048, ubatch=512, threads=args.threads,
+                       gpu_layers=args.gpu_layers, drafts=16)
+    model = LlamaBackend().load(args.curve, opts, lambda f: None)
+    prompt = [(17 * i) % (model.info.n_vocab - 10) + 5 for i in range(256)]
+    model.decode([SeqChunk(0, 0, prompt, 1)])()
+    base = None
+    for k in range(0, 17):
+        times = []
+        for rep in range(args.reps):
+            pos = len(prompt)
+            t = time.perf_counter()
+            model.decode([SeqChunk(0, pos, prompt[: k + 1], k + 1)])()
+            times.append(time.perf_counter() - t)
+            model.seq_remove(0, pos, -1)
+        ms = sorted(times)[len(times) // 2] * 1000
+        base = base or ms
+        print(json.dumps({"curve": os.path.basename(args.curve), "k": k, "step_ms": round(ms, 3),
+                          "vs_k0": round(ms / base, 3)}), flush=True)
+    model.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--drafts", default="4,8")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--gpu-layers", type=int, default=-1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--curve", default=None, help="a model to measure the k-curve on")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    args.drafts = [int(x) for x in args.drafts.split(",")]
+    if args.model is None and args.curve is None:
+        from kinfer_rpc.store import embedded_default_path
+
+        args.model = embedded_default_path()
+    if args.model:
+        workloads(args)
+    if args.curve:
+        curve(args)
+
+
+if __name__ == "__main__":
+    main()

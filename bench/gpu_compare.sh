@@ -24,3 +24,6 @@ for shape in "${@:-1b 7b}"; do
       --label "$s-shaped Q4_K_M, H200" ${KVU:+--kvu} | tee -a "$OUT/compare.md"
   done
 done
+# The cost of a pass checking k drafts vs one (speculative decoding), on the largest shape.
+last=$(echo ${@:-1b 7b} | awk '{print $NF}')
+python3 bench/drafts_bench.py --curve /tmp/m-$last.gguf --gpu-layers 99 --threads 8 | tee -a "$OUT/curve.jsonl"

@@ -44,33 +44,42 @@ def main():
     ap.add_argument("--npp", type=int, default=128)
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", default="1,8,32,128")
-    ap.add_argument("--kvu", action="store_true")
+    ap.add_argument("--kvu", action="store_true", help="llama-batched-bench -kvu and kinfer's unified buffer")
+    ap.add_argument("--pool", action="store_true",
+                    help="kinfer with its prefix pool (on per-slot streams) against llama-batched-bench -kvu")
     ap.add_argument("--label", default="")
+    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
+                    help="KV cells for both sides (kinfer's CPU default is q8_0, for invariance)")
     args = ap.parse_args()
     npl = [int(x) for x in args.npl.split(",")]
     t = str(args.threads)
 
     tg = jsonl([os.path.join(args.tools, "llama-bench"), "-m", args.model, "-p", "0", "-n", str(args.ntg),
-                "-fa", "1", "-t", t, "-ngl", str(args.ngl), "-r", "3", "-o", "jsonl"])
+                "-fa", "1", "-t", t, "-ngl", str(args.ngl), "-r", "3", "-o", "jsonl",
+                "-ctk", args.kv_type, "-ctv", args.kv_type])
     llama_tg = next(r["avg_ts"] for r in tg if r.get("n_gen") == args.ntg)
     ctx = max(npl) * (args.npp + args.ntg + 8)
     bb_cmd = [os.path.join(args.tools, "llama-batched-bench"), "-m", args.model, "-c", str(ctx), "-b", "2048",
               "-ub", "512", "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", args.npl, "-fa", "on",
-              "-t", t, "-tb", t, "-ngl", str(args.ngl), "--output-format", "jsonl"]
-    if args.kvu:
+              "-t", t, "-tb", t, "-ngl", str(args.ngl), "--output-format", "jsonl",
+              "-ctk", args.kv_type, "-ctv", args.kv_type]
+    if args.kvu or args.pool:
         bb_cmd.append("-kvu")
     bb = {r["pl"]: r for r in jsonl(bb_cmd) if "speed_tg" in r}
 
     ours_cmd = [sys.executable, os.path.join(HERE, "engine_bench.py"), args.model, "--npp", str(args.npp),
-                "--ntg", str(args.ntg), "--npl", args.npl, "--threads", t, "--gpu-layers", str(args.ngl), "--tg"]
+                "--ntg", str(args.ntg), "--npl", args.npl, "--threads", t, "--gpu-layers", str(args.ngl), "--tg",
+                "--kv-type", args.kv_type]
     if args.kvu:
         ours_cmd.append("--kvu")
+    ours_cmd += ["--prefix", str(1 << 30 if args.pool else -1)]
     ours = jsonl(ours_cmd)
     ours_tg = next(r for r in ours if r["case"] == "tg")
     ours_bb = {r["npl"]: r for r in ours if r["case"] == "batched"}
 
     label = args.label or os.path.basename(args.model)
-    print(f"\n#### {label}{' (-kvu)' if args.kvu else ''}\n")
+    mode = " (kinfer's prefix pool vs -kvu)" if args.pool else " (-kvu)" if args.kvu else " (prefix -1 vs no -kvu)"
+    print(f"\n#### {label}{mode}, {args.kv_type} KV cells on both sides\n")
     print("| case | llama.cpp tok/s | kinfer tok/s | kinfer / llama.cpp |")
     print("|---|---:|---:|---:|")
     print(f"| single stream, tg{args.ntg} (llama-bench) | {llama_tg:,.1f} | {ours_tg['decode_tps']:,.1f} | "

@@ -43,10 +43,11 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         gpu_layers=args.gpu_layers,
         flash_attention=True,
         kv_unified=args.kvu,
+        kv_type=args.kv_type,
     )
     ready = threading.Event()
     engine = Engine(lambda p: LlamaBackend().load(model, opts, p), lambda fn: fn(), batch=args.batch,
-                    on_ready=lambda exc: ready.set())
+                    on_ready=lambda exc: ready.set(), prefix=args.prefix)
     engine.start()
     ready.wait()
     if engine.model is None:
@@ -87,6 +88,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "npp": npp,
         "ntg": ntg,
         "kvu": args.kvu,
+        "prefix": args.prefix,
         "prompt_s": round(t_prompt, 4),
         "prompt_tps": round(npl * npp / t_prompt, 2),
         "decode_s": round(t_decode, 4),
@@ -107,6 +109,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gpu-layers", type=int, default=-1)
     ap.add_argument("--kvu", action="store_true", help="one unified KV buffer (llama-batched-bench -kvu)")
+    ap.add_argument("--kv-type", default=None, choices=["f16", "q8_0"])
+    ap.add_argument("--prefix", type=int, default=-1, help="the prefix pool's token budget (-1: off, compaction)")
     ap.add_argument("--tg", action="store_true", help="also the single-stream case shaped like llama-bench tg")
     args = ap.parse_args()
     if args.tg:

@@ -23,6 +23,7 @@ import attrs
 
 from . import errors
 from .sampling import SamplingOptions, sample
+from .slots import Slots
 from .textstream import TextStream
 from .types import LoadedModel, SeqChunk
 
@@ -66,6 +67,7 @@ class Job:
     drafted: int = 0  # draft tokens proposed over the whole reply
     accepted: int = 0  # ... and accepted
     draft_pause: int = 0  # steps left without drafting (the low-acceptance fallback)
+    cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
 
     def __attrs_post_init__(self):
@@ -85,6 +87,7 @@ class Job:
             "usage": {
                 "promptTokens": len(self.prompt),
                 "completionTokens": n,
+                "cachedTokens": self.cached,
                 "draftTokens": self.drafted,
                 "draftAccepted": self.accepted,
             },
@@ -111,6 +114,7 @@ class Engine:
         *,
         batch: int = 2048,
         max_queue: int = 4096,
+        prefix: int = -1,
         on_progress: Callable[[float], None] | None = None,
         on_ready: Callable[[Exception | None], None] | None = None,
     ):
@@ -118,6 +122,7 @@ class Engine:
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
+        self.prefix = prefix  # tokens of finished conversations kept (-1: none, and compaction)
         self._on_progress = on_progress
         self._on_ready = on_ready
         self.model: LoadedModel | None = None
@@ -129,7 +134,7 @@ class Engine:
         self._eog: frozenset = frozenset()
         self._pool = None  # threads for the argmax of large passes
         self._drafts_total = [0, 0]  # drafted, accepted over the life of the load
-        self._free: list[int] = []
+        self.slots: Slots | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
         self._decoded = collections.deque(maxlen=64)  # (time, tokens generated) per step
@@ -156,6 +161,12 @@ class Engine:
                 f" per slot (at least one token must be left for the reply)",
                 {"promptTokens": len(job.prompt), "contextLength": info.context_length},
             )
+        if job.options.max_tokens == 0:  # nothing to generate: answer without a pass
+            job.stop_reason = "length"
+            job.t_start = job.t_end = time.perf_counter()
+            if job.on_done:
+                self._post(lambda: job.on_done(job))
+            return
         with self._cond:
             if len(self._queue) >= self.max_queue:
                 raise errors.KinferError(
@@ -187,7 +198,10 @@ class Engine:
             "slots": info.slots if info else 0,
             "slotsBusy": len(active),
             "queueLength": len(self._queue),
-            "cellsUsed": sum(j.n_past for j in active),
+            "cellsUsed": sum(j.n_past for j in active) + (self.slots.kept_tokens() if self.slots else 0),
+            "prefix": self.prefix,
+            "cachedTokens": self.slots.kept_tokens() if self.slots else 0,
+            "prefixHits": self.slots.hits if self.slots else 0,
             "tokensPerSecond": round(tps, 2),
             "steps": self.steps,
             "draftTokens": self._drafts_total[0],
@@ -201,7 +215,7 @@ class Engine:
         progress = self._on_progress or (lambda f: None)
         self.model = self._load(lambda f: self._post(lambda: progress(f)))
         self.template = self.model.chat_template()
-        self._free = list(range(self.model.info.slots))
+        self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
 
     def _run(self) -> None:
@@ -210,7 +224,7 @@ class Engine:
         except Exception as exc:
             log.exception("model load failed")
             if self._on_ready:
-                self._post(lambda: self._on_ready(exc))
+                self._post(lambda error=exc: self._on_ready(error))  # `exc` is unbound after except
             return
         if self._on_ready:
             self._post(lambda: self._on_ready(None))
@@ -254,14 +268,13 @@ class Engine:
             for job in [j for j in self._queue if j.cancelled]:
                 self._queue.remove(job)
                 self._finish(job, "cancelled", events)
-            # Join: lowest free slot first.
-            while self._queue and self._free:
+            # Join: each waiting job takes a slot (and whatever prefix the pool holds for it).
+            while self._queue and self.slots.free:
                 job = self._queue.popleft()
-                self._free.sort()
-                job.slot = self._free.pop(0)
                 job.t_start = time.perf_counter()
-                self.model.seq_remove(job.slot)
+                self.slots.take(job, self._active)
                 self._active.append(job)
+            self.slots.compact(self._active)
         chunks, owners = self._plan()
         wait = self.model.decode(chunks) if chunks else None
         # While the device runs this pass, turn the previous step's tokens into text. A stop
@@ -328,7 +341,13 @@ class Engine:
                     token = best[r + i]
                 else:
                     history = job.prompt + job.generated
-                    token = sample(logits[r + i], history, len(history), job.options.sampling)
+                    try:
+                        token = sample(logits[r + i], history, len(history), job.options.sampling)
+                    except Exception as exc:  # one request's options must not stop the engine
+                        log.exception("sampling failed")
+                        job.error = errors.KinferError(errors.INVALID_PARAMS, f"sampling failed with these options: {exc}")
+                        self._finish(job, None, events)
+                        break
                 produced += 1
                 taken += 1
                 # The sampled token will sit right after the row's own token.
@@ -389,12 +408,14 @@ class Engine:
 
     @staticmethod
     def _pause_if_unlucky(job: Job) -> None:
-        # The fallback when drafts keep missing (a chat, not an edit): after 16 drafted tokens
-        # with under 1 in 8 accepted, stop drafting for 32 steps, then try again. It depends on
-        # this job's own history alone.
+        # The fallback when drafts keep missing (a chat, not an edit): once 16 drafted tokens
+        # have been checked with fewer than half accepted, draft nothing for 32 steps, then try
+        # again. A pass checking k drafts costs up to 2x a plain step (docs/performance.md), so
+        # below about half accepted drafting loses. The rule reads this job's own history only.
         drafted, accepted = job.window
-        if drafted >= 16 and accepted * 8 < drafted:
-            job.draft_pause = 32
+        if drafted >= 16:
+            if accepted * 2 < drafted:
+                job.draft_pause = 32
             job.window = [0, 0]
 
     def _argmax(self, logits) -> list:
@@ -437,6 +458,8 @@ class Engine:
         return False
 
     def _finish(self, job: Job, reason: str | None, events, release: bool = True) -> None:
+        if reason is None and job.stop_reason is None:
+            job.stop_reason = "error"  # job.error says what; nothing more is done for it
         if reason is not None:
             job.stop_reason = reason
             if reason != "cancelled":
@@ -455,9 +478,8 @@ class Engine:
         """Give the job's slot back (after any pass it was part of has finished)."""
         if job in self._active:
             self._active.remove(job)
-            self._free.append(job.slot)
             if self.model is not None:
-                self.model.seq_remove(job.slot)
+                self.slots.give_back(job, self._active)
 
     def _flush(self, events) -> None:
         if events:

@@ -33,7 +33,11 @@ class FrameError:
 
 def encode(message: dict) -> bytes:
     """One whole frame for a message."""
-    body = json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    try:
+        body = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate echoed back from the client: escape it
+        body = json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode("ascii")
     return b"Content-Length: %d\r\n\r\n" % len(body) + body
 
 
@@ -44,7 +48,7 @@ def _parse_body(body: bytes):
         return FrameError(errors.PARSE_ERROR, f"the body is not UTF-8: {exc}")
     try:
         message = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also over-long integer literals
         return FrameError(errors.PARSE_ERROR, f"the body is not JSON: {exc}")
     if isinstance(message, list):
         return FrameError(errors.INVALID_REQUEST, "JSON-RPC batches are not supported (as in LSP)")
@@ -76,9 +80,18 @@ class FrameReader:
         return True
 
     def _resync(self, start: int) -> None:
-        """Drop bytes up to the next Content-Length header after `start`."""
+        """Drop bytes up to the next Content-Length header at or after `start`.
+
+        Without one, keep only a tail too short to hold a header's end, so the same broken
+        block is never parsed twice and the next read brings new bytes."""
         m = _HEADER_START.search(self._buf, start)
-        del self._buf[: m.start() if m else max(0, len(self._buf) - 32)]
+        if m:
+            del self._buf[: m.start()]
+        else:
+            del self._buf[: max(0, len(self._buf) - (len(b"content-length:") - 1))]
+            end = self._buf.rfind(b"\r\n\r\n")
+            if end >= 0:
+                del self._buf[: end + 4]
 
     async def __aiter__(self) -> AsyncIterator[dict | FrameError]:
         while True:
@@ -97,7 +110,16 @@ class FrameReader:
             length, problem = _content_length(headers)
             if problem:
                 yield FrameError(errors.PARSE_ERROR, problem)
-                self._resync(1)
+                if length is None:
+                    # No length to trust: a Content-Length header later in this block may start
+                    # a frame (garbage glued in front of it); else look after this block.
+                    inner = _HEADER_START.search(self._buf, 1, end)
+                    self._resync(inner.start() if inner else end + 4)
+                    continue
+                # The length is known: skip the refused frame whole, body included.
+                del self._buf[: end + 4]
+                if not await self._skip(length):
+                    return
                 continue
             del self._buf[: end + 4]
             if length > self.max_frame:
@@ -127,25 +149,27 @@ class FrameReader:
                 return False
 
 
-def _content_length(headers: bytes) -> tuple[int, str | None]:
+def _content_length(headers: bytes) -> tuple[int | None, str | None]:
+    """The body's length (None if unknown) and what was wrong with the headers, if anything."""
     length = None
+    problem = None
     try:
         text = headers.decode("ascii")
     except UnicodeDecodeError:
-        return 0, "headers are not ASCII"
+        return None, "headers are not ASCII"
     for line in text.split("\r\n"):
         name, sep, value = line.partition(":")
         if not sep:
-            return 0, f"malformed header line {line[:80]!r}"
+            return None, f"malformed header line {line[:80]!r}"
         name, value = name.strip().lower(), value.strip()
         if name == "content-length":
-            if not value.isdigit():
-                return 0, f"Content-Length is not a number: {value[:40]!r}"
+            if not (value.isascii() and value.isdigit()):
+                return None, f"Content-Length is not a number: {value[:40]!r}"
             length = int(value)
         elif name == "content-type":
             charset = re.search(r"charset\s*=\s*([^;\s]+)", value, re.IGNORECASE)
             if charset and charset.group(1).strip("'\"").lower() not in ("utf-8", "utf8"):
-                return 0, f"unsupported charset {charset.group(1)!r} (only utf-8)"
+                problem = f"unsupported charset {charset.group(1)!r} (only utf-8)"
     if length is None:
-        return 0, "missing Content-Length header"
-    return length, None
+        return None, "missing Content-Length header"
+    return length, problem

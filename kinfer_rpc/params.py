@@ -66,6 +66,7 @@ class Fields:
             return default
         if not isinstance(v, str):
             raise self._bad(name, "a string")
+        _check_text(v, f"{self.where}.{name}")
         if choices is not None and v not in choices:
             raise self._bad(name, "one of " + ", ".join(sorted(choices)))
         return v
@@ -82,6 +83,13 @@ class Fields:
             )
 
 
+def _check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
+
+
 def generate_options(obj, seed_default: int) -> GenerateOptions:
     f = Fields(obj, "options")
     max_tokens = f.int("maxTokens", None, lo=0)
@@ -89,9 +97,12 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
+        _check_text(stop, "options.stop")
         stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stop = tuple(stop)
+        for s in stop:
+            _check_text(s, "options.stop")
     else:
         raise errors.invalid_params("options.stop must be a string or a list of strings")
     sampling = SamplingOptions(
@@ -99,7 +110,7 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
         top_k=f.int("topK", 40, lo=0),
         top_p=f.float("topP", 0.95, lo=0.0, hi=1.0),
         min_p=f.float("minP", 0.05, lo=0.0, hi=1.0),
-        repeat_penalty=f.float("repeatPenalty", 1.0, lo=0.0, hi=100.0),
+        repeat_penalty=f.float("repeatPenalty", 1.0, lo=0.01, hi=100.0),
         repeat_last_n=f.int("repeatLastN", 64, lo=-1),
         seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
     )
@@ -120,6 +131,8 @@ def messages(value) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise errors.invalid_params(f"messages[{i}] must be an object with string role and content")
+        _check_text(m["role"], f"messages[{i}].role")
+        _check_text(m["content"], f"messages[{i}].content")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

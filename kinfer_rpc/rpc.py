@@ -41,8 +41,20 @@ class RequestContext:
         if self.work_done_token is not None:
             await self.connection.notify("$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}})
 
+    def work_done_nowait(self, kind: str, **fields) -> None:
+        """The same, queued at once (for a request being cancelled, which must not await)."""
+        if self.work_done_token is not None:
+            self.connection.notify_nowait("$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}})
+
 
 Handler = Callable[..., Awaitable[Any]]
+
+
+def progress_token(value, where: str):
+    """LSP's ProgressToken: an integer or a string."""
+    if value is None or (isinstance(value, (int, str)) and not isinstance(value, bool)):
+        return value
+    raise errors.invalid_params(f"{where} must be an integer or a string")
 
 
 class Connection:
@@ -52,8 +64,9 @@ class Connection:
     (the lifecycle uses it). `send(message)` writes one message.
     """
 
-    def __init__(self, send: Callable[[dict], Awaitable[None]], handlers: dict[str, Handler], notifications: dict[str, Handler], gate=None):
+    def __init__(self, send: Callable[[dict], Awaitable[None]], handlers: dict[str, Handler], notifications: dict[str, Handler], gate=None, send_nowait: Callable[[dict], None] | None = None):
         self._send = send
+        self._send_nowait = send_nowait
         self._notifications = notifications
         self._gate = gate
         self._running: dict[Any, tuple[anyio.CancelScope, RequestContext]] = {}
@@ -64,7 +77,8 @@ class Connection:
 
     @staticmethod
     def _wrap(fn: Handler):
-        async def method(ctx: RequestContext, **params):
+        # Positional-only, so a param may be called `ctx` like anything else.
+        async def method(ctx: RequestContext, /, **params):
             try:
                 return Success(await fn(ctx, **params))
             except errors.KinferError as exc:
@@ -77,6 +91,14 @@ class Connection:
         if params is not None:
             message["params"] = params
         await self._send(message)
+
+    def notify_nowait(self, method: str, params=None) -> None:
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        if self._send_nowait is None:
+            raise RuntimeError("this connection has no way to send without waiting")
+        self._send_nowait(message)
 
     async def request(self, method: str, params=None, timeout: float = 30.0):
         """Send a request to the client and wait for its response (result, or raises)."""
@@ -170,8 +192,12 @@ class Connection:
             return
         ctx = RequestContext(self, rid, method)
         if isinstance(params, dict):
-            ctx.partial_result_token = params.pop("partialResultToken", None)
-            ctx.work_done_token = params.pop("workDoneToken", None)
+            try:
+                ctx.partial_result_token = progress_token(params.pop("partialResultToken", None), "params.partialResultToken")
+                ctx.work_done_token = progress_token(params.pop("workDoneToken", None), "params.workDoneToken")
+            except errors.KinferError as exc:
+                await self._error(rid, exc.code, exc.message, exc.data)
+                return
         scope = anyio.CancelScope()
         self._running[rid] = (scope, ctx)
         self._tg.start_soon(self._run, ctx, scope, {"jsonrpc": "2.0", "id": rid, "method": method, "params": params})

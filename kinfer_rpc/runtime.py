@@ -65,6 +65,9 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         "verify": f.bool("verify", None),
         "draftPolicy": f.str("draftPolicy", None),
         "drafts": f.int("drafts", None, lo=0, hi=64),
+        # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
+        # kept contiguous by compaction. Default: whatever the free slots hold.
+        "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
     }
     f.done()
     if opts.slots > opts.batch:
@@ -80,13 +83,13 @@ class Runtime:
         self._last: str | None = None
 
     # -- models ------------------------------------------------------------------------------
-    async def model_list(self, ctx, **p):
+    async def model_list(self, ctx, /, **p):
         params.Fields(p, "params").done()
         store = self.store
         described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
         return {"models": [{**d, "loaded": d["name"] in self.loaded} for d in described]}
 
-    async def model_load(self, ctx, **p):
+    async def model_load(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         backend = f.str("backend")
@@ -113,7 +116,8 @@ class Runtime:
             "gpuLayers": entry.options.gpu_layers,
             "flashAttention": entry.options.flash_attention,
             "draftPolicy": entry.draft_policy,
-            "drafts": entry.options.drafts,
+            "prefix": entry.engine.prefix,
+            "drafts": info.drafts,
         }
 
     async def _load(self, ctx, name, backend_name, options) -> Loaded:
@@ -128,17 +132,14 @@ class Runtime:
                     f"unknown draft policy {policy!r}; available: "
                     f"{', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
                 )
-            drafts = extra["drafts"]
-            if drafts is None:
-                # Room for the backend's default is kept even without a load-wide policy, so a
-                # request can still ask for drafting.
-                drafts = getattr(backend, "default_drafts", 4)
-            opts = attrs.evolve(opts, drafts=drafts)
+            # None lets the backend choose from what a pass over k+1 positions costs on its
+            # device; the count is fixed for the life of the load either way.
+            opts = attrs.evolve(opts, drafts=extra["drafts"])
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
             await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
-            if options:
+            if options is not None:
                 _load_options(options)  # still refuse bad options
             await existing.ready.wait()
             if existing.error is not None:
@@ -161,6 +162,8 @@ class Runtime:
 
         def on_progress(fraction):
             pct = int(fraction * 100)
+            if progress_sent[0] < 0:  # the request was cancelled: its progress has ended
+                return
             if pct >= progress_sent[0] + 10 or pct == 100:
                 progress_sent[0] = pct
                 if ctx is not None and ctx.work_done_token is not None:
@@ -171,6 +174,7 @@ class Runtime:
             loop.call_soon_threadsafe,
             batch=opts.batch,
             max_queue=extra["maxQueue"],
+            prefix=extra["prefix"] if extra["prefix"] is not None else opts.slots * opts.context_length,
             on_progress=on_progress,
             on_ready=on_ready,
         )
@@ -178,14 +182,23 @@ class Runtime:
                        defaults=dict(ref.defaults), system=ref.system,
                        draft_policy=None if policy == "none" else policy)
         self.loaded[ref.name] = entry
-        if ctx is not None:
-            await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
-        engine.start()
+        engine.start()  # first: whatever happens to this request, the load itself goes on
+        ending = "failed"
         try:
+            if ctx is not None:
+                await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
             await ready.wait()
+            ending = "loaded" if entry.error is None else "failed"
+        except BaseException:
+            # Cancelled: the load goes on (the next request for the model waits for it), but
+            # this request's progress ends here.
+            progress_sent[0] = -1
+            ending = "cancelled; the load goes on"
+            raise
         finally:
             if ctx is not None:
-                await ctx.work_done("end", message="loaded" if entry.error is None else "failed")
+                # Without awaiting: a cancelled task's send could be cancelled in turn.
+                ctx.work_done_nowait("end", message=ending)
         if entry.error is not None:
             self.loaded.pop(ref.name, None)
             raise entry.error
@@ -209,7 +222,7 @@ class Runtime:
                 return backend
         raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)")
 
-    async def model_unload(self, ctx, **p):
+    async def model_unload(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         f.done()
@@ -227,7 +240,7 @@ class Runtime:
         await anyio.to_thread.run_sync(entry.engine.stop)
         return None
 
-    async def model_status(self, ctx, **p):
+    async def model_status(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         f.done()
@@ -252,7 +265,7 @@ class Runtime:
             name = self._last
         return await self._load(None, name, None, None)
 
-    async def inference_generate(self, ctx, **p):
+    async def inference_generate(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         prompt = f.str("prompt")
@@ -275,7 +288,7 @@ class Runtime:
             ids = model.tokenize(prompt, add, True)
         return await self._run(ctx, entry, ids, opts)
 
-    async def inference_chat(self, ctx, **p):
+    async def inference_chat(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         messages = params.messages(f.raw("messages"))
@@ -294,7 +307,7 @@ class Runtime:
         ids = model.tokenize(text, add_bos, True)
         return await self._run(ctx, entry, ids, opts)
 
-    async def inference_tokenize(self, ctx, **p):
+    async def inference_tokenize(self, ctx, /, **p):
         f = params.Fields(p, "params")
         name = f.str("model")
         text = f.str("text")
@@ -319,10 +332,11 @@ class Runtime:
             raise errors.invalid_params(
                 f"unknown draft policy {name!r}; available: {', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
             )
-        drafts = entry.options.drafts if opts.drafts is None else opts.drafts
-        if drafts > entry.options.drafts:
+        loaded_for = entry.engine.model.info.drafts
+        drafts = loaded_for if opts.drafts is None else opts.drafts
+        if drafts > loaded_for:
             raise errors.invalid_params(
-                f"options.drafts ({drafts}) exceeds what the model was loaded for ({entry.options.drafts}); "
+                f"options.drafts ({drafts}) exceeds what the model was loaded for ({loaded_for}); "
                 "load it with a larger drafts option"
             )
         return attrs.evolve(opts, draft_policy=policy, drafts=drafts)

@@ -33,7 +33,7 @@ def _penalise(logits: np.ndarray, history, opts: SamplingOptions) -> np.ndarray:
     if opts.repeat_penalty == 1.0 or opts.repeat_last_n == 0 or not len(history):
         return logits
     recent = np.unique(np.asarray(history[-opts.repeat_last_n :] if opts.repeat_last_n > 0 else history))
-    logits = logits.copy()
+    logits = logits.astype(np.float64)  # a copy, in a type where the penalty can't overflow
     vals = logits[recent]
     logits[recent] = np.where(vals > 0, vals / opts.repeat_penalty, vals * opts.repeat_penalty)
     return logits
@@ -46,8 +46,8 @@ def sample(logits: np.ndarray, history, position: int, opts: SamplingOptions) ->
     Order as llama.cpp's default chain: penalties, top-k, temperature, top-p, min-p, draw.
     """
     logits = _penalise(logits, history, opts)
-    if opts.temperature <= 0:
-        return int(np.argmax(logits))
+    if opts.temperature <= 0 or not np.isfinite(logits).any():
+        return int(np.nanargmax(logits)) if np.isfinite(logits).any() else int(np.argmax(logits))
     n = logits.shape[0]
     k = opts.top_k if 0 < opts.top_k < n else n
     if k < n:
@@ -58,16 +58,20 @@ def sample(logits: np.ndarray, history, position: int, opts: SamplingOptions) ->
     vals = logits[idx].astype(np.float64)
     order = np.lexsort((idx, -vals))
     idx, vals = idx[order], vals[order]
-    vals = vals / opts.temperature
-    probs = np.exp(vals - vals[0])
-    probs /= probs.sum()
+    vals = (vals - vals[0]) / opts.temperature
+    probs = np.exp(vals)
+    total = probs.sum()
+    if not np.isfinite(total) or total <= 0.0:
+        # A temperature so small that everything but the best underflows: that is greedy.
+        return int(idx[0])
+    probs /= total
     if opts.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probs), opts.top_p)) + 1
+        cut = max(1, int(np.searchsorted(np.cumsum(probs), opts.top_p)) + 1)
         idx, probs = idx[:cut], probs[:cut]
     if opts.min_p > 0.0:
         keep = probs >= opts.min_p * probs[0]
         idx, probs = idx[keep], probs[keep]
-    probs = probs / probs.sum()
+    probs = probs / probs.sum()  # never empty: the best token always survives both cuts
     u = uniform(opts.seed, position)
     pick = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(idx[min(pick, len(idx) - 1)])

@@ -79,6 +79,7 @@ class Server:
             },
             {"initialized": self.initialized, "exit": self.exit},
             gate=self.gate,
+            send_nowait=self._send_nowait,
         )
 
     # -- output: one writer, whole frames ---------------------------------------------------
@@ -86,15 +87,23 @@ class Server:
         await self._out_send.send(message)
 
     def queue_notification(self, method: str, params) -> None:
+        self._send_nowait({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def _send_nowait(self, message: dict) -> None:
         try:
-            self._out_send.send_nowait({"jsonrpc": "2.0", "method": method, "params": params})
+            self._out_send.send_nowait(message)  # the stream is unbounded: this never blocks
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
 
     async def _writer(self) -> None:
         async for message in self._out_recv:
             try:
-                await self._write.send(encode(message))
+                frame = encode(message)
+            except Exception:  # a message we cannot encode is dropped, never the server
+                log.exception("could not encode a message; dropped it")
+                continue
+            try:
+                await self._write.send(frame)
             except Exception:
                 log.error("stdout is gone; stopping")
                 self._stop.set()
@@ -112,7 +121,7 @@ class Server:
             return errors.KinferError(errors.INVALID_REQUEST, f"{method}: the server is shutting down")
         return None
 
-    async def initialize(self, ctx, **p):
+    async def initialize(self, ctx, /, **p):
         from .params import Fields
 
         f = Fields(p, "params")
@@ -154,7 +163,7 @@ class Server:
     async def initialized(self, **_):
         return None
 
-    async def shutdown(self, ctx, **p):
+    async def shutdown(self, ctx, /, **p):
         from .params import Fields
 
         Fields(p, "params").done()

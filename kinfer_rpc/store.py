@@ -153,6 +153,13 @@ def _ollama_defaults(raw, where: str) -> tuple[dict, int | None]:
     return defaults, num_ctx
 
 
+def _exists(name: str) -> bool:
+    try:
+        return Path(name).exists()
+    except (OSError, ValueError):
+        return False
+
+
 class ModelStore:
     """Every model this machine can serve, by name."""
 
@@ -305,7 +312,7 @@ class ModelStore:
                 {"model": name, "candidates": [r.name for r in matches]},
             )
         if not matches:
-            if os.sep in name and Path(name).exists():
+            if os.sep in name and _exists(name):
                 return self._path_ref(name)
             raise errors.model_not_found(name, [r.name for r in refs])
         ref = matches[0]
@@ -315,8 +322,11 @@ class ModelStore:
 
     def _path_ref(self, name: str) -> ModelRef:
         """A path the user named: taken as it is; nothing else on the disk is reachable by path."""
-        path = Path(name).expanduser()
-        fmt = _format_of(path)
+        try:
+            path = Path(name).expanduser()
+            fmt = _format_of(path)
+        except (OSError, RuntimeError, ValueError):  # unknown ~user, a name too long, a NUL...
+            fmt = None
         if fmt is None:
             raise errors.model_not_found(name, [r.name for r in self.list()])
         path = Path(os.path.abspath(path))

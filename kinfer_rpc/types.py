@@ -34,7 +34,7 @@ class LoadOptions:
     flash_attention: bool = True
     kv_unified: bool = False
     host_tensors: tuple[str, ...] = ()
-    drafts: int = 0  # most draft tokens one sequence checks in a pass (outputs per sequence - 1)
+    drafts: int | None = 0  # draft tokens one sequence checks in a pass; None: the backend's choice
     kv_type: str | None = None  # KV cache cell type ("f16", "q8_0"); None: the backend's choice
 
 
@@ -71,6 +71,7 @@ class ModelInfo:
     bos_text: str = ""
     eos_text: str = ""
     add_bos: bool = False
+    drafts: int = 0  # draft tokens per step this load was made for (fixed for its life)
 
 
 @runtime_checkable

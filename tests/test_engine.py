@@ -28,10 +28,11 @@ WORDS = (
 ).split(" ")
 
 
-def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX) -> Engine:
+def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1) -> Engine:
     path = embedded_default_path()
     opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2)
-    engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch)
+    engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch,
+                    prefix=prefix)
     engine.load_model()
     return engine
 
@@ -83,8 +84,13 @@ def tokenize(text: str) -> tuple:
     return tuple(_alone_engine().model.tokenize(text, False, True))
 
 
+# Prompts often share a start (a system prompt, a file), so the prefix pool gets hits and misses.
+SHARED = ["You are a careful assistant. Answer briefly and exactly. " * 3, "def main():\n    print('hi')\n" * 4, ""]
+
 request = st.tuples(
-    st.lists(st.sampled_from(WORDS), min_size=1, max_size=120).map(" ".join),
+    st.tuples(st.sampled_from(SHARED), st.lists(st.sampled_from(WORDS), min_size=1, max_size=60).map(" ".join)).map(
+        "".join
+    ),
     st.integers(1, 12),  # max tokens
     st.sampled_from([0.0, 0.0, 0.7, 1.2]),  # greedy twice as often
     st.integers(0, 2**32),  # seed
@@ -99,9 +105,12 @@ request = st.tuples(
     slots=st.sampled_from([1, 2, 3, 8]),
     batch=st.sampled_from([16, 48, 512]),
     cancel=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), max_size=2),
+    prefix=st.sampled_from([-1, 0, 100000]),
 )
-def test_reply_is_the_same_alone_or_batched(requests, slots, batch, cancel):
-    engine = make_engine(slots=slots, batch=batch, ubatch=min(batch, 512))
+def test_reply_is_the_same_alone_or_batched(requests, slots, batch, cancel, prefix):
+    """Alone vs among others, with the prefix pool on (hits and misses) or off (compaction
+    moving slots), whatever the pass size, arrival step or cancelled neighbours."""
+    engine = make_engine(slots=slots, batch=batch, ubatch=min(batch, 512), prefix=prefix)
     try:
         jobs = [Job(list(tokenize(text)), _options(n, t, seed, stop)) for text, n, t, seed, _, stop in requests]
         arrivals = [r[4] for r in requests]
@@ -225,3 +234,59 @@ def test_cancel_frees_the_slot_at_the_next_step(engine4):
     status = engine4.status()
     assert status["slotsBusy"] == 0 and status["queueLength"] == 0
     assert all(j.stop_reason == "cancelled" for j in jobs)
+
+
+def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
+    engine = make_engine(slots=2, batch=64, prefix=100000)
+    try:
+        system = SHARED[0]
+        first = Job(list(tokenize(system + "Name a colour.")), _options(6, 0.0, 0))
+        run_until_done(engine, [first])
+        second_prompt = tokenize(system + "Name a fruit.")
+        second = Job(list(second_prompt), _options(6, 0.0, 0))
+        run_until_done(engine, [second])
+        assert second.cached > 10  # the system prompt's cells were kept and reused
+        assert second.result()["usage"]["cachedTokens"] == second.cached
+        assert engine.status()["prefixHits"] >= 1
+        assert (tuple(second.generated), second.text, second.stop_reason) == alone(second_prompt, 6, 0.0, 0)
+    finally:
+        engine.model.close()
+
+
+def test_prefix_pool_copies_a_busy_slots_prefix():
+    engine = make_engine(slots=2, batch=512, prefix=0)
+    try:
+        system = SHARED[1]
+        long_job = Job(list(tokenize(system + "explain")), _options(40, 0.0, 0))
+        engine.submit(long_job)
+        engine.step()
+        engine.step()
+        prompt = tokenize(system + "comment")
+        other = Job(list(prompt), _options(6, 0.0, 0))
+        run_until_done(engine, [other])
+        assert other.cached >= 8
+        assert (tuple(other.generated), other.text, other.stop_reason) == alone(prompt, 6, 0.0, 0)
+        engine.cancel(long_job)
+        engine.step()
+        assert engine.status()["cachedTokens"] == 0  # prefix 0 keeps nothing of finished ones
+    finally:
+        engine.model.close()
+
+
+def test_compaction_moves_the_highest_busy_slot_down():
+    engine = make_engine(slots=3, batch=512, prefix=-1)
+    try:
+        jobs = [Job(list(tokenize(f"story number {i}: once")), _options(n, 0.0, 0)) for i, n in enumerate((2, 30, 30))]
+        for job in jobs:
+            engine.submit(job)
+        while jobs[0].stop_reason is None:
+            engine.step()
+        engine.step()
+        assert sorted(j.slot for j in jobs[1:]) == [0, 1]  # no gap: slot 2 moved into 0
+        run_until_done(engine, [])
+        while any(j.stop_reason is None for j in jobs):
+            engine.step()
+        for job in jobs[1:]:
+            assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), 30, 0.0, 0)
+    finally:
+        engine.model.close()

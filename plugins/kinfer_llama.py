@@ -142,7 +142,8 @@ class LlamaModel:
         cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
         self.kv_type = kv_type
         # A sequence checking k drafts needs k + 1 logits rows in one pass.
-        cparams.n_outputs_max_per_seq = max(1, options.drafts + 1)
+        drafts = options.drafts if options.drafts is not None else self.default_drafts()
+        cparams.n_outputs_max_per_seq = drafts + 1
         cparams.no_perf = True
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -171,7 +172,17 @@ class LlamaModel:
             bos_text=self._special_text(L.llama_vocab_bos(self.vocab)),
             eos_text=self._special_text(L.llama_vocab_eos(self.vocab)),
             add_bos=bool(L.llama_vocab_get_add_bos(self.vocab)),
+            drafts=drafts,
         )
+
+    def default_drafts(self) -> int:
+        """Drafts per step when a load names no count, from the measured cost of a pass over
+        k+1 positions (docs/performance.md). On the H200 (7B shape) llama.cpp's CUDA
+        matrix-vector kernels pay for each row up to 8 (k=4: 1.77x one position), then the
+        matrix kernel takes over and 9 to 16 rows cost about 2.0x: 8 drafts for that price.
+        On the CPU each row costs little next to reading the weights; 4 keeps a missed draft
+        cheap."""
+        return 4 if self.on_cpu else 8
 
     # -- metadata ---------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -273,10 +284,6 @@ class LlamaBackend:
 
     name = "llama"
     formats = ("gguf",)
-    # Draft tokens checked per step when a load names a draft policy but no count. A pass over
-    # k+1 positions costs about one position's pass on a GPU for small k (the weights are read
-    # once); measured in docs/performance.md.
-    default_drafts = 4
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
         return LlamaModel(path, options, progress)

@@ -1,0 +1,74 @@
+"""Long runs, marked slow (pytest.ini's addopts skips them: run with `pytest -m slow tests/soak`).
+
+- test_soak_64_streams: bench/soak.py for KINFER_SOAK_SECONDS (default 600) with 64 concurrent streams
+  (KINFER_SOAK_STREAMS): nothing lost or duplicated, replies identical per request, memory flat after
+  the warm-up, throughput steady minute to minute. The JSON summary goes to KINFER_SOAK_OUT (default
+  bench/out/soak.json).
+- test_long_cancel_storm: the cancel storm of tests/test_reliability.py with KINFER_LONG_STORM_REQUESTS
+  (default 5000) requests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+
+import pytest
+
+from protocol_fixtures import spawn  # noqa: F401  (fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("kinfer_bench_soak", os.path.join(ROOT, "bench", "soak.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_soak_64_streams():
+    seconds = float(os.environ.get("KINFER_SOAK_SECONDS", "600"))
+    streams = int(os.environ.get("KINFER_SOAK_STREAMS", "64"))
+    threads = int(os.environ["KINFER_SOAK_THREADS"]) if os.environ.get("KINFER_SOAK_THREADS") else None
+    out = os.environ.get("KINFER_SOAK_OUT", os.path.join(ROOT, "bench", "out", "soak.json"))
+    summary = _soak_module().run(seconds, streams, threads=threads)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}))
+    assert summary["problems"] == []
+    assert summary["results"] > 0 and summary["requests"] == summary["results"] + summary["cancelledAnswered"]
+    # memory flat: after the first sample (warm-up), RSS grows less than 64 MiB over the run
+    assert summary["rssGrowthAfterWarmupKiB"] < 64 * 1024, summary["rssKiB"]
+    assert max(summary["threads"]) - min(summary["threads"][1:] or summary["threads"]) <= 2, summary["threads"]
+    assert len(set(summary["fds"][1:])) == 1, summary["fds"]
+    # throughput steady: after the first minute (every stream's first prompt), no full minute under half the
+    # median minute
+    per_minute = summary["tokensPerSecondPerMinute"][1:]
+    if len(per_minute) >= 2:
+        assert min(per_minute) >= 0.5 * statistics.median(per_minute), summary["tokensPerSecondPerMinute"]
+
+
+@pytest.mark.slow
+def test_long_cancel_storm(spawn):
+    import test_reliability as rel
+
+    n = int(os.environ.get("KINFER_LONG_STORM_REQUESTS", "5000"))
+    ref, c = spawn(), spawn()
+    for server in (ref, c):
+        server.initialize()
+        server.call("model/load", {"model": rel.DEFAULT_MODEL, "options": rel.STORM_LOAD}, timeout=60)
+    requests = rel.storm_pool()
+    alone = rel.replies_alone(ref, requests)
+    ref.close()
+    storm = rel.run_storm(c, n, seed=1, time_limit=3600)
+    counts = rel.check_storm(c, storm, alone)
+    status = c.call("model/status")["models"][0]
+    assert (status["slotsBusy"], status["queueLength"], rel.held_by_requests(status)) == (0, 0, 0), status
+    print("long cancel storm:", json.dumps({"requests": n, "seconds": round(storm["seconds"], 1),
+                                            "outcomes": {f"{a}: {b}": v for (a, b), v in sorted(counts.items())}}))
+    c.assert_clean()

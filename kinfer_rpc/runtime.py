@@ -7,6 +7,7 @@ Each loaded model is one Engine (one worker thread). Handlers here are the `mode
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 
@@ -302,7 +303,11 @@ class Runtime:
         if entry.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": entry.system}, *messages]
         model = entry.engine.model
-        text = chat.render(entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
+        # Off the event loop: a model file's template is untrusted and may be slow; the server
+        # keeps answering everyone else meanwhile (the sandbox also caps its loops).
+        text = await anyio.to_thread.run_sync(
+            functools.partial(chat.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
+        )
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
         ids = model.tokenize(text, add_bos, True)
         return await self._run(ctx, entry, ids, opts)

@@ -983,10 +983,7 @@ def test_hostile_chat_template_renders_harmlessly(hostile, probe):
     assert result_of(r)["usage"]["promptTokens"] == c.baseline_tokens
 
 
-@pytest.mark.parametrize("probe", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_BUG_TEMPLATE_ERRORS.format(FAILING[p], PROBES[p])))
-    for p in FAILING
-])
+@pytest.mark.parametrize("probe", list(FAILING))
 def test_hostile_chat_template_that_fails_is_32602_and_reads_nothing(hostile, probe):
     c = hostile
     r = c.request("inference/chat", _probe_params(c.path, probe), timeout=30)
@@ -995,13 +992,6 @@ def test_hostile_chat_template_that_fails_is_32602_and_reads_nothing(hostile, pr
     assert error_of(r)["code"] in (INVALID_PARAMS, NOT_SUPPORTED), r
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: runtime.py inference_chat calls chat.render() on the event loop thread without a time limit: a "
-    "template that loops (here 10^10 iterations of nested ranges, each under the sandbox's MAX_RANGE) blocks "
-    "the loop, so no other request (model/status, $/cancelRequest) is answered until it ends, and it cannot be "
-    "cancelled. Reproduce: a GGUF whose chat template is "
-    "\"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}\", inference/chat, then "
-    "model/status"))
 def test_a_template_that_loops_forever_does_not_stop_the_server(spawn, tmp_path):
     path = str(tmp_path / "slow.gguf")
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -1014,7 +1004,8 @@ def test_a_template_that_loops_forever_does_not_stop_the_server(spawn, tmp_path)
     try:
         assert "result" in c.request("model/status", timeout=3)
         c.cancel(rid)
-        assert error_of(c.response(rid, timeout=3))["code"] == REQUEST_CANCELLED
+        # Cancelled, or refused first by the sandbox's loop budget (10^6 range items a render).
+        assert error_of(c.response(rid, timeout=5))["code"] in (REQUEST_CANCELLED, NOT_SUPPORTED)
     finally:
         c.kill()
 

@@ -269,10 +269,6 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=f"kinfer-rpc {__version__}")
     args = parser.parse_args(argv)
 
-    # An editor's machine is shared: llama.cpp's OpenMP workers should sleep, not spin, while
-    # they wait (spinning made generation several times slower beside other work). Set it
-    # yourself to override.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out_fd = _take_stdout()
     root = logging.getLogger()
     root.setLevel(logging.DEBUG)

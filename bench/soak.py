@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rpcclient import DEFAULT_MODEL, RpcClient  # noqa: E402
+from rpcclient import DEFAULT_MODEL, RpcClient, send_together  # noqa: E402
 
 SAMPLE_EVERY = 10.0
 TEXT = ("Editors spawn the runtime and talk to it for hours: completions, chats, edits, cancelled "
@@ -70,15 +70,6 @@ def proc_sample(pid: int) -> dict:
     return out
 
 
-def send_together(c: RpcClient, messages: list[dict]) -> None:
-    chunks: list[bytes] = []
-    c.send_raw = chunks.append
-    try:
-        for m in messages:
-            c.send(m)
-    finally:
-        del c.send_raw
-    c.send_raw(b"".join(chunks))
 
 
 def outcome(r: dict) -> tuple:

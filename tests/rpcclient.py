@@ -16,6 +16,7 @@ frames, and validates each message against spec/metaModel.json; anything wrong i
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -388,3 +389,35 @@ def _could_be_header(buf: bytes) -> bool:
     if not (buf.startswith(want) or want.startswith(buf)):
         return False
     return b"\r\n\r\n" not in buf
+
+
+def error_of(response: dict) -> dict:
+    assert "error" in response, f"expected an error, got {json.dumps(response)[:500]}"
+    return response["error"]
+
+
+def result_of(response: dict):
+    assert "result" in response, f"expected a result, got {json.dumps(response)[:500]}"
+    return response["result"]
+
+
+def send_together(c: RpcClient, messages: list[dict]) -> None:
+    """Send several messages in ONE write; the client still books their ids and progress tokens."""
+    chunks: list[bytes] = []
+    c.send_raw = chunks.append  # an instance attribute shadows the method while we collect
+    try:
+        for m in messages:
+            c.send(m)
+    finally:
+        del c.send_raw
+    c.send_raw(b"".join(chunks))
+
+
+def responses_by_id(c: RpcClient) -> dict:
+    """id -> every response the server sent with that id, in order."""
+    out = collections.defaultdict(list)
+    with c._cond:
+        for m in c.messages:
+            if "method" not in m and ("result" in m or "error" in m):
+                out[m.get("id")].append(m)
+    return out

@@ -16,7 +16,7 @@ import pytest
 
 import metamodel
 from protocol_fixtures import loaded, server, spawn  # noqa: F401  (fixtures)
-from rpcclient import DEFAULT_MODEL, RpcClient, frame, raw_frame
+from rpcclient import DEFAULT_MODEL, RpcClient, error_of, frame, raw_frame, result_of
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -47,14 +47,8 @@ def shared():
     c.assert_clean()
 
 
-def error_of(response: dict) -> dict:
-    assert "error" in response, f"expected an error, got {response}"
-    return response["error"]
 
 
-def result_of(response: dict):
-    assert "result" in response, f"expected a result, got {response}"
-    return response["result"]
 
 
 # -- the meta model itself -------------------------------------------------------------------

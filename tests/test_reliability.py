@@ -30,7 +30,7 @@ import time
 import pytest
 
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
-from rpcclient import DEFAULT_MODEL, KINFER_RPC, RpcClient
+from rpcclient import DEFAULT_MODEL, KINFER_RPC, RpcClient, error_of, responses_by_id, result_of, send_together
 
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
@@ -43,36 +43,12 @@ NOT_SUPPORTED = -31006
 GREEDY = {"temperature": 0, "seed": 0}  # a fixed seed: results compare whole
 
 
-def error_of(response: dict) -> dict:
-    assert "error" in response, f"expected an error, got {json.dumps(response)[:500]}"
-    return response["error"]
 
 
-def result_of(response: dict):
-    assert "result" in response, f"expected a result, got {json.dumps(response)[:500]}"
-    return response["result"]
 
 
-def send_together(c: RpcClient, messages: list[dict]) -> None:
-    """Send several messages in ONE write; the client still books their ids and progress tokens."""
-    chunks: list[bytes] = []
-    c.send_raw = chunks.append  # an instance attribute shadows the method while we collect
-    try:
-        for m in messages:
-            c.send(m)
-    finally:
-        del c.send_raw
-    c.send_raw(b"".join(chunks))
 
 
-def responses_by_id(c: RpcClient) -> dict:
-    """id -> every response the server sent with that id, in order."""
-    out = collections.defaultdict(list)
-    with c._cond:
-        for m in c.messages:
-            if "method" not in m and ("result" in m or "error" in m):
-                out[m.get("id")].append(m)
-    return out
 
 
 def proc_status(pid: int, field: str) -> int:

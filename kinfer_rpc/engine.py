@@ -321,7 +321,6 @@ class Engine:
         row = 0
         produced = 0
         now = time.perf_counter()
-        context = self.model.info.context_length
         for chunk, job, is_plain in zip(chunks, owners, plain):
             job.n_past += len(chunk.tokens)
             if not chunk.outputs:
@@ -356,13 +355,14 @@ class Engine:
                     break
                 if i >= len(job.drafts) or token != job.drafts[i]:
                     break
-                job.accepted += 1
             if job.drafts:
+                accepted = max(0, taken - 1)  # every token taken before the last matched its draft
                 job.drafted += len(job.drafts)
+                job.accepted += accepted
                 job.window[0] += len(job.drafts)
-                job.window[1] += taken - 1
+                job.window[1] += accepted
                 self._drafts_total[0] += len(job.drafts)
-                self._drafts_total[1] += taken - 1
+                self._drafts_total[1] += accepted
                 self._pause_if_unlucky(job)
                 if job.stop_reason is None:
                     # Cells of rejected drafts leave the cache; the kept ones are the chunk's

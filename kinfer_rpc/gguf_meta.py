@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -45,6 +46,13 @@ TENSOR_TYPES = {
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
 }
 
+# Mixture-of-experts tensors (llama.cpp's LLM_FFN_EXPS_REGEX, what --cpu-moe keeps in host memory).
+EXPERT_TENSORS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+# Integer hyperparameters kept for placements, after the architecture's prefix.
+_HPARAMS = ("block_count", "embedding_length", "feed_forward_length", "expert_count", "expert_used_count",
+            "expert_feed_forward_length", "attention.head_count", "attention.head_count_kv",
+            "attention.key_length", "attention.value_length", "vocab_size")
+
 # GGUF value types: id -> struct format of a scalar (8 string, 9 array are handled apart).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -63,6 +71,12 @@ class GGUFInfo:
     chat_template: str | None
     n_vocab: int | None
     data_end: int  # the least file size that holds every tensor
+    # What a placement needs (kinfer_rpc.types.ModelFacts): the architecture's numbers, and the
+    # bytes of all tensors, of the expert tensors, and of those outside the repeating layers.
+    hparams: dict = attrs.field(factory=dict)
+    weight_bytes: int = 0
+    expert_bytes: int = 0
+    outside_bytes: int = 0
 
 
 class _Corrupt(Exception):
@@ -140,6 +154,13 @@ def _parse(buf, size: int) -> GGUFInfo:
         vtype = r.unpack("I")
         value = r.value(vtype, key in wanted or key.endswith(".context_length"))
         kv[key] = value
+    hparams = {}
+    arch_name = kv.get("general.architecture")
+    if isinstance(arch_name, str):
+        for k in _HPARAMS:
+            v = kv.get(f"{arch_name}.{k}")
+            if isinstance(v, int) and not isinstance(v, bool):
+                hparams[k] = v
     arch = kv.get("general.architecture") if isinstance(kv.get("general.architecture"), str) else None
     ctx = kv.get(f"{arch}.context_length") if arch else None
     tokens = kv.get("tokenizer.ggml.tokens")
@@ -147,8 +168,9 @@ def _parse(buf, size: int) -> GGUFInfo:
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
         raise _Corrupt(f"bad general.alignment {alignment!r}")
     params, by_type, ends = 0, {}, 0
+    weight_bytes = expert_bytes = outside_bytes = 0
     for _ in range(n_tensors):
-        r.skip_string()
+        tname = r.string()
         n_dims = r.unpack("I")
         if n_dims > 8:
             raise _Corrupt(f"a tensor with {n_dims} dimensions")
@@ -161,6 +183,11 @@ def _parse(buf, size: int) -> GGUFInfo:
         block = TENSOR_TYPES.get(ttype)
         nbytes = (elements + block[1] - 1) // block[1] * block[2] if block else 0
         ends = max(ends, offset + nbytes)
+        weight_bytes += nbytes
+        if EXPERT_TENSORS.search(tname):
+            expert_bytes += nbytes
+        elif not tname.startswith("blk."):
+            outside_bytes += nbytes
     data_start = (r.pos + alignment - 1) // alignment * alignment
     data_end = data_start + ends if n_tensors else r.pos
     if data_end > size:
@@ -187,6 +214,10 @@ def _parse(buf, size: int) -> GGUFInfo:
         chat_template=template if isinstance(template, str) else None,
         n_vocab=tokens[2] if isinstance(tokens, tuple) else None,
         data_end=data_end,
+        hparams=hparams,
+        weight_bytes=weight_bytes,
+        expert_bytes=expert_bytes,
+        outside_bytes=outside_bytes,
     )
 
 

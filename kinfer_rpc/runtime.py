@@ -14,11 +14,11 @@ import random
 import anyio
 import attrs
 
-from . import chat, errors, params
+from . import chat, errors, gguf_meta, params
 from .engine import Engine, Job
 from .plugins import Plugins
 from .store import ModelStore
-from .types import LoadOptions
+from .types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class Loaded:
     error: Exception | None = None
     source: str = ""
     draft_policy: str | None = None
+    placement: str | None = None  # the placement that decided, or None when the backend places its own
+    placement_reason: str = ""
     defaults: dict = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
 
@@ -69,11 +71,42 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
         # kept contiguous by compaction. Default: whatever the free slots hold.
         "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
+        "placement": f.str("placement", None),
+        # The options a user set: they win over what the placement decides.
+        "given": frozenset(k for k, v in (obj or {}).items() if v is not None) if isinstance(obj, dict) else frozenset(),
     }
     f.done()
     if opts.slots > opts.batch:
         raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
     return opts, extra
+
+
+def model_facts(path: str) -> ModelFacts:
+    """What a placement may know of a GGUF model, from its header (no weights read)."""
+    info = gguf_meta.read(path)
+    h = info.hparams
+    layers = h.get("block_count", 0)
+    n_head = h.get("attention.head_count", 0)
+    n_kv = h.get("attention.head_count_kv", n_head)
+    n_embd = h.get("embedding_length", 0)
+    k_len = h.get("attention.key_length", n_embd // n_head if n_head else 0)
+    v_len = h.get("attention.value_length", k_len)
+    experts = h.get("expert_count", 0)
+    return ModelFacts(
+        path=path,
+        size_bytes=info.data_end,
+        layers=layers,
+        experts=experts,
+        architecture=info.architecture or "",
+        experts_used=h.get("expert_used_count", 0),
+        weight_bytes=info.weight_bytes,
+        expert_bytes=info.expert_bytes,
+        outside_bytes=info.outside_bytes,
+        n_embd=n_embd,
+        n_vocab=h.get("vocab_size", info.n_vocab or 0),
+        n_ff=h.get("expert_feed_forward_length", 0) if experts else h.get("feed_forward_length", 0),
+        kv_bytes_per_cell=layers * n_kv * (k_len + v_len) * 2,
+    )
 
 
 class Runtime:
@@ -119,6 +152,15 @@ class Runtime:
             "draftPolicy": entry.draft_policy,
             "prefix": entry.engine.prefix,
             "drafts": info.drafts,
+            **self._placement_fields(entry),
+        }
+
+    @staticmethod
+    def _placement_fields(entry: Loaded) -> dict:
+        return {
+            "placement": entry.placement,
+            "placementReason": entry.placement_reason,
+            "hostTensors": list(entry.options.host_tensors),
         }
 
     async def _load(self, ctx, name, backend_name, options) -> Loaded:
@@ -136,8 +178,14 @@ class Runtime:
             # None lets the backend choose from what a pass over k+1 positions costs on its
             # device; the count is fixed for the life of the load either way.
             opts = attrs.evolve(opts, drafts=extra["drafts"])
+            placement = extra["placement"]
+            if placement is not None and placement not in self.plugins.placements:
+                raise errors.invalid_params(
+                    f"unknown placement {placement!r}; available: {', '.join(sorted(self.plugins.placements)) or 'none'}"
+                )
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
             await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
+            opts, placed = await anyio.to_thread.run_sync(self._place, ref, backend, opts, placement, extra["given"])
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
             if options is not None:
@@ -181,7 +229,8 @@ class Runtime:
         )
         entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source,
                        defaults=dict(ref.defaults), system=ref.system,
-                       draft_policy=None if policy == "none" else policy)
+                       draft_policy=None if policy == "none" else policy,
+                       placement=placed[0], placement_reason=placed[1])
         self.loaded[ref.name] = entry
         engine.start()  # first: whatever happens to this request, the load itself goes on
         ending = "failed"
@@ -206,6 +255,48 @@ class Runtime:
         self._last = ref.name
         log.info("loaded %s with %s: %s", ref.name, backend.name, engine.model.info.description)
         return entry
+
+    def _place(self, ref, backend, opts: LoadOptions, name: str | None, given: frozenset):
+        """Ask the placement what goes where; the options the user set win. Off the loop: the
+        backend's machine() loads its library and asks the devices."""
+        machine_of = getattr(backend, "machine", None)
+        facts = model_facts(ref.path) if ref.format == "gguf" else None
+        if machine_of is None or facts is None:
+            if name is not None:
+                raise errors.KinferError(
+                    errors.NOT_SUPPORTED,
+                    f"the {backend.name} backend places {ref.format} models itself; placements apply to "
+                    "GGUF models on backends that report their machine (llama)")
+            return opts, (None, f"the {backend.name} backend places the model itself")
+        if name is None and "gpuLayers" in given:
+            return opts, (None, f"gpuLayers {opts.gpu_layers} set by the load options")
+        name = name or "auto"
+        machine = machine_of()
+        try:
+            plan = self.plugins.placements[name].plan(facts, machine, opts)
+        except ValueError as exc:
+            raise errors.KinferError(errors.LOAD_FAILED, f"{ref.name} does not fit: {exc}", {"path": ref.path}) from None
+        except Exception as exc:  # a third-party placement's bug: this load fails, nothing else
+            raise errors.KinferError(errors.LOAD_FAILED, f"placement {name!r} failed: {type(exc).__name__}: {exc}",
+                                     {"path": ref.path}) from None
+        if not isinstance(plan, PlacementPlan):
+            raise errors.KinferError(errors.LOAD_FAILED, f"placement {name!r} returned {type(plan).__name__}, not a PlacementPlan",
+                                     {"path": ref.path})
+        changes = {"host_tensors": tuple(plan.host_tensors)}
+        notes = []
+        if "gpuLayers" in given:
+            notes.append(f"gpuLayers {opts.gpu_layers} set by the load options")
+        else:
+            changes["gpu_layers"] = plan.gpu_layers
+        batch = opts.batch if "batch" in given else (plan.batch or opts.batch)
+        if "batch" in given and plan.batch and plan.batch != batch:
+            notes.append(f"batch {batch} set by the load options")
+        ubatch = opts.ubatch if "ubatch" in given else min(plan.ubatch or opts.ubatch, batch)
+        changes.update(batch=batch, ubatch=ubatch)
+        if opts.slots > batch:
+            raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed the pass size ({batch})")
+        reason = plan.reason + "".join(f"; {n}" for n in notes)
+        return attrs.evolve(opts, **changes), (name, reason)
 
     def _backend_for(self, fmt: str, wanted: str | None):
         backends = self.plugins.backends
@@ -252,7 +343,9 @@ class Runtime:
             if not entry.ready.is_set() or entry.error is not None:
                 out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
                 continue
-            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status()})
+            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status(),
+                        "batch": entry.options.batch, "ubatch": entry.options.ubatch,
+                        "gpuLayers": entry.options.gpu_layers, **self._placement_fields(entry)})
         return {"models": out}
 
     def close(self) -> None:

@@ -148,23 +148,42 @@ class MachineInfo:
 
 @attrs.frozen
 class ModelFacts:
-    """What a placement may know of a model before loading it (from its file's metadata)."""
+    """What a placement may know of a model before loading it (from its file's metadata).
+
+    Byte counts are of the weights as stored: `weight_bytes` all of them, `expert_bytes` the
+    mixture-of-experts tensors (`ffn_*_exps`), `outside_bytes` those outside the repeating layers
+    (embeddings, output). `kv_bytes_per_cell` is one KV cell across all layers at f16.
+    """
 
     path: str
     size_bytes: int
     layers: int = 0
     experts: int = 0
     architecture: str = ""
+    experts_used: int = 0
+    weight_bytes: int = 0
+    expert_bytes: int = 0
+    outside_bytes: int = 0
+    n_embd: int = 0
+    n_vocab: int = 0
+    n_ff: int = 0
+    kv_bytes_per_cell: int = 0
 
 
 @attrs.frozen
 class PlacementPlan:
-    """A placement's decision: GPU layers, tensors kept in host memory, pass size, and why."""
+    """A placement's decision: GPU layers, tensors kept in host memory, pass size, and why.
+
+    `batch` / `ubatch` (None: the defaults) are the logical and physical pass sizes; with tensors
+    in host memory every physical pass rereads them, so a placement that keeps experts there asks
+    for large ones. The load options a user set explicitly win over the plan.
+    """
 
     gpu_layers: int
     host_tensors: tuple[str, ...] = ()
     batch: int | None = None
     reason: str = ""
+    ubatch: int | None = None
 
 
 class Placement(Protocol):

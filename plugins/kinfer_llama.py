@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 import kinfer_rpc
-from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
+from kinfer_patches import llama_cpp_buft
+from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
 
 log = logging.getLogger("kinfer_rpc.llama")
 _init_lock = threading.Lock()
@@ -43,8 +44,25 @@ def _llama():
             _log_callback = forward
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
+            # llama-cpp-python 0.3.36 leaves tensor_buft_overrides unbound (patches/README.md).
+            llama_cpp_buft.apply(L)
             _initialised = True
     return L
+
+
+def _host_memory() -> int:
+    """Bytes of host memory available (Linux's MemAvailable; else the physical total)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class _Batch:
@@ -102,8 +120,15 @@ class LlamaModel:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
         self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
+        self._overrides = None
         if options.host_tensors:
-            raise NotImplementedError("keeping tensors in host memory is not supported yet")
+            # Tensors matching these patterns stay in host memory (the CPU buffer type); on a
+            # GPU, big passes still run their matrix products there, copying the weights over
+            # once per pass. Reading the file into (pinned) buffers instead of mapping it makes
+            # those copies faster, as llama.cpp itself advises for CPU overrides.
+            self._overrides = llama_cpp_buft.Overrides(L, options.host_tensors, llama_cpp_buft.Ggml().cpu_buft())
+            mparams.tensor_buft_overrides = self._overrides.pointer
+            mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
 
         @L.llama_progress_callback
         def on_progress(fraction, _user):
@@ -284,6 +309,18 @@ class LlamaBackend:
 
     name = "llama"
     formats = ("gguf",)
+
+    def machine(self) -> MachineInfo:
+        """GPU memory as ggml's devices report it, and the host's available memory."""
+        L = _llama()
+        gpus = [d for d in llama_cpp_buft.Ggml().devices() if d["type"] == llama_cpp_buft.DEVICE_GPU]
+        has_gpu = bool(gpus) and bool(L.llama_supports_gpu_offload())
+        return MachineInfo(
+            gpu_free_bytes=sum(d["free"] for d in gpus) if has_gpu else 0,
+            gpu_total_bytes=sum(d["total"] for d in gpus) if has_gpu else 0,
+            host_free_bytes=_host_memory(),
+            has_gpu=has_gpu,
+        )
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
         return LlamaModel(path, options, progress)

@@ -1,0 +1,191 @@
+"""Built-in placements: what lives in GPU memory and what in host memory.
+
+- `auto` (the default): everything on the GPU when it fits; else a mixture-of-experts model's
+  expert tensors in host memory; else as many layers on the GPU as fit; with no GPU, the CPU.
+- `gpu`: every layer on the GPU, or an error saying what would fit.
+- `cpu`: everything in host memory.
+- `experts-host`: every `ffn_*_exps` tensor in host memory, the rest on the GPU, prompt passes of
+  4096 tokens (each pass rereads the experts from host memory: half as many passes, half as many
+  reads).
+
+Budgets are estimates from the GGUF header: the weights as stored, the KV cache (cells x bytes
+per cell), and the compute buffer of the largest pass, which llama.cpp sizes for a pass whose
+every row asks for logits (4 bytes x (vocabulary + activations) per row: 2-3 GiB for a 4096-row
+pass of a 150k-vocabulary model), plus headroom for the device's own context.
+"""
+
+from __future__ import annotations
+
+import kinfer_rpc
+from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
+
+EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+HEADROOM = 768 << 20  # CUDA context, cuBLAS workspace, fragmentation
+PASS_PLAIN = (2048, 512)  # logical, physical pass when every weight is on one side
+PASS_EXPERTS = (4096, 4096)  # both large: the experts are copied over once per physical pass
+_KV_FACTOR = {None: 1.0, "f16": 1.0, "q8_0": 34 / 64}
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+class Budget:
+    """The memory one load needs, by side, for a given split."""
+
+    def __init__(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions):
+        self.m, self.machine, self.o = model, machine, options
+        self.cells = options.context_length * options.slots
+        factor = _KV_FACTOR.get(options.kv_type, 1.0)
+        self.kv = int(model.kv_bytes_per_cell * factor * self.cells)
+        layers = max(model.layers, 1)
+        self.per_layer = max(model.weight_bytes - model.outside_bytes, 0) / layers
+        self.per_layer_dense = max(model.weight_bytes - model.outside_bytes - model.expert_bytes, 0) / layers
+
+    def compute(self, ubatch: int) -> int:
+        m = self.m
+        ff = m.experts_used * (m.n_ff or 0) if m.experts else m.n_ff
+        return int(ubatch * 4 * (m.n_vocab + 6 * m.n_embd + 2 * ff))
+
+    def gpu_all(self, ubatch: int) -> int:
+        return self.m.weight_bytes + self.kv + self.compute(ubatch) + HEADROOM
+
+    def gpu_experts_host(self, ubatch: int) -> int:
+        return self.m.weight_bytes - self.m.expert_bytes + self.kv + self.compute(ubatch) + HEADROOM
+
+    def gpu_layers(self, n: int, ubatch: int) -> int:
+        layers = max(self.m.layers, 1)
+        return int(n * self.per_layer + self.kv * n / layers + self.compute(ubatch) + HEADROOM)
+
+    def max_layers(self, ubatch: int) -> int:
+        free = self.machine.gpu_free_bytes
+        n = self.m.layers
+        while n > 0 and self.gpu_layers(n, ubatch) > free:
+            n -= 1
+        return n
+
+    def max_context(self, fixed: int, free: int) -> int:
+        """The largest context per slot whose KV cache fits in `free` next to `fixed` bytes."""
+        per_cell = self.kv / self.cells if self.cells else 0
+        if per_cell <= 0:
+            return 0
+        ctx = int((free - fixed) / (per_cell * self.o.slots))
+        return max(0, ctx // 256 * 256)
+
+    def describe(self, gpu_need: int, weights: int, ubatch: int) -> str:
+        return (f"{gib(gpu_need)} of GPU memory (weights {gib(weights)}, KV cache {gib(self.kv)} for "
+                f"{self.o.slots} slots x {self.o.context_length}, pass buffers {gib(self.compute(ubatch))})")
+
+    def check_host(self, host_bytes: int, what: str) -> None:
+        free = self.machine.host_free_bytes
+        if free and host_bytes > free:
+            raise ValueError(
+                f"{what} needs {gib(host_bytes)} of host memory but {gib(free)} is available; "
+                f"free memory or choose a smaller model"
+            )
+
+
+def _cpu_plan(b: Budget, why: str) -> PlacementPlan:
+    b.check_host(b.m.weight_bytes + b.kv, "keeping the model in host memory")
+    return PlacementPlan(gpu_layers=0, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1], reason=why)
+
+
+def _gpu_alternatives(b: Budget) -> str:
+    free = b.machine.gpu_free_bytes
+    ways = []
+    if b.m.experts and b.gpu_experts_host(PASS_EXPERTS[1]) <= free:
+        ways.append(f"placement experts-host ({gib(b.gpu_experts_host(PASS_EXPERTS[1]))} on the GPU)")
+    n = b.max_layers(PASS_PLAIN[1])
+    if 0 < n < b.m.layers:
+        ways.append(f"gpuLayers {n} of {b.m.layers}")
+    ctx = b.max_context(b.gpu_all(PASS_PLAIN[1]) - b.kv, free)
+    if ctx >= 256:
+        ways.append(f"contextLength {ctx} with {b.o.slots} slots")
+    ways.append("placement cpu")
+    return "; would fit: " + ", ".join(ways)
+
+
+class Cpu:
+    name = "cpu"
+
+    def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan:
+        return _cpu_plan(Budget(model, machine, options), "placement cpu: every tensor in host memory")
+
+
+class Gpu:
+    name = "gpu"
+
+    def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan:
+        b = Budget(model, machine, options)
+        if not machine.has_gpu:
+            raise ValueError("placement gpu needs a GPU and llama.cpp found none; use placement cpu or auto")
+        need = b.gpu_all(PASS_PLAIN[1])
+        if need > machine.gpu_free_bytes:
+            raise ValueError(
+                f"everything on the GPU needs {b.describe(need, model.weight_bytes, PASS_PLAIN[1])} but "
+                f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
+            )
+        return PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
+                             reason=f"placement gpu: every layer on the GPU ({gib(need)} of {gib(machine.gpu_free_bytes)} free)")
+
+
+class ExpertsHost:
+    name = "experts-host"
+
+    def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan:
+        b = Budget(model, machine, options)
+        if not model.experts or not model.expert_bytes:
+            raise ValueError(
+                f"placement experts-host needs a mixture-of-experts model; {model.architecture or 'this model'} "
+                "has no ffn_*_exps tensors (use placement auto, gpu or cpu)"
+            )
+        b.check_host(model.expert_bytes, "keeping the experts in host memory")
+        if not machine.has_gpu:
+            return PlacementPlan(
+                gpu_layers=0, host_tensors=(EXPERTS,), batch=PASS_EXPERTS[0], ubatch=PASS_EXPERTS[1],
+                reason="placement experts-host: no GPU, so every tensor is in host memory anyway; passes of 4096")
+        need = b.gpu_experts_host(PASS_EXPERTS[1])
+        if need > machine.gpu_free_bytes:
+            raise ValueError(
+                f"the model without its experts needs "
+                f"{b.describe(need, model.weight_bytes - model.expert_bytes, PASS_EXPERTS[1])} but "
+                f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
+            )
+        return PlacementPlan(
+            gpu_layers=-1, host_tensors=(EXPERTS,), batch=PASS_EXPERTS[0], ubatch=PASS_EXPERTS[1],
+            reason=(f"placement experts-host: {model.experts} experts x {model.layers} layers "
+                    f"({gib(model.expert_bytes)}) in host memory, the rest on the GPU ({gib(need)}); "
+                    "prompt passes of 4096 tokens, each rereading the experts once"))
+
+
+class Auto:
+    name = "auto"
+
+    def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan:
+        b = Budget(model, machine, options)
+        if not machine.has_gpu:
+            return _cpu_plan(b, "placement auto: no GPU, every tensor in host memory")
+        free = machine.gpu_free_bytes
+        need = b.gpu_all(PASS_PLAIN[1])
+        if need <= free:
+            return PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
+                                 reason=f"placement auto: everything fits on the GPU ({gib(need)} of {gib(free)} free)")
+        if model.experts and model.expert_bytes and b.gpu_experts_host(PASS_EXPERTS[1]) <= free:
+            plan = ExpertsHost().plan(model, machine, options)
+            return PlacementPlan(
+                gpu_layers=plan.gpu_layers, host_tensors=plan.host_tensors, batch=plan.batch, ubatch=plan.ubatch,
+                reason=f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; " + plan.reason)
+        n = b.max_layers(PASS_PLAIN[1])
+        if n > 0:
+            b.check_host(int(b.per_layer * (model.layers - n)) + model.outside_bytes, "the layers left in host memory")
+            return PlacementPlan(
+                gpu_layers=n, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
+                reason=(f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; "
+                        f"{n} of {model.layers} layers on the GPU, the rest in host memory"))
+        return _cpu_plan(b, f"placement auto: not even one layer fits in {gib(free)} of GPU memory; every tensor in host memory")
+
+
+@kinfer_rpc.hookimpl
+def register_placements(register):
+    for placement in (Auto(), Gpu(), Cpu(), ExpertsHost()):
+        register(placement)

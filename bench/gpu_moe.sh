@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the H200 (the device tool), from the repo root, with .gpu carried (see ../shared/device/README.md):
+#   OUT=$OUT bash bench/gpu_moe.sh            kinfer's engine: experts in host memory at 4096 / 2048, all on GPU
+#   OUT=$OUT ANCHOR=1 bash bench/gpu_moe.sh   then llama-bench on the same file and splits (a second call)
+# Writes a Qwen3-30B-A3B-shaped GGUF (random Q4_K weights, ~17 GiB) once per machine to /tmp.
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p /tmp/lc /tmp/site "$OUT"
+if [ ! -x /tmp/lc/llama-bench ]; then
+  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
+  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
+fi
+ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
+export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+M=/tmp/moe-30b-a3b.gguf
+if [ ! -f $M ]; then
+  /usr/bin/time -f "model written in %e s" python3 bench/make_moe_model.py $M --shape 30b-a3b
+  ls -la $M
+fi
+free -g | head -2
+THREADS=${THREADS:-16}
+if [ -z "${ANCHOR:-}" ]; then
+  python3 bench/moe_bench.py $M --prompt 7700 --ntg 64 --threads $THREADS --reps 2 | tee -a "$OUT/moe.jsonl"
+else
+  python3 bench/moe_bench.py $M --prompt 7700 --ntg 64 --threads $THREADS --anchor /tmp/lc --anchor-only | tee -a "$OUT/moe.jsonl"
+fi

@@ -309,9 +309,11 @@ class Runtime:
             if fmt not in backends[wanted].formats:
                 raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"backend {wanted!r} cannot read {fmt} models")
             return backends[wanted]
-        for backend in backends.values():
-            if fmt in backend.formats:
-                return backend
+        # A backend whose own format it is (listed first) wins over one that also reads it: GGUF
+        # goes to llama, MLX folders to mlx; `backend` in model/load picks another.
+        readers = [b for b in backends.values() if fmt in b.formats]
+        if readers:
+            return min(readers, key=lambda b: (tuple(b.formats).index(fmt), b.name))
         raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)")
 
     async def model_unload(self, ctx, /, **p):

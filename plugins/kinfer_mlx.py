@@ -1,0 +1,627 @@
+"""The `mlx` backend: MLX with mlx-lm's model code (pinned in pyproject.toml).
+
+Reads MLX model folders (config.json + safetensors, as mlx-lm writes them), Ollama's safetensors
+models (their manifest) and GGUF files: `mx.load` keeps Q4_0/Q4_1/Q8_0 tensors quantized (group
+32), their names are mapped onto mlx-lm's llama model, and the tokenizer is rebuilt from the
+GGUF's own vocabulary and merges. llama.cpp stores Q and K rows in the interleaved order its rope
+reads, so GGUF models run with the traditional (interleaved) rope layout instead of un-permuting.
+
+KV cells live in one buffer per layer, (slots, kv heads, cells, head dim), each slot's tokens at
+their own positions. A pass groups the step's chunks: every decode chunk (one token, or a token
+and its drafts) goes into ONE batched forward, a row per sequence with its own positions and mask;
+each prompt chunk is its own forward over its slot. Everything of a step is one graph, evaluated
+once with mx.async_eval; the engine's wait is the only host read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+import kinfer_rpc
+from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
+
+log = logging.getLogger("kinfer_rpc.mlx")
+
+try:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import create_attention_mask
+    from mlx_lm.utils import _get_classes, load_model
+    from tokenizers import Tokenizer
+except Exception as exc:  # noqa: BLE001 - no MLX here: the server runs with the other backends
+    mx = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    _IMPORT_ERROR = None
+
+STEP = 256  # KV buffers grow by this many cells, and a batched pass reads keys in these blocks
+# Drafts per step when a load names no count, by device (bench/mlx_bench.py --mode curve measures
+# the cost of a pass over k+1 positions). CUDA: MLX 0.32.4 runs 2-7 rows as matrix-vector passes
+# (one weight read per row) and switches to its matrix kernel at 8 rows (2x one pass up to 16):
+# 8 drafts for that price. CPU: the quantized matmul is single-threaded and every row costs about
+# as much as the first, so a draft costs as much as the token it may save: none.
+DEFAULT_DRAFTS = {"gpu": 8, "cpu": 0}
+# Texts llama.cpp also treats as end of generation when they are control tokens.
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "_<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>", "<end_of_utterance>",
+              # fill-in-the-middle pad and repo tokens end a generation in llama.cpp too
+              "<|fim_pad|>", "<fim-pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"}
+# llama.cpp pre-tokenizer names -> the regexes it splits with before byte-level BPE.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE = {"smollm": ["digits", _GPT2], "starcoder": ["digits", _GPT2], "refact": ["digits", _GPT2],
+        "gpt2": [_GPT2], "default": [_GPT2], "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3],
+        "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2]}
+# GGUF tensor names -> mlx-lm's llama module paths.
+_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+               "ffn_norm": "post_attention_layernorm"}
+# Architectures whose Model.__call__ is exactly `head(model.model(x))`: the head then runs only on
+# the rows that asked for logits (not on every prompt token).
+_SPLIT_HEAD = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite"}
+
+
+# -- tokens ------------------------------------------------------------------------------------
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class Vocab:
+    """Tokenizer, token bytes, end-of-generation set and chat template of one model.
+
+    Two `tokenizers` instances: one splits special tokens out of the text (parse_special), the
+    other reads their text as text. Both are only read after construction, so any thread may use
+    them.
+    """
+
+    def __init__(self, spec: dict, pieces: list[bytes], *, bos: int | None, eos: list[int], add_bos: bool,
+                 add_eos: bool, template: str | None, manual_specials: bool):
+        self.parse = Tokenizer.from_str(json.dumps(spec))
+        self.plain = Tokenizer.from_str(json.dumps(spec))
+        self.plain.encode_special_tokens = True
+        self.pieces = pieces
+        self.bos, self.add_bos, self.add_eos = bos, add_bos, add_eos
+        self.eos = eos
+        self.template = template
+        self.manual_specials = manual_specials  # GGUF: BOS/EOS added here, not by a post-processor
+        specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self.eog = frozenset(eos) | {i for i in specials if i < len(pieces) and pieces[i].decode("utf-8", "replace") in _EOG_TEXTS}
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        tok = self.parse if parse_special else self.plain
+        ids = tok.encode(text, add_special_tokens=add_special and not self.manual_specials).ids
+        if add_special and self.manual_specials:
+            if self.add_bos and self.bos is not None:
+                ids = [self.bos, *ids]
+            if self.add_eos and self.eos:
+                ids = [*ids, self.eos[0]]
+        return ids
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "Vocab":
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"the mlx backend reads GGUF tokenizers of the byte-level BPE kind (gpt2), not {model!r};"
+                             " load this model with the llama backend")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE:
+            raise ValueError(f"the GGUF pre-tokenizer {pre!r} is not known to the mlx backend"
+                             f" (known: {', '.join(sorted(_PRE))}); load this model with the llama backend")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        types = _ints(meta.get("tokenizer.ggml.token_type"), [1] * len(tokens))
+        merges = list(meta.get("tokenizer.ggml.merges", []))
+        # Control (3) tokens are split out only when specials are parsed; user-defined (4) ones
+        # always are (llama.cpp does the same).
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": ty == 3}
+                 for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)]
+        splits = []
+        for part in _PRE[pre]:
+            splits.append({"type": "Digits", "individual_digits": True} if part == "digits" else
+                          {"type": "Split", "pattern": {"Regex": part}, "behavior": "Isolated", "invert": False})
+        spec = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                *splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges},
+        }
+        dec = _byte_decoder()
+        pieces = [t.encode() if ty in (3, 4) else bytes(dec.get(c, 0) for c in t) for t, ty in zip(tokens, types)]
+        eos = [x for x in (_int(meta.get("tokenizer.ggml.eos_token_id")), _int(meta.get("tokenizer.ggml.eot_token_id")),
+                           _int(meta.get("tokenizer.ggml.eom_token_id"))) if x is not None]
+        return cls(spec, pieces, bos=_int(meta.get("tokenizer.ggml.bos_token_id")), eos=eos,
+                   add_bos=bool(_int(meta.get("tokenizer.ggml.add_bos_token")) or 0),
+                   add_eos=bool(_int(meta.get("tokenizer.ggml.add_eos_token")) or 0),
+                   template=meta.get("tokenizer.chat_template"), manual_specials=True)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], config: dict) -> "Vocab":
+        """From a Hugging Face tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
+        if "tokenizer.json" not in files:
+            raise ValueError("the model has no tokenizer.json (the mlx backend reads only fast tokenizers)")
+        spec = json.loads(files["tokenizer.json"])
+        tconf = json.loads(files.get("tokenizer_config.json") or "{}")
+        gconf = json.loads(files.get("generation_config.json") or "{}")
+        vocab = dict(spec["model"]["vocab"])
+        for t in spec.get("added_tokens", []):
+            vocab[t["content"]] = t["id"]
+        n = max(vocab.values()) + 1
+        added = {t["id"] for t in spec.get("added_tokens", [])}
+        dec = json.dumps(spec.get("decoder") or {})
+        byte_level = '"ByteLevel"' in dec
+        inv = _byte_decoder()
+        pieces = [b""] * n
+        for text, i in vocab.items():
+            if i in added:
+                pieces[i] = text.encode()
+            elif byte_level:
+                pieces[i] = bytes(inv.get(c, 0) for c in text)
+            elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):  # byte fallback
+                pieces[i] = bytes([int(text[3:5], 16)])
+            else:
+                pieces[i] = text.replace("\u2581", " ").encode()
+        eos = []
+        for src in (config.get("eos_token_id"), gconf.get("eos_token_id")):
+            eos.extend(x for x in (src if isinstance(src, list) else [src]) if isinstance(x, int))
+        eos_text = _token_text(tconf.get("eos_token"))
+        if eos_text in vocab:
+            eos.append(vocab[eos_text])
+        template = tconf.get("chat_template")
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = files.get("chat_template.jinja", b"").decode() or template
+        bos_text = _token_text(tconf.get("bos_token"))
+        vocab_obj = cls(spec, pieces, bos=vocab.get(bos_text) if bos_text else None, eos=list(dict.fromkeys(eos)),
+                        add_bos=False, add_eos=False, template=template, manual_specials=False)
+        probe = vocab_obj.parse.encode("a", add_special_tokens=True).ids
+        vocab_obj.add_bos = bool(probe) and vocab_obj.bos is not None and probe[0] == vocab_obj.bos
+        return vocab_obj
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _int(value) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(np.asarray(value).item())
+    except (TypeError, ValueError):
+        return None
+
+
+def _ints(value, default: list) -> list:
+    return default if value is None else np.asarray(value).astype(int).tolist()
+
+
+# -- weights -----------------------------------------------------------------------------------
+def _build(config: dict, weights: dict):
+    """An mlx-lm model from its config and weights, quantized where the weights are."""
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+
+    def quantized(path, module):
+        w, s = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
+        if s is None or w is None or not hasattr(module, "to_quantized"):
+            return False
+        group = config.get("quantization", {}).get("group_size", 32)
+        bits = w.shape[-1] * 32 // (s.shape[-1] * group)
+        return {"group_size": group, "bits": bits}
+
+    nn.quantize(model, class_predicate=quantized)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _float_type(model, dtype) -> None:
+    """Every float parameter in `dtype`: float16 on a GPU; float32 on the CPU, where MLX's float16
+    and bfloat16 kernels are emulated (a quantized matmul with float16 scales is 40x slower)."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def _load_gguf(path: str):
+    weights, meta = mx.load(path, return_metadata=True)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"the mlx backend maps GGUF files of the llama architecture only, not {arch!r};"
+                         " load this model with the llama backend")
+
+    def num(key, default=None):
+        v = meta.get(f"llama.{key}")
+        return default if v is None else np.asarray(v).item()
+
+    heads = int(num("attention.head_count"))
+    hidden = int(num("embedding_length"))
+    mapped = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            base = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+            suffix = parts[3]
+        elif parts[0] in _GGUF_NAMES:
+            base, suffix = _GGUF_NAMES[parts[0]], parts[1]
+        else:
+            continue  # rope_freqs and the like: computed by mlx-lm's rope
+        mapped[f"{base}.{suffix}"] = w
+    config = {
+        "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": int(num("block_count")),
+        "intermediate_size": int(num("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(num("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon", 1e-5)),
+        "vocab_size": int(num("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        "rope_theta": float(num("rope.freq_base", 10000.0)), "rope_traditional": True,
+        "head_dim": int(num("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(num("context_length", 4096)),
+        "tie_word_embeddings": "lm_head.weight" not in mapped,
+        "quantization": {"group_size": 32},
+    }
+    return _build(config, mapped), config, Vocab.from_gguf(meta), meta
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+    return {n: (folder / n).read_bytes() for n in names if (folder / n).is_file()}
+
+
+def _load_folder(path: str):
+    model, config = load_model(Path(path))
+    return model, config, Vocab.from_files(_files(Path(path)), config)
+
+
+def _load_ollama(manifest: str):
+    """An Ollama safetensors model: json layers hold config.json and the tokenizer files, each
+    tensor layer a safetensors blob of one tensor (or a packed group, names inside the blob)."""
+    doc = json.loads(Path(manifest).read_bytes())
+    blobs = Path(manifest).parents[4] / "blobs" if len(Path(manifest).parents) > 4 else Path(manifest).parent
+    if os.environ.get("OLLAMA_MODELS"):
+        blobs = Path(os.environ["OLLAMA_MODELS"]) / "blobs"
+    files, weights = {}, {}
+    for layer in doc["layers"]:
+        blob = blobs / layer["digest"].replace(":", "-")
+        media = layer.get("mediaType", "")
+        if media.startswith("application/vnd.ollama.image.json"):
+            files[layer.get("name", "")] = blob.read_bytes()
+        elif media.startswith("application/vnd.ollama.image.tensor"):
+            inner = mx.load(str(blob))
+            if list(inner) == ["weight"] or len(inner) == 1 and layer.get("name"):
+                inner = {layer["name"]: next(iter(inner.values()))}
+            weights.update(inner)
+    if "config.json" not in files:
+        raise ValueError(f"{manifest}: no config.json layer")
+    config = json.loads(files["config.json"])
+    return _build(config, weights), config, Vocab.from_files(files, config)
+
+
+# -- KV cells ----------------------------------------------------------------------------------
+class _Cells:
+    """Every slot's KV cells: per layer one key and one value buffer (slots, heads, cells, dim)."""
+
+    def __init__(self, slots: int, layers: int):
+        self.slots = slots
+        self.keys: list = [None] * layers
+        self.values: list = [None] * layers
+        self.cap = 0
+        self.want = 0  # cells the pass being built needs
+        self.length = [0] * slots  # tokens each slot holds (positions 0..length-1)
+
+    def reserve(self, cells: int) -> None:
+        self.want = max(self.want, -(-cells // STEP) * STEP)
+
+    def _ensure(self, layer: int, k, v) -> None:
+        if self.keys[layer] is None:
+            B, H, _, D = k.shape
+            shape = (self.slots, H, self.want, D)
+            self.keys[layer] = mx.zeros(shape, k.dtype)
+            self.values[layer] = mx.zeros((*shape[:3], v.shape[-1]), v.dtype)
+        elif self.keys[layer].shape[2] < self.want:
+            grow = self.want - self.keys[layer].shape[2]
+            pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
+            self.keys[layer] = mx.pad(self.keys[layer], pad)
+            self.values[layer] = mx.pad(self.values[layer], pad)
+        self.cap = max(self.cap, self.keys[layer].shape[2])
+
+    def arrays(self) -> list:
+        return [a for a in self.keys + self.values if a is not None]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+class _Rows:
+    """The cache one layer sees in a batched pass: row b holds L tokens of slot slots[b] at
+    positions pos[b].. ; it attends to its own slot's cells up to each token's position."""
+
+    def __init__(self, cells: _Cells, layer: int, slots, cols, offset, mask, span: int):
+        self.cells, self.layer = cells, layer
+        self.slots, self.cols, self.offset, self.mask, self.span = slots, cols, offset, mask, span
+
+    def update_and_fetch(self, k, v):
+        c, i = self.cells, self.layer
+        c._ensure(i, k, v)
+        c.keys[i][self.slots[:, None], :, self.cols] = k.transpose(0, 2, 1, 3)
+        c.values[i][self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
+        return c.keys[i][self.slots, :, : self.span], c.values[i][self.slots, :, : self.span]
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the mlx backend yet")
+        return self.mask
+
+
+class _Prompt:
+    """The cache one layer sees in a prompt chunk's forward: one slot, tokens from `offset` on."""
+
+    def __init__(self, cells: _Cells, layer: int, slot: int, offset: int):
+        self.cells, self.layer, self.slot, self.offset = cells, layer, slot, offset
+
+    def update_and_fetch(self, k, v):
+        c, i, s, p = self.cells, self.layer, self.slot, self.offset
+        c._ensure(i, k, v)
+        end = p + k.shape[2]
+        c.keys[i][s : s + 1, :, p:end] = k
+        c.values[i][s : s + 1, :, p:end] = v
+        return c.keys[i][s : s + 1, :, :end], c.values[i][s : s + 1, :, :end]
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+
+# -- the loaded model --------------------------------------------------------------------------
+class MlxModel:
+    """A model loaded into MLX (the LoadedModel contract)."""
+
+    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]):
+        if options.host_tensors:
+            raise NotImplementedError("keeping tensors in host memory is not supported by the mlx backend")
+        if options.kv_type not in (None, "f16"):
+            raise ValueError(f"the mlx backend keeps KV cells in the model's float type; kvType {options.kv_type!r}"
+                             " is not supported")
+        on_gpu = options.gpu_layers != 0 and mx.default_device() == mx.gpu
+        self.device = mx.gpu if on_gpu else mx.cpu
+        progress(0.0)
+        p = Path(path)
+        with mx.stream(self.device):
+            if p.is_dir():
+                self.model, self.config, self.vocab = _load_folder(path)
+            elif p.is_file() and _is_gguf(p):
+                self.model, self.config, self.vocab, _ = _load_gguf(path)
+            elif p.is_file():
+                self.model, self.config, self.vocab = _load_ollama(path)
+            else:
+                raise FileNotFoundError(f"no model at {path}")
+            if not on_gpu or p.is_file() and _is_gguf(p):
+                _float_type(self.model, mx.float16 if on_gpu else mx.float32)
+        progress(0.9)
+        self.layers = len(self.model.layers)
+        self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
+        self.cells = _Cells(options.slots, self.layers)
+        self.context = options.context_length
+        drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu"]
+        self.drafts = drafts
+        self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
+        flat = dict(_flat(self.model.parameters()))
+        group = (self.config.get("quantization") or {}).get("group_size", 32)
+        params = sum(flat[f"{k[:-7]}.scales"].size * group if f"{k[:-7]}.scales" in flat else v.size
+                     for k, v in flat.items() if not k.endswith((".scales", ".biases")))
+        size = sum(v.nbytes for v in flat.values())
+        v = self.vocab
+        self.info = ModelInfo(
+            name=p.name, path=path, backend="mlx", n_vocab=self.n_vocab, context_length=options.context_length,
+            slots=options.slots, architecture=str(self.config.get("model_type", "")), parameters=int(params),
+            size_bytes=int(size), context_train=int(self.config.get("max_position_embeddings") or 0),
+            description=f"{self.config.get('model_type', '')} on MLX {mx.__version__} ({'gpu' if on_gpu else 'cpu'})",
+            bos_text=v.pieces[v.bos].decode("utf-8", "replace") if v.bos is not None else "",
+            eos_text=v.pieces[v.eos[0]].decode("utf-8", "replace") if v.eos else "",
+            add_bos=v.add_bos, drafts=drafts,
+        )
+        progress(1.0)
+
+    # -- tokens -----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.vocab.tokenize(text, add_special, parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocab.pieces[token] if 0 <= token < len(self.vocab.pieces) else b""
+
+    def eog_tokens(self):
+        return self.vocab.eog
+
+    def chat_template(self) -> str | None:
+        return self.vocab.template
+
+    # -- decoding ---------------------------------------------------------------------------
+    def _logits(self, inputs, cache, rows=None):
+        """Logits of the forward over `inputs`; only `rows` (flat indices) when given."""
+        if self.split_head:
+            h = self.model.model(inputs, cache)
+            h = h.reshape(-1, h.shape[-1])
+            if rows is not None:
+                h = h[rows]
+            m = self.model
+            return m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
+        out = self.model(inputs, cache=cache)
+        out = out.reshape(-1, out.shape[-1])
+        return out if rows is None else out[rows]
+
+    def decode(self, chunks: Sequence[SeqChunk]):
+        cells = self.cells
+        rows = [c for c in chunks if len(c.tokens) <= self.drafts + 1 and (c.outputs == len(c.tokens) or len(c.tokens) == 1)]
+        prompts = [c for c in chunks if not (len(c.tokens) <= self.drafts + 1 and (c.outputs == len(c.tokens) or len(c.tokens) == 1))]
+        L = max((len(c.tokens) for c in rows), default=0)
+        for c in chunks:
+            if c.pos != cells.length[c.seq]:
+                raise ValueError(f"sequence {c.seq} holds {cells.length[c.seq]} cells; a chunk at {c.pos} leaves a gap")
+            cells.reserve(c.pos + max(len(c.tokens), L if c in rows else 0))
+        pieces, order = [], {}
+        n_out = 0
+        with mx.stream(self.device):
+            if rows:
+                B = len(rows)
+                pos = np.array([c.pos for c in rows], dtype=np.int32)
+                tokens = np.zeros((B, L), dtype=np.int32)
+                want = []
+                for b, c in enumerate(rows):
+                    tokens[b, : len(c.tokens)] = c.tokens
+                    want.extend(b * L + i for i in range(len(c.tokens) - c.outputs, len(c.tokens)))
+                cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
+                span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
+                mask = (np.arange(span)[None, None] <= cols[:, :, None])[:, None]
+                args = (mx.array([c.seq for c in rows], dtype=mx.int32), mx.array(cols), mx.array(pos),
+                        mx.array(mask), span)
+                cache = [_Rows(cells, i, *args) for i in range(self.layers)]
+                if want:
+                    pieces.append(self._logits(mx.array(tokens), cache, mx.array(np.array(want, dtype=np.int32))))
+                else:
+                    self._logits(mx.array(tokens), cache, mx.array(np.zeros(1, dtype=np.int32)))
+                at = 0
+                for c in rows:
+                    order[id(c)] = (at, c.outputs)
+                    at += c.outputs
+                n_out = at
+            for c in prompts:
+                cache = [_Prompt(cells, i, c.seq, c.pos) for i in range(self.layers)]
+                n = len(c.tokens)
+                rows_wanted = mx.arange(n - max(c.outputs, 1), n)
+                out = self._logits(mx.array(np.asarray(c.tokens, dtype=np.int32)[None]), cache, rows_wanted)
+                if c.outputs:
+                    pieces.append(out)
+                    order[id(c)] = (n_out, c.outputs)
+                    n_out += c.outputs
+            for c in chunks:
+                cells.length[c.seq] = c.pos + len(c.tokens)
+            result = None
+            if n_out:
+                index = [order[id(c)][0] + i for c in chunks if id(c) in order for i in range(order[id(c)][1])]
+                joined = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+                if index != list(range(n_out)):
+                    joined = joined[mx.array(index)]
+                result = joined.astype(mx.float32)
+            mx.async_eval(*([result] if result is not None else []), *cells.arrays())
+        n_vocab = self.n_vocab
+
+        def logits() -> np.ndarray:
+            if result is None:
+                mx.synchronize()
+                return np.zeros((0, n_vocab), dtype=np.float32)
+            return np.asarray(result)
+
+        return logits
+
+    def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
+        held = self.cells.length[seq]
+        if 0 <= end < held and start < end:
+            raise NotImplementedError("the mlx backend removes cells from a position to the end only")
+        self.cells.length[seq] = min(held, max(0, start))
+
+    def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
+        if start != 0:
+            raise NotImplementedError("the mlx backend copies a sequence's cells from position 0 only")
+        c = self.cells
+        n = c.length[src] if end < 0 else min(end, c.length[src])
+        with mx.stream(self.device):
+            for i in range(self.layers):
+                if c.keys[i] is not None:
+                    c.keys[i][dst] = c.keys[i][src]
+                    c.values[i][dst] = c.values[i][src]
+        c.length[dst] = n
+
+    def memory(self) -> dict:
+        return {
+            "modelBytes": self.info.size_bytes,
+            "contextCells": self.cells.slots * self.context,
+            "kvBytes": self.cells.nbytes(),
+            "kvType": "f16",
+            "device": "gpu" if self.device == mx.gpu else "cpu",
+        }
+
+    def close(self) -> None:
+        self.model = None
+        self.cells = _Cells(self.cells.slots, 0)
+        mx.clear_cache()
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+def _flat(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+def step_cost_curve(model: MlxModel, k_max: int = 16, repeats: int = 3, context: int = 64) -> list[float]:
+    """Seconds a pass over one sequence's k+1 positions takes, k = 0..k_max (for the draft count)."""
+    costs = []
+    prompt = list(range(1, context + 1))
+    model.seq_remove(0)
+    model.decode([SeqChunk(0, 0, prompt, 1)])()
+    for k in range(k_max + 1):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            model.decode([SeqChunk(0, context, [1] * (k + 1), k + 1)])()
+            best = min(best, time.perf_counter() - t)
+            model.seq_remove(0, context, -1)
+        costs.append(best)
+    return costs
+
+
+def pick_drafts(costs: list[float], acceptance: float = 0.7) -> int:
+    """The draft count that gives the most expected tokens per second of pass, at an acceptance
+    rate typical of edits (each draft accepted with `acceptance` given the ones before it)."""
+    def gain(k):
+        return sum(acceptance**i for i in range(k + 1)) / costs[k]
+
+    return max(range(len(costs)), key=gain)
+
+
+class MlxBackend:
+    """MLX with mlx-lm's models: reads MLX folders, Ollama safetensors models and GGUF."""
+
+    name = "mlx"
+    formats = ("mlx", "gguf")
+
+    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> MlxModel:
+        return MlxModel(path, options, progress)
+
+
+@kinfer_rpc.hookimpl
+def register_backends(register):
+    if _IMPORT_ERROR is not None:
+        log.warning("the mlx backend is not available: %s", _IMPORT_ERROR)
+        return
+    register(MlxBackend())

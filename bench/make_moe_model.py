@@ -44,8 +44,11 @@ def main():
         # One pool of random Q4_K blocks; every tensor is a view of it (rows x bytes per row).
         biggest = max(s["n_expert"] * s["n_ff_exp"] * e, s["vocab"] * e) // QK_K
         pool = np.frombuffer(rng.bytes(biggest * Q4_K_BYTES), dtype=np.uint8).reshape(biggest, Q4_K_BYTES).copy()
-        scales = np.array([0.0003, 0.0001], dtype=np.float16).view(np.uint8)
-        pool[:, 0:4] = scales  # d and dmin of every block: small, finite
+        scales = np.array([0.00008, 0.0006], dtype=np.float16).view(np.uint8)
+        # d and dmin of every block: small and finite, dmin = 7.5 d so that a weight
+        # d*scale*q - dmin*min (q in 0..15, scale and min random 6-bit) averages zero. Biased
+        # weights would give every token the same hidden state, hence the same 8 experts.
+        pool[:, 0:4] = scales
 
     def weight(*shape):
         """A weight of numpy shape `shape` (ggml's reversed): Q4_K bytes or F32 values."""

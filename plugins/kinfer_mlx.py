@@ -96,6 +96,7 @@ class Vocab:
 
     def __init__(self, spec: dict, pieces: list[bytes], *, bos: int | None, eos: list[int], add_bos: bool,
                  add_eos: bool, template: str | None, manual_specials: bool):
+        self.spec = spec
         self.parse = Tokenizer.from_str(json.dumps(spec))
         self.plain = Tokenizer.from_str(json.dumps(spec))
         self.plain.encode_special_tokens = True
@@ -304,9 +305,7 @@ def _load_ollama(manifest: str):
     """An Ollama safetensors model: json layers hold config.json and the tokenizer files, each
     tensor layer a safetensors blob of one tensor (or a packed group, names inside the blob)."""
     doc = json.loads(Path(manifest).read_bytes())
-    blobs = Path(manifest).parents[4] / "blobs" if len(Path(manifest).parents) > 4 else Path(manifest).parent
-    if os.environ.get("OLLAMA_MODELS"):
-        blobs = Path(os.environ["OLLAMA_MODELS"]) / "blobs"
+    blobs = Path(manifest).parents[4] / "blobs"  # <models>/manifests/<host>/<namespace>/<model>/<tag>
     files, weights = {}, {}
     for layer in doc["layers"]:
         blob = blobs / layer["digest"].replace(":", "-")
@@ -314,7 +313,7 @@ def _load_ollama(manifest: str):
         if media.startswith("application/vnd.ollama.image.json"):
             files[layer.get("name", "")] = blob.read_bytes()
         elif media.startswith("application/vnd.ollama.image.tensor"):
-            inner = mx.load(str(blob))
+            inner = mx.load(str(blob), format="safetensors")
             if list(inner) == ["weight"] or len(inner) == 1 and layer.get("name"):
                 inner = {layer["name"]: next(iter(inner.values()))}
             weights.update(inner)

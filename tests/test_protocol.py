@@ -506,13 +506,16 @@ def test_ambiguous_model_prefix_is_31001_with_candidates(spawn, tmp_path):
     assert err["data"] == {"model": "alpha", "candidates": ["alpha-one", "alpha-two"]}
 
 
-def test_backend_unavailable_is_31005(server, tmp_path):
+def test_backend_unavailable_is_31005(server, spawn, tmp_path):
     err = error_of(server.request("model/load", {"backend": "nope"}))
     assert err["code"] == BACKEND_UNAVAILABLE and "llama" in err["message"]
     mlx = tmp_path / "some-mlx-model"
     mlx.mkdir()
     (mlx / "config.json").write_text("{}")
-    err = error_of(server.request("model/load", {"model": str(mlx)}))
+    # Without the mlx plugin (tests/test_mlx.py loads real MLX folders with it).
+    bare = spawn(env={**os.environ, "KINFER_RPC_PLUGINS": "llama,drafts"})
+    bare.initialize()
+    err = error_of(bare.request("model/load", {"model": str(mlx)}))
     assert err["code"] == BACKEND_UNAVAILABLE and "mlx" in err["message"]
 
 

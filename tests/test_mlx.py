@@ -1,0 +1,278 @@
+"""The mlx backend on the CPU (mlx[cpu]): the embedded GGUF against llama.cpp, MLX folders, Ollama
+safetensors models, the engine's invariants, and the protocol.
+
+MLX's CPU quantized matmul runs single-threaded at about 1 GMAC/s (7 tok/s on SmolLM2-135M), so
+every case here generates a handful of tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("mlx.core")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+
+import kinfer_drafts  # noqa: E402
+from kinfer_llama import LlamaBackend  # noqa: E402
+from kinfer_mlx import MlxBackend  # noqa: E402
+from kinfer_rpc import errors  # noqa: E402
+from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.store import ModelStore, embedded_default_path  # noqa: E402
+from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from protocol_fixtures import server, spawn  # noqa: E402,F401
+from rpcclient import error_of  # noqa: E402
+from test_engine import WORDS, run_until_done  # noqa: E402
+
+GGUF = embedded_default_path()
+CTX = 256
+
+
+@functools.lru_cache(maxsize=None)
+def mlx_model(slots=4, path=GGUF):
+    return MlxBackend().load(path, LoadOptions(context_length=CTX, slots=slots), lambda f: None)
+
+
+@functools.lru_cache(maxsize=1)
+def llama_model():
+    return LlamaBackend().load(GGUF, LoadOptions(context_length=CTX, slots=1, threads=2, kv_type="f16"), lambda f: None)
+
+
+@functools.lru_cache(maxsize=1)
+def ngram():
+    found = []
+    kinfer_drafts.register_draft_policies(found.append)
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """An MLX folder written from the embedded GGUF's weights by mlx-lm's save functions."""
+    import make_mlx_model
+
+    out = tmp_path_factory.mktemp("models") / "smollm2-mlx"
+    make_mlx_model.from_gguf(out, GGUF, bits=4, group=64)
+    return out
+
+
+def engine(slots=4, batch=64, drafts=0, path=GGUF) -> Engine:
+    opts = LoadOptions(context_length=CTX, slots=slots, batch=batch, drafts=drafts)
+    e = Engine(lambda p: MlxBackend().load(path, opts, p), lambda fn: fn(), batch=batch, prefix=-1)
+    e.load_model()
+    return e
+
+
+def job(prompt, n=4, temperature=0.0, seed=1, drafts=0):
+    return Job(list(prompt), GenerateOptions(max_tokens=n, drafts=drafts, draft_policy=ngram() if drafts else None,
+                                             sampling=SamplingOptions(temperature=temperature, seed=seed)))
+
+
+@functools.lru_cache(maxsize=None)
+def alone(prompt: tuple, n: int, temperature: float, seed: int) -> tuple:
+    e = _alone_engine()
+    (j,) = run_until_done(e, [job(prompt, n, temperature, seed)])
+    return tuple(j.generated)
+
+
+@functools.lru_cache(maxsize=1)
+def _alone_engine():
+    return engine(slots=1)
+
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France? Tell me about Paris.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_logits_match_llama_cpp():
+    """The GGUF on MLX (traditional rope on llama.cpp's Q/K layout) against llama.cpp, every
+    prompt position. llama.cpp's CPU matmul rounds activations to 8 bits, so logits differ by
+    rounding: correlation above 0.995 at every position, mean difference under 0.5 (logits span about 40), and the
+    same top token wherever llama.cpp's best two are more than 0.05 apart."""
+    m, ref = mlx_model(), llama_model()
+    tokens = ref.tokenize(PROMPT, True, True)
+    ref.seq_remove(0)
+    b = ref.decode([SeqChunk(0, 0, tokens, len(tokens))])().copy()
+    m.seq_remove(0)
+    a = m.decode([SeqChunk(0, 0, tokens, len(tokens))])()
+    m.seq_remove(0)
+    assert a.shape == b.shape == (len(tokens), 49152)
+    top2 = np.sort(b, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.05
+    assert clear.sum() >= len(tokens) - 4  # near-ties are left out; most positions are compared
+    assert (a.argmax(1) == b.argmax(1)).mean() >= 0.9
+    assert (a.argmax(1) == b.argmax(1))[clear].all()
+    assert np.abs(a - b).mean() < 0.5
+    assert min(np.corrcoef(a[i], b[i])[0, 1] for i in range(len(tokens))) > 0.995  # the NeoX layout: 0.72
+
+
+TEXTS = [
+    "", " ", "  ", "\n", "\n\n\t x", "Hello, world!", " leading space", "trailing space ", "12345678901234",
+    "3.14159 and 2,718", "can't won't I'm you'll they'd", "müde café naïve über", "東京タワー 日本語", "🙂👍🏽 emoji",
+    "def f(x):\n    return x ** 2  # square", "<|im_start|>user\nhi<|im_end|>", "a<|im_end|>b<|endoftext|>",
+    "<reponame>kinfer<file_sep>x", "<|im_start", "   multiple   spaces   ", "\u00a0nbsp\u2003em", "ÀÉÎÕÜ ß ẞ",
+]
+
+
+def test_tokenizer_matches_llama_cpp():
+    m, ref = mlx_model(), llama_model()
+    for text in TEXTS:
+        for add_special in (False, True):
+            for parse_special in (False, True):
+                assert m.tokenize(text, add_special, parse_special) == ref.tokenize(text, add_special, parse_special), (
+                    text, add_special, parse_special)
+    assert all(m.token_bytes(t) == ref.token_bytes(t) for t in range(m.info.n_vocab))
+    assert set(m.eog_tokens()) == set(ref.eog_tokens())
+    assert m.chat_template() == ref.chat_template()
+    assert (m.info.bos_text, m.info.eos_text, m.info.add_bos) == (ref.info.bos_text, ref.info.eos_text, ref.info.add_bos)
+
+
+def test_seq_copy_and_remove_give_the_cells_a_recomputation_would():
+    m = mlx_model()
+    p = m.tokenize("The quick brown fox jumps over the lazy dog", True, True)
+    for s in range(4):
+        m.seq_remove(s)
+    m.decode([SeqChunk(0, 0, p, 1)])()
+    m.seq_copy(0, 1)
+    m.seq_remove(1, 5, -1)  # slot 1 keeps the first 5 cells
+    fresh = m.decode([SeqChunk(2, 0, p[:6], 1)])().copy()
+    after_copy = m.decode([SeqChunk(1, 5, p[5:6], 1)])().copy()
+    assert np.array_equal(fresh, after_copy)
+    m.seq_remove(0, 3, -1)
+    again = m.decode([SeqChunk(0, 3, p[3:6], 1)])().copy()
+    assert np.array_equal(again, fresh)
+    with pytest.raises(NotImplementedError):
+        m.seq_remove(2, 1, 3)  # a hole in the middle
+    for s in range(4):
+        m.seq_remove(s)
+    assert m.memory()["device"] == "cpu" and m.memory()["kvBytes"] > 0
+
+
+def _prompts(e, texts):
+    return [e.model.tokenize(t, True, True) for t in texts]
+
+
+def test_batched_replies_equal_alone_and_drafts_change_nothing():
+    e = engine(slots=4, batch=16)
+    prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12",
+                           "Once upon a time, in a land far away, there lived a"])
+    solo = [list(alone(tuple(p), 5, 0.0, 1)) for p in prompts]
+    together = run_until_done(e, [job(p, 5) for p in prompts], arrivals=[0, 1, 3])
+    assert [j.generated for j in together] == solo
+    d = engine(slots=4, batch=16, drafts=4)
+    assert d.model.info.drafts == 4
+    drafted = run_until_done(d, [job(p, 5, drafts=4) for p in prompts], arrivals=[0, 0, 2])
+    assert [j.generated for j in drafted] == solo
+    assert sum(j.drafted for j in drafted) > 0 and sum(j.accepted for j in drafted) > 0  # the counting prompt
+
+
+def test_default_drafts_on_the_cpu_is_the_table_value():
+    import kinfer_mlx
+
+    m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1, drafts=None), lambda f: None)
+    assert m.info.drafts == kinfer_mlx.DEFAULT_DRAFTS["cpu"]
+    assert kinfer_mlx.pick_drafts([1.0, 2.0, 3.0]) == 0 and kinfer_mlx.pick_drafts([1.0, 1.0, 1.0, 4.0]) == 2
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(
+    words=st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12), min_size=2, max_size=3),
+    arrivals=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    temperature=st.sampled_from([0.0, 0.8]),
+    batch=st.sampled_from([4, 16]),
+)
+def test_property_reply_independent_of_neighbours(words, arrivals, temperature, batch):
+    """Any prompts, arrival steps and pass sizes: each reply is the one it gets alone (CPU: MLX's
+    quantized matmul gives a row the same result whatever the rows beside it)."""
+    e = _property_engine(batch)
+    prompts = _prompts(e, [" ".join(w) for w in words])
+    jobs = run_until_done(e, [job(p, 3, temperature, seed=7 + i) for i, p in enumerate(prompts)],
+                          arrivals=arrivals[: len(prompts)])
+    for p, j, i in zip(prompts, jobs, range(len(prompts))):
+        assert tuple(j.generated) == alone(tuple(p), 3, temperature, 7 + i)
+
+
+@functools.lru_cache(maxsize=None)
+def _property_engine(batch):
+    return engine(slots=3, batch=batch)
+
+
+def test_folder_and_ollama_safetensors_load(folder, tmp_path, monkeypatch):
+    """The folder mlx-lm wrote, and the same weights as an Ollama safetensors model (one blob per
+    tensor, json layers for the config and tokenizer), give the same tokens."""
+    m = mlx_model(2, str(folder))
+    assert m.info.backend == "mlx" and m.info.architecture == "llama" and m.chat_template()
+    p = m.tokenize(PROMPT, True, True)
+    assert p == mlx_model().tokenize(PROMPT, True, True)
+    ref = m.decode([SeqChunk(0, 0, p, 1)])().copy()
+    m.seq_remove(0)
+    # An Ollama store holding the folder's tensors.
+    import mlx.core as mx
+
+    store = tmp_path / "ollama"
+    (store / "blobs").mkdir(parents=True)
+    layers = []
+
+    def blob(data: bytes, media: str, name: str):
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        (store / "blobs" / digest.replace(":", "-")).write_bytes(data)
+        layers.append({"mediaType": media, "digest": digest, "size": len(data), "name": name})
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    for name in sorted(k for k in weights if not k.endswith((".scales", ".biases"))):
+        group = {k: weights[k] for k in weights if k == name or k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]}
+        path = tmp_path / "one.safetensors"
+        mx.save_safetensors(str(path), group)
+        blob(path.read_bytes(), "application/vnd.ollama.image.tensor", name)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        blob((folder / f).read_bytes(), "application/vnd.ollama.image.json", f)
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "smolmlx" / "latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    ref_o = ModelStore().resolve("smolmlx")
+    assert ref_o.format == "mlx"
+    o = MlxBackend().load(ref_o.path, LoadOptions(context_length=CTX, slots=1), lambda f: None)
+    assert o.tokenize(PROMPT, True, True) == p
+    assert np.array_equal(o.decode([SeqChunk(0, 0, p, 1)])(), ref)
+
+
+def test_over_the_protocol(spawn, folder):  # noqa: F811
+    """The real server: mlx listed; an MLX folder loads on mlx by itself; a GGUF goes to llama
+    unless `backend: "mlx"` is asked for; chats on both MLX loads answer the tokens the engine
+    gives in-process. Without the mlx plugin a folder is -31005, "needs the mlx backend"."""
+    c = spawn()
+    caps = c.initialize()["capabilities"]
+    assert "mlx" in json.dumps(caps)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    loaded = c.call("model/load", {"model": str(folder), "options": {"slots": 2, "contextLength": CTX}}, timeout=120)
+    assert loaded["backend"] == "mlx" and loaded["drafts"] == 0
+    reply = c.call("inference/chat", {"model": str(folder), "messages": messages,
+                                      "options": {"maxTokens": 4, "temperature": 0}}, timeout=120)
+    assert reply["usage"]["completionTokens"] == len(reply["tokens"]) > 0
+    e = engine(slots=1, path=str(folder))
+    from kinfer_rpc import chat
+
+    prompt = e.model.tokenize(chat.render(e.template, messages, bos=e.model.info.bos_text, eos=e.model.info.eos_text),
+                              False, True)
+    (j,) = run_until_done(e, [job(prompt, 4)])
+    assert reply["tokens"] == j.generated and reply["text"] == j.text
+    assert c.call("model/load", {"model": GGUF, "options": {"contextLength": CTX}})["backend"] == "llama"
+    c.call("model/unload", {"model": GGUF})
+    on_mlx = c.call("model/load", {"model": GGUF, "backend": "mlx", "options": {"slots": 1, "contextLength": CTX}},
+                    timeout=120)
+    assert on_mlx["backend"] == "mlx"
+    g = c.call("inference/generate", {"model": GGUF, "prompt": "The capital of France is",
+                                      "options": {"maxTokens": 3, "temperature": 0}}, timeout=120)
+    assert g["tokens"] == list(alone(tuple(mlx_model().tokenize("The capital of France is", False, True)), 3, 0.0, 1))
+    bare = spawn(env={**os.environ, "KINFER_RPC_PLUGINS": "llama,drafts"})
+    bare.initialize()
+    err = error_of(bare.request("model/load", {"model": str(folder)}))
+    assert err["code"] == errors.BACKEND_UNAVAILABLE and "needs the mlx backend" in err["message"]

@@ -32,7 +32,6 @@ log = logging.getLogger("kinfer_rpc.mlx")
 try:
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.models.cache import create_attention_mask
     from mlx_lm.utils import _get_classes, load_model
     from tokenizers import Tokenizer
 except Exception as exc:  # noqa: BLE001 - no MLX here: the server runs with the other backends
@@ -379,24 +378,6 @@ class _Rows:
         return self.mask
 
 
-class _Prompt:
-    """The cache one layer sees in a prompt chunk's forward: one slot, tokens from `offset` on."""
-
-    def __init__(self, cells: _Cells, layer: int, slot: int, offset: int):
-        self.cells, self.layer, self.slot, self.offset = cells, layer, slot, offset
-
-    def update_and_fetch(self, k, v):
-        c, i, s, p = self.cells, self.layer, self.slot, self.offset
-        c._ensure(i, k, v)
-        end = p + k.shape[2]
-        c.keys[i][s : s + 1, :, p:end] = k
-        c.values[i][s : s + 1, :, p:end] = v
-        return c.keys[i][s : s + 1, :, :end], c.values[i][s : s + 1, :, :end]
-
-    def make_mask(self, N, return_array=False, window_size=None):
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
-
-
 # -- the loaded model --------------------------------------------------------------------------
 class MlxModel:
     """A model loaded into MLX (the LoadedModel contract)."""
@@ -474,59 +455,67 @@ class MlxModel:
         out = out.reshape(-1, out.shape[-1])
         return out if rows is None else out[rows]
 
+    def _groups(self, chunks: Sequence[SeqChunk]) -> list[list[SeqChunk]]:
+        """Chunks that share one forward: every decode chunk (a token, or a token and its drafts)
+        in one; prompt chunks together while padding them to the longest wastes under a quarter.
+        Each group is one weight read; every chunk, alone or not, takes the same path."""
+        short = [c for c in chunks if len(c.tokens) <= self.drafts + 1]
+        groups = [short] if short else []
+        group, tokens = [], 0
+        for c in sorted((c for c in chunks if len(c.tokens) > self.drafts + 1), key=lambda c: -len(c.tokens)):
+            if group and len(group[0].tokens) * (len(group) + 1) * 4 > (tokens + len(c.tokens)) * 5:
+                groups.append(group)
+                group, tokens = [], 0
+            group.append(c)
+            tokens += len(c.tokens)
+        return groups + ([group] if group else [])
+
+    def _forward(self, group: Sequence[SeqChunk]):
+        """One forward over a group (row b: chunk b, padded to the longest); the logits of the
+        rows that asked for them, in the group's order, or None."""
+        cells = self.cells
+        B, L = len(group), max(len(c.tokens) for c in group)
+        pos = np.array([c.pos for c in group], dtype=np.int32)
+        tokens = np.zeros((B, L), dtype=np.int32)
+        want = []
+        for b, c in enumerate(group):
+            tokens[b, : len(c.tokens)] = c.tokens
+            want.extend(range(b * L + len(c.tokens) - c.outputs, b * L + len(c.tokens)))
+        cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
+        cells.reserve(int(cols.max()) + 1)
+        span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
+        # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
+        mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
+        args = (mx.array([c.seq for c in group], dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span)
+        cache = [_Rows(cells, i, *args) for i in range(self.layers)]
+        rows = mx.array(np.array(want or [0], dtype=np.int32))
+        out = self._logits(mx.array(tokens), cache, rows)
+        return out if want else None
+
     def decode(self, chunks: Sequence[SeqChunk]):
         cells = self.cells
-        rows = [c for c in chunks if len(c.tokens) <= self.drafts + 1 and (c.outputs == len(c.tokens) or len(c.tokens) == 1)]
-        prompts = [c for c in chunks if not (len(c.tokens) <= self.drafts + 1 and (c.outputs == len(c.tokens) or len(c.tokens) == 1))]
-        L = max((len(c.tokens) for c in rows), default=0)
         for c in chunks:
             if c.pos != cells.length[c.seq]:
                 raise ValueError(f"sequence {c.seq} holds {cells.length[c.seq]} cells; a chunk at {c.pos} leaves a gap")
-            cells.reserve(c.pos + max(len(c.tokens), L if c in rows else 0))
-        pieces, order = [], {}
-        n_out = 0
+        pieces, starts, n_out = [], {}, 0
         with mx.stream(self.device):
-            if rows:
-                B = len(rows)
-                pos = np.array([c.pos for c in rows], dtype=np.int32)
-                tokens = np.zeros((B, L), dtype=np.int32)
-                want = []
-                for b, c in enumerate(rows):
-                    tokens[b, : len(c.tokens)] = c.tokens
-                    want.extend(b * L + i for i in range(len(c.tokens) - c.outputs, len(c.tokens)))
-                cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
-                span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
-                mask = (np.arange(span)[None, None] <= cols[:, :, None])[:, None]
-                args = (mx.array([c.seq for c in rows], dtype=mx.int32), mx.array(cols), mx.array(pos),
-                        mx.array(mask), span)
-                cache = [_Rows(cells, i, *args) for i in range(self.layers)]
-                if want:
-                    pieces.append(self._logits(mx.array(tokens), cache, mx.array(np.array(want, dtype=np.int32))))
-                else:
-                    self._logits(mx.array(tokens), cache, mx.array(np.zeros(1, dtype=np.int32)))
-                at = 0
-                for c in rows:
-                    order[id(c)] = (at, c.outputs)
-                    at += c.outputs
-                n_out = at
-            for c in prompts:
-                cache = [_Prompt(cells, i, c.seq, c.pos) for i in range(self.layers)]
-                n = len(c.tokens)
-                rows_wanted = mx.arange(n - max(c.outputs, 1), n)
-                out = self._logits(mx.array(np.asarray(c.tokens, dtype=np.int32)[None]), cache, rows_wanted)
-                if c.outputs:
+            for group in self._groups(chunks):
+                out = self._forward(group)
+                if out is not None:
                     pieces.append(out)
-                    order[id(c)] = (n_out, c.outputs)
+                for c in group:
+                    starts[id(c)] = n_out
                     n_out += c.outputs
             for c in chunks:
                 cells.length[c.seq] = c.pos + len(c.tokens)
             result = None
             if n_out:
-                index = [order[id(c)][0] + i for c in chunks if id(c) in order for i in range(order[id(c)][1])]
-                joined = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+                index = [starts[id(c)] + i for c in chunks for i in range(c.outputs)]
+                result = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
                 if index != list(range(n_out)):
-                    joined = joined[mx.array(index)]
-                result = joined.astype(mx.float32)
+                    result = result[mx.array(index)]
+                result = result.astype(mx.float32)
+            # One evaluation for the whole step: the logits and every layer's updated cells.
             mx.async_eval(*([result] if result is not None else []), *cells.arrays())
         n_vocab = self.n_vocab
 

@@ -1,0 +1,223 @@
+"""The mlx backend beside mlx-lm's own generation, same model, same device, one run.
+
+    python bench/mlx_bench.py MODEL --out results.json [--npl 1,8,32,128] [--npp 64] [--ntg 128]
+    python bench/mlx_bench.py MODEL --out curve.json --mode curve [--kmax 16]
+    python bench/mlx_bench.py MODEL --out inv.json --mode invariance [--npl 8,32]
+
+MODEL is an MLX folder (bench/make_mlx_model.py writes one) or a GGUF file.
+
+`compare`: for each N in --npl, N requests with distinct --npp-token prompts generate --ntg tokens
+each (greedy, end-of-generation ignored). kinfer: the engine on its worker thread with the mlx
+backend, exactly as the server runs it (no RPC). mlx-lm: N=1 is `generate_step` (what mlx_lm.generate
+runs), N>1 its `BatchGenerator` (completion batch N). Decode tok/s counts the tokens made after every
+request has its first token, over that time (llama-batched-bench's T_TG); total tok/s is every
+generated token over the whole run. Ratios are kinfer / mlx-lm.
+`curve`: seconds of one pass over one sequence's k+1 positions, k = 0..kmax, and the draft count
+kinfer_mlx.pick_drafts takes from it (for the per-device table DEFAULT_DRAFTS).
+`invariance`: N requests together vs each alone (greedy): the share of replies that differ, and the
+first position where they do.
+
+On the CPU both sides run the model in float32 (MLX's float16 CPU kernels are emulated and 40x
+slower); on a GPU both keep the folder's types. Results: one JSON file (--out) and a markdown
+table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+
+import mlx.core as mx  # noqa: E402
+
+import kinfer_mlx  # noqa: E402
+from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.types import LoadOptions  # noqa: E402
+
+
+def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
+    # Distinct prompts, the same length each; ids from the ordinary part of the vocabulary.
+    top = min(vocab, 49152) - 200
+    return [[(7 + 13 * i + 31 * j) % top + 100 for j in range(npp)] for i in range(n)]
+
+
+def start_engine(model: str, slots: int, ctx: int, drafts: int = 0) -> Engine:
+    opts = LoadOptions(context_length=ctx, slots=slots, batch=max(512, slots), drafts=drafts)
+    ready = threading.Event()
+    engine = Engine(lambda p: kinfer_mlx.MlxBackend().load(model, opts, p), lambda fn: fn(), batch=opts.batch,
+                    on_ready=lambda exc: ready.set(), prefix=-1)
+    engine.start()
+    ready.wait()
+    if engine.model is None:
+        raise SystemExit("the mlx backend could not load the model (see the log above)")
+    return engine
+
+
+def run_jobs(engine: Engine, prompts, ntg: int) -> tuple[dict, list]:
+    options = GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
+    finished = threading.Semaphore(0)
+    times: list[list[float]] = [[] for _ in prompts]
+    jobs = [Job(list(p), options, on_done=lambda j: finished.release(),
+                on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)))
+            for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for job in jobs:
+        engine.submit(job)
+    for _ in jobs:
+        finished.acquire()
+    t_end = time.perf_counter()
+    return timing(t0, t_end, times), [j.generated for j in jobs]
+
+
+def timing(t0, t_end, times) -> dict:
+    t_all_in = max(t[0] for t in times)
+    decode_tokens = sum(1 for t in times for x in t if x > t_all_in)
+    t_decode = t_end - t_all_in
+    total = sum(len(t) for t in times)
+    return {"prompt_s": round(t_all_in - t0, 4), "decode_s": round(t_decode, 4),
+            "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
+            "total_tps": round(total / (t_end - t0), 2), "tokens": total}
+
+
+def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
+    engine = start_engine(model, n, npp + ntg + 8)
+    try:
+        vocab = engine.model.info.n_vocab
+        run_jobs(engine, prompts_for(1, 8, vocab), 4)  # warm up
+        result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
+        result["device"] = engine.model.memory()["device"]
+        return result
+    finally:
+        engine.stop()
+
+
+def mlx_lm_model(model: str):
+    from mlx_lm.utils import load_model
+
+    if not os.path.isdir(model):
+        m = kinfer_mlx._load_gguf(model)[0]
+    else:
+        m = load_model(__import__("pathlib").Path(model))[0]
+    if mx.default_device() == mx.cpu:
+        kinfer_mlx._float_type(m, mx.float32)
+    return m
+
+
+def mlx_lm_case(m, n: int, npp: int, ntg: int) -> dict:
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    vocab = m.args.vocab_size
+    prompts = prompts_for(n, npp, vocab)
+    times: list[list[float]] = [[] for _ in prompts]
+    if n == 1:
+        for _ in generate_step(mx.array(prompts_for(1, 8, vocab)[0]), m, max_tokens=4):
+            pass
+        t0 = time.perf_counter()
+        for token, _ in generate_step(mx.array(prompts[0]), m, max_tokens=ntg):
+            int(token)
+            times[0].append(time.perf_counter())
+        return timing(t0, time.perf_counter(), times)
+    gen = BatchGenerator(m, max_tokens=ntg, stop_tokens=[], completion_batch_size=max(32, n),
+                         prefill_batch_size=min(n, 8))
+    try:
+        gen.insert(prompts_for(1, 8, vocab), max_tokens=[4])
+        while gen.next_generated() or gen._unprocessed_sequences or len(gen._prompt_batch):
+            pass
+        t0 = time.perf_counter()
+        uids = gen.insert(prompts, max_tokens=[ntg] * n)
+        index = {u: i for i, u in enumerate(uids)}
+        left = n
+        while left:
+            for r in gen.next_generated():
+                now = time.perf_counter()
+                times[index[r.uid]].append(now)
+                if r.finish_reason is not None:
+                    left -= 1
+        return timing(t0, time.perf_counter(), times)
+    finally:
+        gen.close()
+
+
+def compare(a) -> dict:
+    rows = []
+    m = mlx_lm_model(a.model)
+    for n in a.npl:
+        ours = kinfer_case(a.model, n, a.npp, a.ntg)
+        theirs = mlx_lm_case(m, n, a.npp, a.ntg)
+        rows.append({"npl": n, "kinfer": ours, "mlx_lm": theirs,
+                     "decode_ratio": round(ours["decode_tps"] / theirs["decode_tps"], 3) if theirs["decode_tps"] else None,
+                     "total_ratio": round(ours["total_tps"] / theirs["total_tps"], 3) if theirs["total_tps"] else None})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print("| at once | kinfer decode tok/s | mlx-lm decode tok/s | ratio | kinfer total tok/s | mlx-lm total tok/s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        k, m_ = r["kinfer"], r["mlx_lm"]
+        print(f"| {r['npl']} | {k['decode_tps']} | {m_['decode_tps']} | {r['decode_ratio']} | {k['total_tps']} |"
+              f" {m_['total_tps']} | {r['total_ratio']} |")
+    return {"rows": rows}
+
+
+def curve(a) -> dict:
+    model = kinfer_mlx.MlxBackend().load(a.model, LoadOptions(context_length=a.npp + a.kmax + 64, slots=1, drafts=a.kmax),
+                                         lambda f: None)
+    costs = kinfer_mlx.step_cost_curve(model, a.kmax, repeats=a.repeats, context=a.npp)
+    pick = kinfer_mlx.pick_drafts(costs)
+    print("| k (drafts) | rows | ms | x one row |")
+    print("|---:|---:|---:|---:|")
+    for k, c in enumerate(costs):
+        print(f"| {k} | {k + 1} | {c * 1000:.2f} | {c / costs[0]:.2f} |")
+    print(f"\npick_drafts (acceptance 0.7): {pick}")
+    return {"costs_s": costs, "relative": [c / costs[0] for c in costs], "pick_drafts": pick,
+            "device": model.memory()["device"]}
+
+
+def invariance(a) -> dict:
+    out = []
+    for n in a.npl:
+        solo_engine = start_engine(a.model, 1, a.npp + a.ntg + 8)
+        vocab = solo_engine.model.info.n_vocab
+        prompts = prompts_for(n, a.npp, vocab)
+        alone = [run_jobs(solo_engine, [p], a.ntg)[1][0] for p in prompts]
+        solo_engine.stop()
+        engine = start_engine(a.model, n, a.npp + a.ntg + 8)
+        _, together = run_jobs(engine, prompts, a.ntg)
+        engine.stop()
+        first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(alone, together)]
+        differ = [f for f in first if f is not None]
+        out.append({"npl": n, "replies": n, "differ": len(differ), "rate": round(len(differ) / n, 4),
+                    "first_divergence": sorted(differ), "tokens_each": a.ntg})
+        print(json.dumps(out[-1]), flush=True)
+    return {"rows": out}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True, help="JSON file for the results")
+    ap.add_argument("--mode", choices=["compare", "curve", "invariance"], default="compare")
+    ap.add_argument("--npl", default="1,8,32,128")
+    ap.add_argument("--npp", type=int, default=64)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("--kmax", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    a.npl = [int(x) for x in a.npl.split(",") if x]
+    t = time.perf_counter()
+    result = {"compare": compare, "curve": curve, "invariance": invariance}[a.mode](a)
+    import mlx_lm
+
+    result.update(mode=a.mode, model=a.model, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
+                  device=str(mx.default_device()), seconds=round(time.perf_counter() - t, 1))
+    with open(a.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

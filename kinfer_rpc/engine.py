@@ -25,7 +25,7 @@ from . import errors
 from .sampling import SamplingOptions, sample
 from .slots import Slots
 from .textstream import TextStream
-from .types import LoadedModel, SeqChunk
+from .types import DraftRequest, LoadedModel, SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,15 @@ class Engine:
         prefix: int = -1,
         on_progress: Callable[[float], None] | None = None,
         on_ready: Callable[[Exception | None], None] | None = None,
+        draft_session: Callable[[object, LoadedModel], object] | None = None,
+        draft_policy: object = None,
     ):
         self._load = load
+        # Draft policies that draft for all requests at once (a draft model, an MTP head) get
+        # one session per load, made on the worker thread by `draft_session(policy, model)`.
+        self._draft_session = draft_session
+        self._sessions: dict[str, object] = {}
+        self._default_policy = draft_policy  # the load's: its session starts with the load
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -217,6 +224,15 @@ class Engine:
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
+        if hasattr(self._default_policy, "session"):
+            # Now, not at the first request: a load whose policy cannot start (no draft model,
+            # no MTP head) fails with the reason instead of quietly drafting nothing.
+            try:
+                self._session(self._default_policy)
+            except BaseException:
+                self.model.close()
+                self.model = None
+                raise
 
     def _run(self) -> None:
         try:
@@ -241,6 +257,12 @@ class Engine:
             self._fail_all(exc)
         finally:
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
+            for session in self._sessions.values():
+                try:
+                    session.close()
+                except Exception:
+                    log.exception("closing a draft session failed")
+            self._sessions.clear()
             model, self.model = self.model, None
             if model is not None:
                 model.close()
@@ -294,12 +316,19 @@ class Engine:
         budget = self.batch
         chunks, owners = [], []
         context = self.model.info.context_length
-        for job in self._active:
-            if job.n_past >= len(job.prompt):  # decoding: feed the last sampled token
-                job.drafts = self._propose(job, min(budget - 1, context - job.n_past - 2))
-                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
-                owners.append(job)
-                budget -= 1 + len(job.drafts)
+        decoding = [job for job in self._active if job.n_past >= len(job.prompt)]
+        # Room for drafts: every decoding job's own token first, then drafts in admission order.
+        room = budget - len(decoding)
+        wanted = []
+        for job in decoding:
+            k = self._draft_count(job, min(room, context - job.n_past - 2))
+            room -= k
+            wanted.append(k)
+        self._propose_all(decoding, wanted)
+        for job in decoding:  # decoding: feed the last sampled token and its drafts
+            chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
+            owners.append(job)
+            budget -= 1 + len(job.drafts)
         for job in self._active:
             left = len(job.prompt) - job.n_past
             if left > 0 and budget > 0:
@@ -388,23 +417,56 @@ class Engine:
             return False
         return True
 
-    def _propose(self, job: Job, room: int) -> list:
-        """Drafts for this step: only from the job's own history, so replies never depend on
-        neighbours (and verification makes them not depend on the drafts either)."""
+    def _draft_count(self, job: Job, room: int) -> int:
+        """How many drafts this job checks this step (0: none)."""
         opts = job.options
         if not opts.drafts or opts.draft_policy is None or room <= 0:
-            return []
+            return 0
         if job.draft_pause:
             job.draft_pause -= 1
-            return []
+            return 0
         if opts.max_tokens is not None:
             room = min(room, opts.max_tokens - len(job.generated) - 1)
-        k = min(opts.drafts, room)
-        if k <= 0:
-            return []
+        return max(0, min(opts.drafts, room))
+
+    def _propose_all(self, jobs: list, counts: list) -> None:
+        """Drafts for this step, each only from its job's own history, so replies never depend
+        on neighbours (and verification makes them not depend on the drafts either). Policies
+        with a session draft for all their jobs at once."""
         vocab = self.model.info.n_vocab
-        drafts = opts.draft_policy.propose(job.prompt + job.generated, k)
-        return [int(t) for t in drafts[:k] if 0 <= int(t) < vocab]
+        grouped: dict[str, list] = {}
+        for job, k in zip(jobs, counts):
+            job.drafts = []
+            if k <= 0:
+                continue
+            policy = job.options.draft_policy
+            if hasattr(policy, "session"):
+                grouped.setdefault(policy.name, []).append((job, k))
+            else:
+                job.drafts = self._clean(policy.propose(job.prompt + job.generated, k), k, vocab)
+        for name, items in grouped.items():
+            try:
+                session = self._session(items[0][0].options.draft_policy)
+                proposals = session.propose_many(
+                    [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items])
+            except Exception:
+                # A drafter's failure costs speed, never a reply: this step goes undrafted.
+                log.exception("draft policy %s failed", name)
+                continue
+            for (job, k), drafts in zip(items, proposals):
+                job.drafts = self._clean(drafts, k, vocab)
+
+    @staticmethod
+    def _clean(drafts, k: int, vocab: int) -> list:
+        return [int(t) for t in list(drafts)[:k] if 0 <= int(t) < vocab]
+
+    def _session(self, policy):
+        session = self._sessions.get(policy.name)
+        if session is None:
+            if self._draft_session is None:
+                raise RuntimeError(f"draft policy {policy.name} needs a session and this engine makes none")
+            session = self._sessions[policy.name] = self._draft_session(policy, self.model)
+        return session
 
     @staticmethod
     def _pause_if_unlucky(job: Job) -> None:

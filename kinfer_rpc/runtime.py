@@ -67,6 +67,7 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
         "verify": f.bool("verify", None),
         "draftPolicy": f.str("draftPolicy", None),
+        "draftModel": f.str("draftModel", None),
         "drafts": f.int("drafts", None, lo=0, hi=64),
         # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
         # kept contiguous by compaction. Default: whatever the free slots hold.
@@ -177,7 +178,8 @@ class Runtime:
                 )
             # None lets the backend choose from what a pass over k+1 positions costs on its
             # device; the count is fixed for the life of the load either way.
-            opts = attrs.evolve(opts, drafts=extra["drafts"])
+            draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra["draftModel"])
+            opts = attrs.evolve(opts, drafts=extra["drafts"], mtp=policy == "mtp", draft_model=draft_model)
             placement = extra["placement"]
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
@@ -226,6 +228,8 @@ class Runtime:
             prefix=extra["prefix"] if extra["prefix"] is not None else opts.slots * opts.context_length,
             on_progress=on_progress,
             on_ready=on_ready,
+            draft_session=lambda policy, model: policy.session(model, backend, opts),
+            draft_policy=self.plugins.draft_policies.get(policy) if policy else None,
         )
         entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source,
                        defaults=dict(ref.defaults), system=ref.system,
@@ -255,6 +259,21 @@ class Runtime:
         self._last = ref.name
         log.info("loaded %s with %s: %s", ref.name, backend.name, engine.model.info.description)
         return entry
+
+    def _draft_model(self, policy: str | None, name: str | None) -> str | None:
+        """The draft-model policy's GGUF: a name the store knows or a path."""
+        if name is None:
+            if policy == "draft-model":
+                raise errors.invalid_params(
+                    "draftPolicy draft-model needs options.draftModel: a GGUF model with the same vocabulary")
+            return None
+        if policy != "draft-model":
+            raise errors.invalid_params("options.draftModel is only used with draftPolicy draft-model")
+        ref = self.store.resolve(name)
+        if ref.format != "gguf":
+            raise errors.KinferError(errors.NOT_SUPPORTED, f"the draft model {ref.name} is not a GGUF file")
+        self.store.prepare(ref, None)
+        return ref.path
 
     def _place(self, ref, backend, opts: LoadOptions, name: str | None, given: frozenset):
         """Ask the placement what goes where; the options the user set win. Off the loop: the
@@ -431,6 +450,11 @@ class Runtime:
         if policy is None:
             raise errors.invalid_params(
                 f"unknown draft policy {name!r}; available: {', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
+            )
+        if hasattr(policy, "session") and name != entry.draft_policy:
+            raise errors.invalid_params(
+                f"draft policy {name!r} keeps state per load (a draft model, an MTP head): load the model "
+                f"with draftPolicy {name!r} to use it"
             )
         loaded_for = entry.engine.model.info.drafts
         drafts = loaded_for if opts.drafts is None else opts.drafts

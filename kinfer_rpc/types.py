@@ -35,6 +35,8 @@ class LoadOptions:
     kv_unified: bool = False
     host_tensors: tuple[str, ...] = ()
     drafts: int | None = 0  # draft tokens one sequence checks in a pass; None: the backend's choice
+    draft_model: str | None = None  # path of the draft-model policy's GGUF (same vocabulary)
+    mtp: bool = False  # load the model's multi-token-prediction layers (the mtp policy)
     kv_type: str | None = None  # KV cache cell type ("f16", "q8_0"); None: the backend's choice
 
 
@@ -129,11 +131,40 @@ class DraftPolicy(Protocol):
     `propose(history, k)` gets a request's prompt + reply tokens so far and returns at most k
     draft tokens. It must depend only on that request's own history, so that a reply never
     depends on its neighbours.
+
+    A policy that needs state per load (a draft model, the target's MTP head) instead has
+    `session(target, backend, options)` returning a DraftSession; the engine makes one per load
+    on its worker thread (at load time when it is the load's default policy) and asks it for
+    every drafting request of a step at once.
     """
 
     name: str
 
     def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+
+@attrs.frozen
+class DraftRequest:
+    """One request's part of a step's drafting: its sequence (slot) id, history, draft count."""
+
+    seq: int
+    history: Sequence[int]
+    k: int
+
+
+class DraftSession(Protocol):
+    """A draft policy's state for one load, used only from the engine's worker thread.
+
+    `propose_many(requests)` returns, for each request in order, at most `k` draft tokens that
+    depend only on that request's history. The sequence id is the slot the request runs in now;
+    a slot is reused by later requests and a request may move to another slot, so a session
+    that keeps per-sequence state must check it against the history it is given. `close()`
+    frees what the session holds (called before the target model closes).
+    """
+
+    def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
+
+    def close(self) -> None: ...
 
 
 @attrs.frozen

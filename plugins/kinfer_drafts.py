@@ -3,6 +3,10 @@
 `ngram` is prompt lookup: the tokens that followed the last earlier occurrence of the request's
 latest n-gram (n from 4 down to 1) in its own prompt and reply. Editors and agents rewrite text
 they were given, so the reply keeps running into its own prompt; no extra weights are needed.
+
+`draft-model` runs a smaller model with the same vocabulary (model/load's `draftModel`) in a
+context of its own on the same backend. The `mtp` policy lives in the llama plugin: it needs
+llama.cpp's own multi-token-prediction API.
 """
 
 from __future__ import annotations
@@ -38,6 +42,118 @@ class NgramPolicy:
         return []
 
 
+
+
+def shared_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelPolicy:
+    """`draft-model`: a smaller GGUF with the same vocabulary, run by the target's backend in a
+    context of its own (`options.draftModel` of model/load), drafting greedily.
+
+    One session per load keeps one draft sequence per slot and what it holds; each step it
+    catches every drafting sequence up with its request's history (recomputing only what its
+    cache does not already hold) and then decodes k tokens, every round one pass over all the
+    step's drafting requests."""
+
+    name = "draft-model"
+
+    def propose(self, history, k: int) -> list[int]:
+        raise RuntimeError("draft-model drafts through a session (kinfer_rpc.types.DraftSession)")
+
+    def session(self, target, backend, options):
+        return DraftModelSession(target, backend, options)
+
+
+class DraftModelSession:
+    def __init__(self, target, backend, options):
+        from kinfer_rpc.types import LoadOptions
+
+        if not options.draft_model:
+            raise ValueError("draftPolicy draft-model needs options.draftModel")
+        info = target.info
+        self.draft = backend.load(
+            options.draft_model,
+            LoadOptions(context_length=info.context_length, slots=info.slots, batch=options.batch,
+                        ubatch=options.ubatch, threads=options.threads, gpu_layers=options.gpu_layers,
+                        flash_attention=options.flash_attention, drafts=0, kv_type=options.kv_type),
+            lambda fraction: None,
+        )
+        try:
+            self._check_vocabulary(target)
+        except BaseException:
+            self.draft.close()
+            raise
+        self.capacity = options.batch
+        self.cached: dict[int, list[int]] = {}
+
+    def _check_vocabulary(self, target) -> None:
+        n = target.info.n_vocab
+        if self.draft.info.n_vocab != n:
+            raise ValueError(f"the draft model has {self.draft.info.n_vocab} tokens and the model {n}: "
+                             "a draft model needs the same vocabulary")
+        probe = sorted(set(range(0, n, max(1, n // 997))) | {n - 1} | set(target.eog_tokens()))
+        for t in probe:
+            if self.draft.token_bytes(t) != target.token_bytes(t):
+                raise ValueError(f"token {t} is {target.token_bytes(t)!r} in the model and "
+                                 f"{self.draft.token_bytes(t)!r} in the draft model: a draft model needs the same vocabulary")
+
+    def propose_many(self, requests):
+        from kinfer_rpc.types import SeqChunk
+
+        out = [[] for _ in requests]
+        # Catch up: each sequence's cells must hold its history; the last token asks for logits.
+        todo = []  # (request index, seq, position, tokens still to feed)
+        for i, r in enumerate(requests):
+            h = list(r.history)
+            have = self.cached.get(r.seq, [])
+            p = min(shared_prefix(have, h), len(h) - 1)
+            if p < len(have):
+                self.draft.seq_remove(r.seq, p, -1)
+            self.cached[r.seq] = h[:p]
+            todo.append([i, r.seq, p, h[p:]])
+        last = {}
+        while any(t[3] for t in todo):
+            chunks, rows, room = [], [], self.capacity
+            for t in todo:
+                if not t[3] or room <= 0:
+                    continue
+                take = t[3][:room]
+                ends = len(take) == len(t[3])
+                chunks.append(SeqChunk(t[1], t[2], take, int(ends)))
+                if ends:
+                    rows.append(t[0])
+                self.cached[t[1]].extend(take)
+                t[2] += len(take)
+                t[3] = t[3][len(take):]
+                room -= len(take)
+            logits = self.draft.decode(chunks)()
+            for row, i in enumerate(rows):
+                last[i] = int(np.argmax(logits[row]))
+        # Draft: round j feeds every request's draft j and reads draft j + 1.
+        for i, tok in last.items():
+            out[i].append(tok)
+        live = [i for i, r in enumerate(requests) if r.k > 1]
+        while live:
+            chunks = [SeqChunk(requests[i].seq, len(requests[i].history) + len(out[i]) - 1, (out[i][-1],), 1)
+                      for i in live]
+            logits = self.draft.decode(chunks)()
+            for row, i in enumerate(live):
+                self.cached[requests[i].seq].append(out[i][-1])
+                out[i].append(int(np.argmax(logits[row])))
+            live = [i for i in live if len(out[i]) < requests[i].k]
+        return out
+
+    def close(self) -> None:
+        self.draft.close()
+
+
 @kinfer_rpc.hookimpl
 def register_draft_policies(register):
     register(NgramPolicy())
+    register(DraftModelPolicy())

@@ -121,3 +121,114 @@ def test_ngram_policy_looks_up_the_latest_match():
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
     assert p.propose([5, 6], 2) == []
     assert p.propose([4, 4, 4], 2) == [4]
+
+
+# -- draft-model: a second model drafts, through a session per load --------------------------------
+import functools  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+from kinfer_drafts import DraftModelPolicy  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=1)
+def synthetic_draft() -> str:
+    """A 2-layer random model with SmolLM2's vocabulary (bench/make_draft_model.py)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="kinfer-draft-"), "draft.gguf")
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_draft_model.py"), embedded_default_path(), path],
+                   check=True)
+    return path
+
+
+def make_drafting_engine(slots, draft_path, batch=512):
+    path = embedded_default_path()
+    opts = LoadOptions(context_length=CTX, slots=slots, batch=batch, ubatch=min(batch, 512), threads=2,
+                       drafts=MAX_DRAFTS, draft_model=draft_path)
+    backend = LlamaBackend()
+    policy = DraftModelPolicy()
+    engine = Engine(lambda progress: backend.load(path, opts, progress), lambda fn: fn(), batch=batch,
+                    draft_session=lambda p, model: p.session(model, backend, opts), draft_policy=policy)
+    engine.load_model()
+    return engine, policy
+
+
+def close(engine):
+    engine._sessions.pop("draft-model").close()
+    engine.model.close()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    requests=st.lists(request, min_size=1, max_size=3),
+    draft=st.sampled_from(["self", "synthetic"]),
+    drafts=st.integers(1, MAX_DRAFTS),
+    slots=st.sampled_from([1, 3]),
+)
+def test_a_draft_model_never_changes_a_reply(requests, draft, drafts, slots):
+    wants = [alone(tokenize(text), n, t, seed, stop) for text, n, t, seed, stop in requests]
+    engine, policy = make_drafting_engine(slots, embedded_default_path() if draft == "self" else synthetic_draft())
+    try:
+        jobs = [
+            Job(list(tokenize(text)), attrs.evolve(_options(n, t, seed, stop), drafts=drafts, draft_policy=policy))
+            for text, n, t, seed, stop in requests
+        ]
+        run_until_done(engine, jobs)
+        for job, want in zip(jobs, wants):
+            assert (tuple(job.generated), job.text, job.stop_reason) == want
+    finally:
+        close(engine)
+
+
+def test_the_model_drafting_for_itself_is_always_right():
+    """Greedy drafts from the same weights equal the target's own choices (bit-identical logits
+    in every pass shape, tests/test_invariance.py), so every draft is accepted; a second request
+    in the same slot afterwards reuses the draft cache's common prefix and is still right."""
+    engine, policy = make_drafting_engine(2, embedded_default_path())
+    try:
+        for text in (EDIT, EDIT + "def mul(a, b):\n"):
+            prompt = tokenize(text)
+            want = alone(prompt, 24, 0.0, 0)
+            job = Job(list(prompt), attrs.evolve(_options(24, 0.0, 0), drafts=4, draft_policy=policy))
+            run_until_done(engine, [job])
+            assert (tuple(job.generated), job.text, job.stop_reason) == want
+            usage = job.result()["usage"]
+            assert usage["draftTokens"] > 0 and usage["draftAccepted"] == usage["draftTokens"]
+            assert engine.steps and engine.status()["draftAcceptance"] == 1.0
+    finally:
+        close(engine)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    import pytest
+
+    other = tmp_path / "other.gguf"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_model.py"), str(other), "--shape", "tiny"],
+                   check=True, env={**os.environ, "PYTHONPATH": ""})
+    with pytest.raises(ValueError, match="same vocabulary"):
+        make_drafting_engine(1, str(other))
+
+
+def test_draft_model_through_the_server():
+    from rpcclient import RpcClient, error_of
+
+    with RpcClient.spawn() as c:
+        assert "draft-model" in c.initialize()["capabilities"]["draftPolicies"]
+        e = error_of(c.request("model/load", {"options": {"draftPolicy": "draft-model"}}))
+        assert e["code"] == -32602 and "draftModel" in e["message"]
+        e = error_of(c.request("model/load", {"options": {"draftModel": synthetic_draft()}}))
+        assert e["code"] == -32602 and "draft-model" in e["message"]
+        plain = c.load_model(contextLength=512)
+        msgs = [{"role": "user", "content": "Say hello."}]
+        e = error_of(c.request("inference/chat", {"messages": msgs, "options": {"draftPolicy": "draft-model"}}))
+        assert e["code"] == -32602 and "load the model with draftPolicy" in e["message"]
+        want = c.call("inference/chat", {"messages": msgs, "options": {"maxTokens": 12, "temperature": 0}})
+        c.call("model/unload", {"model": plain["model"]})
+        r = c.load_model(contextLength=512, draftPolicy="draft-model", draftModel=synthetic_draft())
+        assert r["draftPolicy"] == "draft-model"
+        got = c.call("inference/chat", {"messages": msgs, "options": {"maxTokens": 12, "temperature": 0}})
+        assert got["tokens"] == want["tokens"] and got["usage"]["draftTokens"] > 0
+        c.assert_clean()

@@ -1,7 +1,7 @@
 """Speculative decoding: tok/s with and without a draft policy, on an edit and a chat workload,
 and the cost of one pass checking k drafts (the curve of step time over k).
 
-    python bench/drafts_bench.py [MODEL.gguf] [--drafts 4,8] [--curve MODEL.gguf]
+    python bench/drafts_bench.py [MODEL.gguf] [--drafts 4,8] [--draft-model DRAFT.gguf] [--curve MODEL.gguf]
 
 Edit: a code file in the prompt and the request to return it with a small change (editors and
 agents rewrite text they were given). Chat: an open question. Greedy, one request at a time,
@@ -24,7 +24,7 @@ import llama_cpp  # noqa: E402,F401  (load llama.cpp before numpy: see engine_be
 
 import attrs  # noqa: E402
 
-from kinfer_drafts import NgramPolicy  # noqa: E402
+from kinfer_drafts import DraftModelPolicy, NgramPolicy  # noqa: E402
 from kinfer_llama import LlamaBackend  # noqa: E402
 from kinfer_rpc import chat  # noqa: E402
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
@@ -62,11 +62,13 @@ WORKLOADS = {
 }
 
 
-def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None) -> Engine:
+def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None, draft_model: str | None = None) -> Engine:
     opts = LoadOptions(context_length=2048, slots=1, batch=2048, ubatch=512, threads=threads,
-                       gpu_layers=gpu_layers, drafts=max_drafts)
+                       gpu_layers=gpu_layers, drafts=max_drafts, draft_model=draft_model)
     ready = threading.Event()
-    engine = Engine(lambda p: LlamaBackend().load(model, opts, p), lambda fn: fn(), on_ready=lambda e: ready.set())
+    backend = LlamaBackend()
+    engine = Engine(lambda p: backend.load(model, opts, p), lambda fn: fn(), on_ready=lambda e: ready.set(),
+                    draft_session=lambda policy, target: policy.session(target, backend, opts))
     engine.start()
     ready.wait()
     return engine
@@ -81,7 +83,8 @@ def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
 
 
 def workloads(args):
-    engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads)
+    engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads, args.draft_model)
+    policies = [NgramPolicy()] + ([DraftModelPolicy()] if args.draft_model else [])
     info = engine.model.info
     base = GenerateOptions(max_tokens=args.max_tokens, sampling=SamplingOptions(temperature=0.0))
     for name, text in WORKLOADS.items():
@@ -92,12 +95,12 @@ def workloads(args):
         plain_tps = plain.result()["timings"]["tokensPerSecond"]
         print(json.dumps({"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated),
                           "tps": plain_tps}), flush=True)
-        for k in args.drafts:
-            job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=NgramPolicy()))
+        for policy, k in [(p, k) for p in policies for k in args.drafts]:
+            job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=policy))
             r = job.result()
             u = r["usage"]
             print(json.dumps({
-                "workload": name, "policy": "ngram", "drafts": k, "tokens": len(job.generated),
+                "workload": name, "policy": policy.name, "drafts": k, "tokens": len(job.generated),
                 "tps": r["timings"]["tokensPerSecond"],
                 "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
                 "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
@@ -133,6 +136,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--drafts", default="4,8")
+    ap.add_argument("--draft-model", default=None, help="also the draft-model policy with this GGUF")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--gpu-layers", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=None)

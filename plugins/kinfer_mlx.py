@@ -361,15 +361,19 @@ class _Rows:
     """The cache one layer sees in a batched pass: row b holds L tokens of slot slots[b] at
     positions pos[b].. ; it attends to its own slot's cells up to each token's position."""
 
-    def __init__(self, cells: _Cells, layer: int, slots, cols, offset, mask, span: int):
+    def __init__(self, cells: _Cells, layer: int, slots, cols, offset, mask, span: int, first: int | None):
         self.cells, self.layer = cells, layer
         self.slots, self.cols, self.offset, self.mask, self.span = slots, cols, offset, mask, span
+        self.first = first
 
     def update_and_fetch(self, k, v):
         c, i = self.cells, self.layer
         c._ensure(i, k, v)
         c.keys[i][self.slots[:, None], :, self.cols] = k.transpose(0, 2, 1, 3)
         c.values[i][self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
+        if self.first is not None:  # rows are the slots first.. in order: a view, not a gathered copy
+            rows = slice(self.first, self.first + k.shape[0])
+            return c.keys[i][rows, :, : self.span], c.values[i][rows, :, : self.span]
         return c.keys[i][self.slots, :, : self.span], c.values[i][self.slots, :, : self.span]
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -459,7 +463,7 @@ class MlxModel:
         """Chunks that share one forward: every decode chunk (a token, or a token and its drafts)
         in one; prompt chunks together while padding them to the longest wastes under a quarter.
         Each group is one weight read; every chunk, alone or not, takes the same path."""
-        short = [c for c in chunks if len(c.tokens) <= self.drafts + 1]
+        short = sorted((c for c in chunks if len(c.tokens) <= self.drafts + 1), key=lambda c: c.seq)
         groups = [short] if short else []
         group, tokens = [], 0
         for c in sorted((c for c in chunks if len(c.tokens) > self.drafts + 1), key=lambda c: -len(c.tokens)):
@@ -468,7 +472,8 @@ class MlxModel:
                 group, tokens = [], 0
             group.append(c)
             tokens += len(c.tokens)
-        return groups + ([group] if group else [])
+        groups += [group] if group else []
+        return [sorted(g, key=lambda c: c.seq) for g in groups]
 
     def _forward(self, group: Sequence[SeqChunk]):
         """One forward over a group (row b: chunk b, padded to the longest); the logits of the
@@ -486,7 +491,9 @@ class MlxModel:
         span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
         # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
         mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
-        args = (mx.array([c.seq for c in group], dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span)
+        seqs = [c.seq for c in group]
+        first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
+        args = (mx.array(seqs, dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span, first)
         cache = [_Rows(cells, i, *args) for i in range(self.layers)]
         rows = mx.array(np.array(want or [0], dtype=np.int32))
         out = self._logits(mx.array(tokens), cache, rows)

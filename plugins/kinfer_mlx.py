@@ -41,12 +41,12 @@ else:
     _IMPORT_ERROR = None
 
 STEP = 256  # KV buffers grow by this many cells, and a batched pass reads keys in these blocks
-# Drafts per step when a load names no count, by device (bench/mlx_bench.py --mode curve measures
-# the cost of a pass over k+1 positions). CUDA: MLX 0.32.4 runs 2-7 rows as matrix-vector passes
-# (one weight read per row) and switches to its matrix kernel at 8 rows (2x one pass up to 16):
-# 8 drafts for that price. CPU: the quantized matmul is single-threaded and every row costs about
-# as much as the first, so a draft costs as much as the token it may save: none.
-DEFAULT_DRAFTS = {"gpu": 8, "cpu": 0}
+# Drafts per step when a load names no count, by device, from the cost of a pass over k+1
+# positions of one sequence (bench/mlx_bench.py --mode curve; pick_drafts at 70% acceptance).
+# CUDA (the H200, MLX 0.32.4): 2-7 rows run as matrix-vector passes, a weight read per row; the
+# matrix kernel takes over at 8 rows and 9-13 rows cost about 2x one: 8 drafts for that price.
+# CPU (SmolLM2, 2 cores): 2 rows 1.49x, 3 rows 1.44x, then about +0.4x a row: 2 drafts.
+DEFAULT_DRAFTS = {"gpu": 8, "cpu": 2}
 # Texts llama.cpp also treats as end of generation when they are control tokens.
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
               "<EOT>", "_<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>", "<end_of_utterance>",

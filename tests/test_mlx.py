@@ -22,6 +22,7 @@ pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
 import kinfer_drafts  # noqa: E402
+import kinfer_mlx  # noqa: E402
 from kinfer_llama import LlamaBackend  # noqa: E402
 from kinfer_mlx import MlxBackend  # noqa: E402
 from kinfer_rpc import errors  # noqa: E402
@@ -174,8 +175,6 @@ def test_batched_replies_equal_alone_and_drafts_change_nothing():
 
 
 def test_default_drafts_on_the_cpu_is_the_table_value():
-    import kinfer_mlx
-
     m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1, drafts=None), lambda f: None)
     assert m.info.drafts == kinfer_mlx.DEFAULT_DRAFTS["cpu"]
     assert kinfer_mlx.pick_drafts([1.0, 2.0, 3.0]) == 0 and kinfer_mlx.pick_drafts([1.0, 1.0, 1.0, 4.0]) == 2
@@ -253,7 +252,7 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
     assert "mlx" in json.dumps(caps)
     messages = [{"role": "user", "content": "Name a colour."}]
     loaded = c.call("model/load", {"model": str(folder), "options": {"slots": 2, "contextLength": CTX}}, timeout=120)
-    assert loaded["backend"] == "mlx" and loaded["drafts"] == 0
+    assert loaded["backend"] == "mlx" and loaded["drafts"] == kinfer_mlx.DEFAULT_DRAFTS["cpu"]
     reply = c.call("inference/chat", {"model": str(folder), "messages": messages,
                                       "options": {"maxTokens": 4, "temperature": 0}}, timeout=120)
     assert reply["usage"]["completionTokens"] == len(reply["tokens"]) > 0

@@ -70,14 +70,17 @@ def random_llama(out: Path, a) -> None:
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
-    _, _, vocab, _ = kinfer_mlx._load_gguf(embedded_default_path())
+    _, _, vocab, _ = kinfer_mlx._load_gguf(a.tokenizer_gguf or embedded_default_path())
     write_tokenizer(out, vocab, a.vocab)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--from-gguf", nargs="?", const=embedded_default_path(), default=None)
+    ap.add_argument("--from-gguf", nargs="?", const="embedded", default=None)
+    ap.add_argument("--tokenizer-gguf", default=None,
+                    help="take the tokenizer from this GGUF (default: the embedded SmolLM2; on a machine "
+                         "without it, e.g. bench/make_draft_model.py's small copy of its vocabulary)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=32)
@@ -92,7 +95,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     if a.from_gguf:
-        from_gguf(out, a.from_gguf, a.bits, a.group)
+        from_gguf(out, embedded_default_path() if a.from_gguf == "embedded" else a.from_gguf, a.bits, a.group)
     else:
         if a.vocab < 49152:
             raise SystemExit("--vocab must be at least 49152 (the SmolLM2 tokenizer the folder gets)")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The mlx backend on the H200 (MLX's CUDA build), beside mlx-lm on the same model, in one run.
+# The wheels travel in three carries of under 64 MiB (the device has no internet); made here by:
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_35_x86_64 --no-deps \
+#       mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2  (+ mlx-lm's pure dependencies: transformers,
+#       huggingface_hub, tokenizers, safetensors, sentencepiece, regex, pyyaml, ...)
+#   split -b 44M mlx_cuda_13-*.whl -> .gpu2/m1, .gpu2/m2; the rest and a small GGUF with SmolLM2's
+#   vocabulary (bench/make_draft_model.py --layers 1 --embd 32) in .gpu2/m3.
+# Calls, back to back (the machine keeps /tmp while warm):
+#   STAGE=1 bash bench/gpu_mlx.sh   (carry .gpu2/m1)     STAGE=2 ... (carry .gpu2/m2)
+#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, curve, compare, invariance
+set -euo pipefail
+mkdir -p /tmp/c
+case "${STAGE:-3}" in
+  1) cp .gpu2/m1/* /tmp/c/; exit 0 ;;
+  2) cp .gpu2/m2/* /tmp/c/; exit 0 ;;
+esac
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cp .gpu2/m3/* /tmp/c/
+if [ ! -d /tmp/mlxsite/mlx ]; then
+  cat /tmp/c/cuda.part-* > /tmp/c/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/mlxsite /tmp/c/*.whl
+fi
+export PYTHONPATH=/tmp/mlxsite:$PWD:$PWD/plugins
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
+M=/tmp/m7b
+# The 7.4B shape ../shared/device/README.md measured llama.cpp and mlx-lm on (vocabulary 128256).
+[ -f $M/config.json ] || python3 bench/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
+    --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
+timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_curve.json" --mode curve --kmax 16 | tee "$OUT/mlx_curve.md"
+timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare.json" --npl ${NPL:-1,8,32,128} --npp 64 --ntg 128 | tee "$OUT/mlx_compare.md"
+timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 | tee "$OUT/mlx_inv.md" || true

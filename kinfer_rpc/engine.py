@@ -126,6 +126,7 @@ class Engine:
         self._draft_session = draft_session
         self._sessions: dict[str, object] = {}
         self._default_policy = draft_policy  # the load's: its session starts with the load
+        self._greedy: dict | None = None  # set at load: see _sync_greedy
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -224,6 +225,8 @@ class Engine:
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
+        # slot -> whether the device takes its argmax (backends that can: llama.cpp's samplers)
+        self._greedy = {} if getattr(self.model, "device_greedy", False) else None
         if hasattr(self._default_policy, "session"):
             # Now, not at the first request: a load whose policy cannot start (no draft model,
             # no MTP head) fails with the reason instead of quietly drafting nothing.
@@ -297,6 +300,8 @@ class Engine:
                 self.slots.take(job, self._active)
                 self._active.append(job)
             self.slots.compact(self._active)
+            if self._greedy is not None:
+                self._sync_greedy()
         chunks, owners = self._plan()
         wait = self.model.decode(chunks) if chunks else None
         # While the device runs this pass, turn the previous step's tokens into text. A stop
@@ -342,11 +347,8 @@ class Engine:
     def _take(self, chunks, owners, logits, events) -> None:
         """Sample every row that asked for logits; the text work waits for the next pass."""
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
-        plain = [
-            job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
-            for job in owners
-        ]
-        best = self._argmax(logits) if any(plain) else None
+        plain = [self._is_plain(job) for job in owners]
+        best = self._best(logits, plain, chunks) if any(plain) else None
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -480,10 +482,52 @@ class Engine:
                 job.draft_pause = 32
             job.window = [0, 0]
 
+    @staticmethod
+    def _is_plain(job) -> bool:
+        """Greedy without a penalty: the token is the row's argmax."""
+        return job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
+
+    def _sync_greedy(self) -> None:
+        """Ask the backend to take the argmax on the device for slots running greedy requests:
+        then a pass of greedy requests copies token ids back instead of every row's logits. A
+        slot keeps its setting while idle; it changes only when a request of the other kind
+        takes it (each change costs the backend a new graph plan)."""
+        for job in self._active:
+            want = self._is_plain(job)
+            if self._greedy.get(job.slot) != want:
+                if not self.model.set_device_greedy(job.slot, want) and want:
+                    # Every row's logits must come back again: no slot may stay sampled there.
+                    log.warning("the backend cannot take the argmax on its device; taking it here")
+                    for slot, on in self._greedy.items():
+                        if on:
+                            self.model.set_device_greedy(slot, False)
+                    self._greedy = None
+                    return
+                self._greedy[job.slot] = want
+
+    def _best(self, logits, plain, chunks) -> list:
+        """Each row's argmax: from the device where it took it, else computed here."""
+        if self._greedy is None:
+            return self._argmax(logits)
+        best = self.model.sampled_tokens()
+        missing = [i for i, t in enumerate(best) if t < 0]
+        if missing:
+            # Rows of slots the device does not sample; their logits were copied back.
+            rows = [0] * len(best)
+            r = 0
+            for chunk, is_plain in zip(chunks, plain):
+                for i in range(chunk.outputs):
+                    rows[r + i] = is_plain
+                r += chunk.outputs
+            for i in missing:
+                if rows[i]:
+                    best[i] = int(logits[i].argmax())
+        return best
+
     def _argmax(self, logits) -> list:
         """Row-wise argmax; large passes split over threads (numpy lets go of the GIL)."""
         rows = logits.shape[0]
-        if logits.size < (1 << 22) or rows < 8:
+        if logits.size < (1 << 19) or rows < 8:
             return logits.argmax(axis=1).tolist()
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "kinfer-argmax")

@@ -38,6 +38,9 @@ class LoadOptions:
     draft_model: str | None = None  # path of the draft-model policy's GGUF (same vocabulary)
     mtp: bool = False  # load the model's multi-token-prediction layers (the mtp policy)
     kv_type: str | None = None  # KV cache cell type ("f16", "q8_0"); None: the backend's choice
+    # "quantized": the weights as the model stores them; "dense": quantized weights expanded to
+    # the float type at load (backends that can: `Backend.weights`); None: the backend's choice
+    weights: str | None = None
 
 
 @attrs.frozen
@@ -74,6 +77,7 @@ class ModelInfo:
     eos_text: str = ""
     add_bos: bool = False
     drafts: int = 0  # draft tokens per step this load was made for (fixed for its life)
+    weights: str = "quantized"  # "quantized" (as stored) or "dense" (expanded to floats at load)
 
 
 @runtime_checkable
@@ -108,13 +112,20 @@ class LoadedModel(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: a backend that can take a row's argmax on its device says `device_greedy = True`
+    # and has `set_device_greedy(seq, on) -> bool` (from the next pass on, that sequence's
+    # output rows are sampled greedily on the device; False if it cannot) and
+    # `sampled_tokens() -> list[int]` (after a pass's wait: one token per output row, -1 for
+    # rows it did not sample; their logits are in the array the wait returned).
+
 
 class Backend(Protocol):
     """A way to run models (llama.cpp, MLX), registered by a plugin.
 
     `formats` lists the model formats it reads ("gguf", "mlx"). `load` is called on the engine
     thread; it reports progress in [0, 1] through `progress` and raises on failure with a
-    message a user can act on.
+    message a user can act on. Optional: `weights`, the forms of LoadOptions.weights it can run
+    (default ("quantized",): as stored; a load asking for another is refused before it starts).
     """
 
     name: str

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# llama.cpp on the H200: kinfer's engine vs llama-bench / llama-batched-bench, and drafting on a real
+# model. Calls, back to back (the machine keeps /tmp while warm):
+#   STAGE=a bash bench/gpu_llama.sh (carry .gpu2/a)   STAGE=b ... (carry .gpu2/b)
+#       the SmolLM2 GGUF in two parts (split -b 48M), for the drafting runs
+#   STAGE=1b OUT=$OUT bash bench/gpu_llama.sh (carry .gpu): 1b shape at 1/8/32/128 (prefix -1 vs
+#       llama-batched-bench), at 32/64/128 with the pool vs -kvu, and drafting on SmolLM2
+#   STAGE=7b OUT=$OUT bash bench/gpu_llama.sh (carry .gpu): 7b shape, the same without drafting
+set -euo pipefail
+mkdir -p /tmp/c
+case "${STAGE}" in
+  a) cp .gpu2/a/* /tmp/c/; exit 0 ;;
+  b) cp .gpu2/b/* /tmp/c/; exit 0 ;;
+esac
+OUT=${OUT:-/tmp/out}; mkdir -p /tmp/lc /tmp/site "$OUT"
+if [ ! -x /tmp/lc/llama-bench ]; then
+  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
+  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
+fi
+ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
+export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+s=$STAGE
+if [ ! -f /tmp/m-$s.gguf ]; then
+  python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
+  /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
+  rm -f /tmp/m-$s-f16.gguf
+fi
+L="$s-shaped Q4_K_M, H200"
+if [ "$s" = 1b ] && ls /tmp/c/smol.part-* >/dev/null 2>&1; then
+  cat /tmp/c/smol.part-* > /tmp/smol.gguf
+  timeout 200 python3 bench/drafts_bench.py /tmp/smol.gguf --gpu-layers 99 --threads 8 --drafts 4,8 \
+    --max-tokens 200 --draft-model /tmp/smol.gguf | tee -a "$OUT/drafts_gpu.jsonl" || true
+fi
+NPL=${NPL:-1,8,32,128}
+[ "$s" = 1b ] && python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads 8 --ngl 99 --npl $NPL --label "$L" | tee -a "$OUT/compare.md"
+python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads 8 --ngl 99 --npl 32,64,128 --label "$L" | tee -a "$OUT/pool.md"
+python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads 8 --ngl 99 --npl 32,64,128 --label "$L" --pool | tee -a "$OUT/pool.md"

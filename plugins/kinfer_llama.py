@@ -410,7 +410,6 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         # Asked once per generated token: a set lookup, not a call into the library.
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
-        self._greedy_chains: dict[int, object] = {}  # slot -> sampler chain (set_device_greedy)
         ctx_seq = L.llama_n_ctx_seq(self.ctx) if hasattr(L, "llama_n_ctx_seq") else options.context_length
         self.info = ModelInfo(
             name=os.path.basename(path),
@@ -522,34 +521,6 @@ class LlamaModel:
 
         return logits_and_mirror
 
-    # -- greedy rows sampled on the device (llama.cpp's backend samplers) ----------------------
-    # A slot running a greedy request gets a sampler chain holding llama.cpp's greedy sampler:
-    # the pass then ends in an argmax on the device, and when every output row of a pass is
-    # sampled there, llama.cpp copies back token ids instead of every row's logits.
-    device_greedy = True
-
-    def set_device_greedy(self, seq: int, on: bool) -> bool:
-        L = self.L
-        old = self._greedy_chains.pop(seq, None)
-        if old is not None:  # a chain is set up for one context once: unset it, then free it
-            L.llama_set_sampler(self.ctx, seq, None)
-            L.llama_sampler_free(old)
-        if not on:
-            return True
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        if not L.llama_set_sampler(self.ctx, seq, chain):
-            L.llama_sampler_free(chain)
-            return False
-        self._greedy_chains[seq] = chain
-        return True
-
-    def sampled_tokens(self) -> list[int]:
-        """The device's token for every output row of the last pass (-1: not sampled there)."""
-        n = self._batch.batch.n_tokens
-        get, ctx = self.L.llama_get_sampled_token_ith, self.ctx
-        return [get(ctx, int(i)) for i in np.flatnonzero(self._batch.logits[:n])]
-
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)
         if self._mtp is not None:
@@ -575,9 +546,6 @@ class LlamaModel:
         if self.ctx:
             self.L.llama_free(self.ctx)
             self.ctx = None
-        for chain in self._greedy_chains.values():  # after the context that points at them
-            self.L.llama_sampler_free(chain)
-        self._greedy_chains.clear()
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None

@@ -87,31 +87,3 @@ def test_f16_cells_are_not_invariant_on_cpu():
     finally:
         m.close()
 
-
-def test_the_device_greedy_sampler_takes_the_argmax():
-    """A slot whose greedy rows llama.cpp samples on the device gets the argmax of the logits the
-    host would have seen: the same pass with the sampler off (logits are bit-identical from pass
-    to pass here) gives the same tokens. Rows of a host-sampled slot come back as -1."""
-    import numpy as np
-
-    from kinfer_llama import LlamaBackend
-    from kinfer_rpc.store import embedded_default_path
-    from kinfer_rpc.types import LoadOptions, SeqChunk
-
-    m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=256, slots=2, threads=2, drafts=3),
-                            lambda f: None)
-    try:
-        prompt = m.tokenize("The quick brown fox jumps over the lazy dog and then", True, True)
-        chunks = [SeqChunk(0, 0, prompt, 4), SeqChunk(1, 0, prompt[:-2], 1)]
-        assert m.set_device_greedy(0, True)
-        m.decode(chunks)()
-        on_device = m.sampled_tokens()
-        assert on_device[4] == -1 and min(on_device[:4]) >= 0
-        assert m.set_device_greedy(0, False)
-        m.seq_remove(0)
-        m.seq_remove(1)
-        logits = np.array(m.decode(chunks)())
-        assert m.sampled_tokens() == [-1] * 5
-        assert on_device[:4] == [int(t) for t in logits[:4].argmax(axis=1)]
-    finally:
-        m.close()

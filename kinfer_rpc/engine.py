@@ -67,6 +67,7 @@ class Job:
     drafted: int = 0  # draft tokens proposed over the whole reply
     accepted: int = 0  # ... and accepted
     draft_pause: int = 0  # steps left without drafting (the low-acceptance fallback)
+    draft_backoff: int = 32  # the next pause's length: doubles after every losing window
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
 
@@ -473,13 +474,19 @@ class Engine:
     @staticmethod
     def _pause_if_unlucky(job: Job) -> None:
         # The fallback when drafts keep missing (a chat, not an edit): once 16 drafted tokens
-        # have been checked with fewer than half accepted, draft nothing for 32 steps, then try
-        # again. A pass checking k drafts costs up to 2x a plain step (docs/performance.md), so
-        # below about half accepted drafting loses. The rule reads this job's own history only.
+        # have been checked with fewer than half accepted, draft nothing for a while, then try
+        # again; each losing window doubles the pause (32, 64, ... 1024 steps) and a winning one
+        # resets it, so a reply where drafting never pays spends a few percent of its steps
+        # finding that out. A pass checking k drafts costs up to 2x a plain step on a GPU and
+        # more on a CPU (docs/performance.md), so below about half accepted drafting loses. The
+        # rule reads this job's own history only.
         drafted, accepted = job.window
         if drafted >= 16:
             if accepted * 2 < drafted:
-                job.draft_pause = 32
+                job.draft_pause = job.draft_backoff
+                job.draft_backoff = min(job.draft_backoff * 2, 1024)
+            else:
+                job.draft_backoff = 32
             job.window = [0, 0]
 
     @staticmethod

@@ -8,7 +8,8 @@
 #   vocabulary (bench/make_draft_model.py --layers 1 --embd 32) in .gpu2/m3.
 # Calls, back to back (the machine keeps /tmp while warm):
 #   STAGE=1 bash bench/gpu_mlx.sh   (carry .gpu2/m1)     STAGE=2 ... (carry .gpu2/m2)
-#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, curve, compare, invariance
+#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, curve, compare (quantized
+#   and dense weights), invariance
 set -euo pipefail
 mkdir -p /tmp/c
 case "${STAGE:-3}" in
@@ -27,6 +28,12 @@ M=/tmp/m7b
 # The 7.4B shape ../shared/device/README.md measured llama.cpp and mlx-lm on (vocabulary 128256).
 [ -f $M/config.json ] || python3 bench/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
     --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
+[ -n "${ONLY_SETUP:-}" ] && exit 0
 timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_curve.json" --mode curve --kmax 16 | tee "$OUT/mlx_curve.md"
-timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare.json" --npl ${NPL:-1,8,32,128} --npp 64 --ntg 128 | tee "$OUT/mlx_compare.md"
+# Both weight forms (LoadOptions.weights; mlx-lm gets the same form): 4-bit as stored, and dense
+# float16 (the backend's default on the H200 for this 7.4B: 14 GiB, under half the free memory).
+for W in quantized dense; do
+  timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
+      --ntg 128 --weights $W | tee "$OUT/mlx_compare_$W.md"
+done
 timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 | tee "$OUT/mlx_inv.md" || true

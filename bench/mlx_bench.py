@@ -1,6 +1,6 @@
 """The mlx backend beside mlx-lm's own generation, same model, same device, one run.
 
-    python bench/mlx_bench.py MODEL --out results.json [--npl 1,8,32,128] [--npp 64] [--ntg 128]
+    python bench/mlx_bench.py MODEL --out results.json [--npl 1,8,32,128] [--npp 64] [--ntg 128] [--weights dense]
     python bench/mlx_bench.py MODEL --out curve.json --mode curve [--kmax 16]
     python bench/mlx_bench.py MODEL --out inv.json --mode invariance [--npl 8,32]
 
@@ -17,6 +17,8 @@ kinfer_mlx.pick_drafts takes from it (for the per-device table DEFAULT_DRAFTS).
 `invariance`: N requests together vs each alone (greedy): the share of replies that differ, and the
 first position where they do.
 
+`--weights quantized|dense` sets LoadOptions.weights and gives mlx-lm the same form (dense: mlx-lm's
+dequantize_model); by default both take the form the backend chooses.
 On the CPU both sides run the model in float32 (MLX's float16 CPU kernels are emulated and 40x
 slower); on a GPU both keep the folder's types. Results: one JSON file (--out) and a markdown
 table on stdout.
@@ -48,8 +50,11 @@ def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
     return [[(7 + 13 * i + 31 * j) % top + 100 for j in range(npp)] for i in range(n)]
 
 
+WEIGHTS = None  # --weights: None (the backend's choice), "quantized" or "dense"
+
+
 def start_engine(model: str, slots: int, ctx: int, drafts: int = 0) -> Engine:
-    opts = LoadOptions(context_length=ctx, slots=slots, batch=max(512, slots), drafts=drafts)
+    opts = LoadOptions(context_length=ctx, slots=slots, batch=max(512, slots), drafts=drafts, weights=WEIGHTS)
     ready = threading.Event()
     engine = Engine(lambda p: kinfer_mlx.MlxBackend().load(model, opts, p), lambda fn: fn(), batch=opts.batch,
                     on_ready=lambda exc: ready.set(), prefix=-1)
@@ -93,6 +98,7 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
         run_jobs(engine, prompts_for(1, 8, vocab), 4)  # warm up
         result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
         result["device"] = engine.model.memory()["device"]
+        result["weights"] = engine.model.info.weights
         return result
     finally:
         engine.stop()
@@ -105,8 +111,17 @@ def mlx_lm_model(model: str):
         m = kinfer_mlx._load_gguf(model)[0]
     else:
         m = load_model(__import__("pathlib").Path(model))[0]
-    if mx.default_device() == mx.cpu:
+    on_gpu = mx.default_device() == mx.gpu
+    if not on_gpu:
         kinfer_mlx._float_type(m, mx.float32)
+    # mlx-lm gets the weights in the form the kinfer load chose (its default decides for both).
+    form, _ = kinfer_mlx._weights_form(m, WEIGHTS, on_gpu)
+    if form == "dense" and kinfer_mlx._quantized(m):
+        from mlx_lm.utils import dequantize_model
+
+        m = dequantize_model(m)
+        kinfer_mlx._float_type(m, mx.float16 if on_gpu else mx.float32)
+    print(f"weights: {form}", file=sys.stderr, flush=True)
     return m
 
 
@@ -165,8 +180,8 @@ def compare(a) -> dict:
 
 
 def curve(a) -> dict:
-    model = kinfer_mlx.MlxBackend().load(a.model, LoadOptions(context_length=a.npp + a.kmax + 64, slots=1, drafts=a.kmax),
-                                         lambda f: None)
+    model = kinfer_mlx.MlxBackend().load(a.model, LoadOptions(context_length=a.npp + a.kmax + 64, slots=1, drafts=a.kmax,
+                                                               weights=WEIGHTS), lambda f: None)
     costs = kinfer_mlx.step_cost_curve(model, a.kmax, repeats=a.repeats, context=a.npp)
     pick = kinfer_mlx.pick_drafts(costs)
     print("| k (drafts) | rows | ms | x one row |")
@@ -207,13 +222,17 @@ def main():
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--kmax", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--weights", choices=["default", "quantized", "dense"], default="default",
+                    help="LoadOptions.weights for kinfer, and the same form for mlx-lm (default: the backend's choice)")
     a = ap.parse_args()
+    global WEIGHTS
+    WEIGHTS = None if a.weights == "default" else a.weights
     a.npl = [int(x) for x in a.npl.split(",") if x]
     t = time.perf_counter()
     result = {"compare": compare, "curve": curve, "invariance": invariance}[a.mode](a)
     import mlx_lm
 
-    result.update(mode=a.mode, model=a.model, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
+    result.update(mode=a.mode, model=a.model, weights=a.weights, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
                   device=str(mx.default_device()), seconds=round(time.perf_counter() - t, 1))
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -62,6 +62,7 @@ def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions,
         gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
         flash_attention=f.bool("flashAttention", True),
         kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
+        weights=f.str("weights", None, choices={"quantized", "dense"}),
     )
     extra = {
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
@@ -153,6 +154,7 @@ class Runtime:
             "draftPolicy": entry.draft_policy,
             "prefix": entry.engine.prefix,
             "drafts": info.drafts,
+            "weights": info.weights,
             **self._placement_fields(entry),
         }
 
@@ -170,6 +172,13 @@ class Runtime:
         if existing is None:
             opts, extra = _load_options(options, ref.context_length)
             backend = self._backend_for(ref.format, backend_name)
+            # A backend lists the weight forms it can run (`weights`); without the attribute it runs
+            # them as stored (llama: llama.cpp computes with the GGUF's own types).
+            if opts.weights is not None and opts.weights not in getattr(backend, "weights", ("quantized",)):
+                raise errors.KinferError(
+                    errors.NOT_SUPPORTED,
+                    f"the {backend.name} backend runs the weights as the model stores them; weights "
+                    f"{opts.weights!r} needs a backend that can expand them at load (mlx)")
             policy = extra["draftPolicy"]
             if policy is not None and policy != "none" and policy not in self.plugins.draft_policies:
                 raise errors.invalid_params(

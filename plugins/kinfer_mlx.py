@@ -251,6 +251,82 @@ def _float_type(model, dtype) -> None:
     mx.eval(model.parameters())
 
 
+def _quantized(model) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def _dense_bytes(model, on_gpu: bool) -> int:
+    """Bytes the weights take expanded to the float type (float16 on a GPU, float32 on the CPU)."""
+    per = 2 if on_gpu else 4
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += m.scales.size * m.group_size * per + sum(
+                v.nbytes for k, v in m.parameters().items() if k not in ("weight", "scales", "biases"))
+        elif not m.children():
+            total += sum(v.size * per for v in _leaves(m.parameters()))
+    return total
+
+
+def _leaves(tree):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree)]
+
+
+def _gpu_free() -> int | None:
+    """Free memory of the GPU MLX runs on, or None when MLX cannot say: CUDA reports free_memory;
+    Metal (unified memory) the recommended working set, less what MLX holds."""
+    try:
+        info = mx.device_info(mx.gpu) if hasattr(mx, "device_info") else mx.metal.device_info()
+    except Exception:  # noqa: BLE001 - an MLX without the query
+        return None
+    if "free_memory" in info:
+        return int(info["free_memory"])
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size") or info.get("total_memory")
+    return int(total) - mx.get_active_memory() if total else None
+
+
+def _host_free() -> int | None:
+    """Host memory available (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
+    """"dense" or "quantized", and why. A model stored without quantized weights is dense
+    whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
+    a GPU, float32 on the CPU) take at most half the device's free memory (what is left holds the
+    KV cells and the passes), quantized otherwise or when the free memory is unknown. On a GPU
+    dense float16 is MLX's fast path for many rows (MLX 0.32 CUDA's quantized matmul plateaus near
+    300 tok/s on a 7B); on the CPU dense float32 (BLAS) beats MLX's quantized matmul too
+    (SmolLM2: 9.3 vs 7.1 tok/s alone, 12.0 vs 9.3 at 8), and like it gives a row the same result
+    whatever rows are beside it."""
+    if wanted not in (None, "quantized", "dense"):
+        raise ValueError(f"weights must be 'quantized' or 'dense', not {wanted!r}")
+    if not _quantized(model):
+        return "dense", "the model stores no quantized weights"
+    if wanted is not None:
+        return wanted, "set by the load options"
+    where = "the GPU's" if on_gpu else "host memory's"
+    need, free = _dense_bytes(model, on_gpu), _gpu_free() if on_gpu else _host_free()
+    if free is None:
+        return "quantized", f"{where} free memory is unknown"
+    gib, kind = 1 << 30, "float16" if on_gpu else "float32"
+    if need <= free // 2:
+        return "dense", f"dense {kind} takes {need / gib:.2f} GiB, at most half {where} {free / gib:.1f} GiB free"
+    return "quantized", f"dense {kind} would take {need / gib:.2f} GiB, over half {where} {free / gib:.1f} GiB free"
+
+
 def _load_gguf(path: str):
     weights, meta = mx.load(path, return_metadata=True)
     arch = meta.get("general.architecture")
@@ -382,6 +458,37 @@ class _Rows:
         return self.mask
 
 
+class _Traced:
+    """The cache one layer sees in a compiled decode pass: the same reads and writes as _Rows, on
+    the layer's buffers passed in (and returned) as arrays, positions and mask built on the device
+    from `cols`, so that a step hands the graph only small index arrays."""
+
+    def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first):
+        self.keys, self.values, self.layer = keys, values, layer
+        self.slots, self.cols, self.offset, self.mask, self.span, self.first = slots, cols, pos, mask, span, first
+
+    def update_and_fetch(self, k, v):
+        i, B = self.layer, k.shape[0]
+        K, V = self.keys[i], self.values[i]
+        if B == 1:  # one sequence: its L cells are one block at (slot, 0, pos, 0)
+            at = mx.concatenate([self.slots, mx.zeros((1,), mx.int32), self.offset, mx.zeros((1,), mx.int32)])
+            K = mx.slice_update(K, k, at, (0, 1, 2, 3))
+            V = mx.slice_update(V, v, at, (0, 1, 2, 3))
+        else:
+            K[self.slots[:, None], :, self.cols] = k.transpose(0, 2, 1, 3)
+            V[self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
+        self.keys[i], self.values[i] = K, V
+        if self.first is not None:  # rows are consecutive slots: a slice at a device-side start
+            return (mx.slice(K, self.first, (0,), (B, K.shape[1], self.span, K.shape[3])),
+                    mx.slice(V, self.first, (0,), (B, V.shape[1], self.span, V.shape[3])))
+        return K[self.slots, :, : self.span], V[self.slots, :, : self.span]
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the mlx backend yet")
+        return self.mask
+
+
 # -- the loaded model --------------------------------------------------------------------------
 class MlxModel:
     """A model loaded into MLX (the LoadedModel contract)."""
@@ -407,10 +514,18 @@ class MlxModel:
                 raise FileNotFoundError(f"no model at {path}")
             if not on_gpu or p.is_file() and _is_gguf(p):
                 _float_type(self.model, mx.float16 if on_gpu else mx.float32)
+            self.weights, self.weights_reason = _weights_form(self.model, options.weights, on_gpu)
+            if self.weights == "dense" and _quantized(self.model):
+                from mlx_lm.utils import dequantize_model
+
+                self.model = dequantize_model(self.model)
+                _float_type(self.model, mx.float16 if on_gpu else mx.float32)
+                mx.clear_cache()
         progress(0.9)
         self.layers = len(self.model.layers)
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
         self.cells = _Cells(options.slots, self.layers)
+        self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
         self.context = options.context_length
         drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu"]
         self.drafts = drafts
@@ -428,8 +543,9 @@ class MlxModel:
             description=f"{self.config.get('model_type', '')} on MLX {mx.__version__} ({'gpu' if on_gpu else 'cpu'})",
             bos_text=v.pieces[v.bos].decode("utf-8", "replace") if v.bos is not None else "",
             eos_text=v.pieces[v.eos[0]].decode("utf-8", "replace") if v.eos else "",
-            add_bos=v.add_bos, drafts=drafts,
+            add_bos=v.add_bos, drafts=drafts, weights=self.weights,
         )
+        log.info("mlx: %s weights (%s)", self.weights, self.weights_reason)
         progress(1.0)
 
     # -- tokens -----------------------------------------------------------------------------
@@ -475,6 +591,21 @@ class MlxModel:
         groups += [group] if group else []
         return [sorted(g, key=lambda c: c.seq) for g in groups]
 
+    def _step_fn(self, consecutive: bool, span: int):
+        """A decode pass as a function of arrays only (for mx.compile): tokens (B, L), slots (B,),
+        cols (B, L), pos (B,), the flat rows that want logits, and every layer's buffers; returns
+        the logits and the updated buffers."""
+        layers = self.layers
+
+        def step(tokens, slots, cols, pos, rows, keys, values):
+            keys, values = list(keys), list(values)
+            mask = (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
+            first = slots[:1] if consecutive else None
+            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first) for i in range(layers)]
+            return self._logits(tokens, cache, rows), keys, values
+
+        return step
+
     def _forward(self, group: Sequence[SeqChunk]):
         """One forward over a group (row b: chunk b, padded to the longest); the logits of the
         rows that asked for them, in the group's order, or None."""
@@ -493,6 +624,17 @@ class MlxModel:
         mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
         seqs = [c.seq for c in group]
         first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
+        if L <= self.drafts + 1 and all(k is not None and k.shape[2] >= cells.want for k in cells.keys):
+            # Decode rows: a compiled step (its trace replayed, not rebuilt op by op in Python)
+            # for every (rows, positions, span, slots consecutive or not) shape.
+            fn = self._compiled.get((first is not None, span))
+            if fn is None:
+                fn = self._compiled[(first is not None, span)] = mx.compile(self._step_fn(first is not None, span))
+            want_a = mx.array(np.array(want or [0], dtype=np.int32))
+            seq_a = mx.array(seqs, dtype=mx.int32)
+            out, cells.keys, cells.values = fn(mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a,
+                                               cells.keys, cells.values)
+            return out if want else None
         args = (mx.array(seqs, dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span, first)
         cache = [_Rows(cells, i, *args) for i in range(self.layers)]
         rows = mx.array(np.array(want or [0], dtype=np.int32))
@@ -609,6 +751,7 @@ class MlxBackend:
 
     name = "mlx"
     formats = ("mlx", "gguf")
+    weights = ("quantized", "dense")
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> MlxModel:
         return MlxModel(path, options, progress)

@@ -180,6 +180,29 @@ def test_default_drafts_on_the_cpu_is_the_table_value():
     assert kinfer_mlx.pick_drafts([1.0, 2.0, 3.0]) == 0 and kinfer_mlx.pick_drafts([1.0, 1.0, 1.0, 4.0]) == 2
 
 
+def test_weights_quantized_and_dense_agree():
+    """`weights`: quantized (as the GGUF stores them) and dense (expanded to float32 at load) both
+    load and generate, agree on the prompt's next token and closely on its logits; the default
+    on the CPU is dense when it fits (half the available host memory)."""
+    p = mlx_model().tokenize(PROMPT, True, True)
+    rows = {}
+    for form in ("quantized", "dense"):
+        m = MlxBackend().load(GGUF, LoadOptions(context_length=64 + len(p), slots=1, weights=form), lambda f: None)
+        assert m.info.weights == form
+        rows[form] = m.decode([SeqChunk(0, 0, p, 1)])()[0].copy()
+        nxt = int(rows[form].argmax())
+        assert m.decode([SeqChunk(0, len(p), [nxt], 1)])().shape == (1, 49152)
+        if form == "dense":
+            assert m.info.size_bytes > 3 * quantized_size
+        quantized_size = m.info.size_bytes
+    q, d = rows["quantized"], rows["dense"]
+    assert q.argmax() == d.argmax()
+    assert np.abs(q - d).max() < 0.05 and np.corrcoef(q, d)[0, 1] > 0.9999
+    assert mlx_model().info.weights == "dense"  # the CPU default for a 135M model
+    with pytest.raises(ValueError, match="weights"):
+        MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1, weights="fp8"), lambda f: None)
+
+
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     words=st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12), min_size=2, max_size=3),
@@ -263,7 +286,13 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
                               False, True)
     (j,) = run_until_done(e, [job(prompt, 4)])
     assert reply["tokens"] == j.generated and reply["text"] == j.text
-    assert c.call("model/load", {"model": GGUF, "options": {"contextLength": CTX}})["backend"] == "llama"
+    assert loaded["weights"] == "dense"  # the CPU default for a small model
+    bad = error_of(c.request("model/load", {"model": GGUF, "options": {"weights": "fp8"}}))
+    assert bad["code"] == errors.INVALID_PARAMS and "weights" in bad["message"]
+    on_llama = error_of(c.request("model/load", {"model": GGUF, "options": {"weights": "dense"}}))
+    assert on_llama["code"] == errors.NOT_SUPPORTED and "llama" in on_llama["message"]
+    llama = c.call("model/load", {"model": GGUF, "options": {"contextLength": CTX, "weights": "quantized"}})
+    assert llama["backend"] == "llama" and llama["weights"] == "quantized"
     c.call("model/unload", {"model": GGUF})
     on_mlx = c.call("model/load", {"model": GGUF, "backend": "mlx", "options": {"slots": 1, "contextLength": CTX}},
                     timeout=120)

@@ -10,7 +10,13 @@ KV cells live in one buffer per layer, (slots, kv heads, cells, head dim), each 
 their own positions. A pass groups the step's chunks: every decode chunk (one token, or a token
 and its drafts) goes into ONE batched forward, a row per sequence with its own positions and mask;
 each prompt chunk is its own forward over its slot. Everything of a step is one graph, evaluated
-once with mx.async_eval; the engine's wait is the only host read.
+once with mx.async_eval; the engine's wait is the only host read. The decode forward is
+mx.compile'd per shape (_step_fn); greedy rows end in an argmax on the device (device_greedy), and
+a pass of only greedy one-token rows queues the next pass fed with its own argmax (_build_ahead).
+
+Weights (LoadOptions.weights): "quantized" runs them as stored; "dense" expands them at load
+(float16 on a GPU, float32 on the CPU). Default: dense when that takes at most half the device's
+free memory (_weights_form).
 """
 
 from __future__ import annotations
@@ -526,6 +532,9 @@ class MlxModel:
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
         self.cells = _Cells(options.slots, self.layers)
         self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
+        self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
+        self._sampled: tuple = (None, [])  # the last pass's token ids (device) and greedy rows
+        self._ahead = None  # the next pass, queued (see _build_ahead)
         self.context = options.context_length
         drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu"]
         self.drafts = drafts
@@ -646,6 +655,9 @@ class MlxModel:
         for c in chunks:
             if c.pos != cells.length[c.seq]:
                 raise ValueError(f"sequence {c.seq} holds {cells.length[c.seq]} cells; a chunk at {c.pos} leaves a gap")
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self._ahead_matches(ahead, chunks):
+            return self._take_ahead(ahead, chunks)
         pieces, starts, n_out = [], {}, 0
         with mx.stream(self.device):
             for group in self._groups(chunks):
@@ -657,18 +669,34 @@ class MlxModel:
                     n_out += c.outputs
             for c in chunks:
                 cells.length[c.seq] = c.pos + len(c.tokens)
-            result = None
+            result = ids = None
+            greedy = [c.seq in self._greedy for c in chunks for _ in range(c.outputs)]
             if n_out:
                 index = [starts[id(c)] + i for c in chunks for i in range(c.outputs)]
                 result = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
                 if index != list(range(n_out)):
                     result = result[mx.array(index)]
-                result = result.astype(mx.float32)
+                if any(greedy):  # the argmax in the step's graph: only token ids come back
+                    ids = mx.argmax(result, axis=1)
+                    host = [i for i, g in enumerate(greedy) if not g]
+                    result = result[mx.array(host)].astype(mx.float32) if host else None
+                else:
+                    result = result.astype(mx.float32)
             # One evaluation for the whole step: the logits and every layer's updated cells.
-            mx.async_eval(*([result] if result is not None else []), *cells.arrays())
+            mx.async_eval(*[a for a in (result, ids) if a is not None], *cells.arrays())
+            if ids is not None and all(greedy):
+                self._build_ahead(chunks, ids)
         n_vocab = self.n_vocab
+        self._sampled = (ids, greedy)
 
         def logits() -> np.ndarray:
+            if ids is not None:  # rows sampled here stay zeros; the others' logits in place
+                out = np.zeros((n_out, n_vocab), dtype=np.float32)
+                if result is not None:
+                    out[[i for i, g in enumerate(greedy) if not g]] = np.asarray(result)
+                else:
+                    mx.synchronize()
+                return out
             if result is None:
                 mx.synchronize()
                 return np.zeros((0, n_vocab), dtype=np.float32)
@@ -676,13 +704,85 @@ class MlxModel:
 
         return logits
 
+    # -- greedy rows sampled on the device (the LoadedModel's optional contract) ---------------
+    device_greedy = True
+
+    def set_device_greedy(self, seq: int, on: bool) -> bool:
+        """From the next pass on, the output rows of `seq` end in an argmax in the pass's graph."""
+        (self._greedy.add if on else self._greedy.discard)(seq)
+        self._ahead = None
+        return True
+
+    # A pass whose every row is one greedy token of a sequence (no prompt, no drafts) queues the
+    # next pass at once, fed with its own argmax on the device (what mlx-lm's generate_step does):
+    # the device computes it while the engine handles this pass's tokens. The engine's next
+    # decode takes it when it asks for exactly those tokens at those positions (greedy: it does,
+    # unless a request ended or joined); otherwise it is dropped. A dropped pass wrote each
+    # sequence's cell after its last one, which the engine's next pass over that position
+    # overwrites before anything reads it.
+    def _build_ahead(self, chunks: Sequence[SeqChunk], ids) -> None:
+        cells = self.cells
+        if any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
+            return
+        order = sorted(range(len(chunks)), key=lambda b: chunks[b].seq)
+        seqs = [chunks[b].seq for b in order]
+        pos = np.array([chunks[b].pos + 1 for b in order], dtype=np.int32)
+        if int(pos.max()) + 1 >= self.context or int(pos.max()) + 1 > cells.want:
+            return
+        if any(k is None or k.shape[2] < cells.want for k in cells.keys):
+            return
+        B = len(seqs)
+        span = min(cells.want, -(-int(pos.max() + 1) // STEP) * STEP)
+        first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
+        fn = self._compiled.get((first is not None, span))
+        if fn is None:
+            fn = self._compiled[(first is not None, span)] = mx.compile(self._step_fn(first is not None, span))
+        tokens = ids[mx.array(order)].reshape(B, 1).astype(mx.int32)
+        out, cells.keys, cells.values = fn(tokens, mx.array(seqs, dtype=mx.int32), mx.array(pos[:, None]),
+                                           mx.array(pos), mx.arange(B, dtype=mx.int32), cells.keys, cells.values)
+        nxt = mx.argmax(out, axis=1)
+        if order != list(range(B)):
+            nxt = nxt[mx.array(np.argsort(order))]
+        mx.async_eval(nxt, *cells.arrays())
+        self._ahead = ([(c.seq, c.pos + 1) for c in chunks], ids, nxt)
+
+    def _ahead_matches(self, ahead, chunks: Sequence[SeqChunk]) -> bool:
+        where, ids, _ = ahead
+        if [(c.seq, c.pos) for c in chunks] != where or any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
+            return False
+        return [c.tokens[0] for c in chunks] == np.asarray(ids).tolist()
+
+    def _take_ahead(self, ahead, chunks: Sequence[SeqChunk]):
+        _, _, ids = ahead
+        for c in chunks:
+            self.cells.length[c.seq] = c.pos + 1
+        with mx.stream(self.device):
+            self._build_ahead(chunks, ids)
+        n, n_vocab = len(chunks), self.n_vocab
+        self._sampled = (ids, [True] * n)
+
+        def logits() -> np.ndarray:
+            np.asarray(ids)
+            return np.zeros((n, n_vocab), dtype=np.float32)
+
+        return logits
+
+    def sampled_tokens(self) -> list[int]:
+        """After a pass's wait: the token of every output row sampled here, -1 for the others."""
+        ids, greedy = self._sampled
+        if ids is None:
+            return [-1] * len(greedy)
+        return [t if g else -1 for t, g in zip(np.asarray(ids).tolist(), greedy)]
+
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
+        self._ahead = None
         held = self.cells.length[seq]
         if 0 <= end < held and start < end:
             raise NotImplementedError("the mlx backend removes cells from a position to the end only")
         self.cells.length[seq] = min(held, max(0, start))
 
     def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
+        self._ahead = None
         if start != 0:
             raise NotImplementedError("the mlx backend copies a sequence's cells from position 0 only")
         c = self.cells

@@ -203,6 +203,53 @@ def test_weights_quantized_and_dense_agree():
         MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1, weights="fp8"), lambda f: None)
 
 
+def test_device_greedy_rows_give_the_host_argmax():
+    """Slots set for device greedy get the argmax of the logits the host would have seen (every
+    output row, drafts too); a host-sampled slot's rows come back as -1 with their logits in
+    place."""
+    m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=2, drafts=3), lambda f: None)
+    p = m.tokenize("The quick brown fox jumps over the lazy dog and then", True, True)
+    chunks = [SeqChunk(0, 0, p, 1), SeqChunk(1, 0, p[:-2], 1)]
+    host = m.decode(chunks)().copy()
+    assert m.sampled_tokens() == [-1, -1]
+    n = len(p)
+    steps = [SeqChunk(0, n, [5, 6, 7, 8], 4), SeqChunk(1, n - 2, [9], 1)]
+    host_steps = m.decode(steps)().copy()
+    for s in (0, 1):
+        m.seq_remove(s)
+    assert m.set_device_greedy(0, True)
+    mixed = m.decode(chunks)()
+    assert m.sampled_tokens() == [int(host[0].argmax()), -1]
+    assert np.array_equal(mixed[1], host[1])
+    assert m.set_device_greedy(1, True)
+    m.decode(steps)()
+    assert m.sampled_tokens() == host_steps.argmax(axis=1).tolist()
+    assert m.set_device_greedy(0, False) and m.set_device_greedy(1, False)
+
+
+def test_queued_greedy_passes_give_the_host_argmax_replies():
+    """Greedy requests on the device with the next pass queued ahead (fed with its own argmax)
+    give the replies the host's argmax gives, whether requests join, end or run alone; the
+    queued pass is taken while the sequences go on and dropped when they change."""
+    def host_loader(p):
+        m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=0), p)
+        m.device_greedy = False  # the engine then takes every argmax on the host
+        return m
+
+    host = Engine(host_loader, lambda fn: fn(), batch=16, prefix=-1)
+    host.load_model()
+    e = engine(slots=3, batch=16)
+    prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
+    taken = []
+    decode = e.model._take_ahead
+    e.model._take_ahead = lambda *a: taken.append(1) or decode(*a)
+    for arrivals, n in (([0, 0, 0], 6), ([0, 2, 5], 7), ([0, 9, 9], 3)):
+        want = run_until_done(host, [job(p, n) for p in prompts], arrivals=arrivals)
+        got = run_until_done(e, [job(p, n + i) for i, p in enumerate(prompts)], arrivals=arrivals)
+        assert [j.generated[:n] for j in got] == [j.generated for j in want]
+    assert taken  # the queued passes were used
+
+
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     words=st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12), min_size=2, max_size=3),

@@ -6,6 +6,7 @@ the `Backend` and `LoadedModel` protocols below and never imports a backend's li
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
@@ -186,6 +187,22 @@ class MachineInfo:
     gpu_total_bytes: int = 0
     host_free_bytes: int = 0
     has_gpu: bool = False
+
+    @staticmethod
+    def host_available() -> int:
+        """Bytes of host memory available now (Linux's MemAvailable, else the free pages), 0 if
+        unknown: for backends filling in `host_free_bytes`."""
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
 
 
 @attrs.frozen

@@ -55,21 +55,6 @@ def _llama():
     return L
 
 
-def _host_memory() -> int:
-    """Bytes of host memory available (Linux's MemAvailable; else the physical total)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 class _Batch:
     """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
 
@@ -565,7 +550,7 @@ class LlamaBackend:
         return MachineInfo(
             gpu_free_bytes=sum(d["free"] for d in gpus) if has_gpu else 0,
             gpu_total_bytes=sum(d["total"] for d in gpus) if has_gpu else 0,
-            host_free_bytes=_host_memory(),
+            host_free_bytes=MachineInfo.host_available(),
             has_gpu=has_gpu,
         )
 

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 import kinfer_rpc
-from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
+from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
 
 log = logging.getLogger("kinfer_rpc.mlx")
 
@@ -293,21 +293,6 @@ def _gpu_free() -> int | None:
     return int(total) - mx.get_active_memory() if total else None
 
 
-def _host_free() -> int | None:
-    """Host memory available (Linux: MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
     """"dense" or "quantized", and why. A model stored without quantized weights is dense
     whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
@@ -324,7 +309,7 @@ def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
     if wanted is not None:
         return wanted, "set by the load options"
     where = "the GPU's" if on_gpu else "host memory's"
-    need, free = _dense_bytes(model, on_gpu), _gpu_free() if on_gpu else _host_free()
+    need, free = _dense_bytes(model, on_gpu), _gpu_free() if on_gpu else (MachineInfo.host_available() or None)
     if free is None:
         return "quantized", f"{where} free memory is unknown"
     gib, kind = 1 << 30, "float16" if on_gpu else "float32"

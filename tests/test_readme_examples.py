@@ -116,6 +116,6 @@ def test_cli_example(tmp_path):
                           timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "\x1b[" not in proc.stdout  # no colours when not on a terminal
-    assert "['llama']" in proc.stdout
+    assert "['llama', 'mlx']" in proc.stdout  # kinfer doctor --json: the backends
     assert "tok/s" in proc.stdout
 

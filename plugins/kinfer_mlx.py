@@ -38,8 +38,14 @@ log = logging.getLogger("kinfer_rpc.mlx")
 try:
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.utils import _get_classes, load_model
     from tokenizers import Tokenizer
+
+    # mlx_lm.utils imports transformers (about a second): it is imported when a model loads,
+    # so the server still answers `initialize` at once; here only whether it is installed.
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise ImportError("mlx-lm is not installed")
 except Exception as exc:  # noqa: BLE001 - no MLX here: the server runs with the other backends
     mx = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
@@ -228,6 +234,8 @@ def _ints(value, default: list) -> list:
 # -- weights -----------------------------------------------------------------------------------
 def _build(config: dict, weights: dict):
     """An mlx-lm model from its config and weights, quantized where the weights are."""
+    from mlx_lm.utils import _get_classes
+
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "sanitize"):
@@ -363,6 +371,8 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def _load_folder(path: str):
+    from mlx_lm.utils import load_model
+
     model, config = load_model(Path(path))
     return model, config, Vocab.from_files(_files(Path(path)), config)
 

@@ -22,6 +22,24 @@ SHAPES = {
 }
 
 
+def add_spm_vocab(w, size: int) -> None:
+    """A SentencePiece-style vocabulary of `size` tokens: <unk> <s> </s>, the 256 byte tokens,
+    then filler pieces (any text tokenizes, through the byte tokens)."""
+    import gguf
+
+    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
+    tokens += [f"\u2581t{i}".encode() for i in range(size - len(tokens))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * (size - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * size)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
 def main():
     import gguf
 
@@ -51,18 +69,7 @@ def main():
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    # A SentencePiece-style vocabulary: specials, the 256 byte tokens, then filler pieces.
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    tokens += [f"\u2581t{i}".encode() for i in range(s["vocab"] - len(tokens))]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    types += [gguf.TokenType.NORMAL] * (s["vocab"] - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * s["vocab"])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_spm_vocab(w, s["vocab"])
 
     ones = np.ones(e, dtype=np.float32)
     w.add_tensor("token_embd.weight", rand(s["vocab"], e))

@@ -16,6 +16,8 @@ import argparse
 
 import numpy as np
 
+from make_model import add_spm_vocab  # bench/ is the script's folder
+
 SHAPES = {
     # Qwen3-30B-A3B: 48 layers, 128 experts (8 used), expert FFN 768, 32 query / 4 KV heads of 128
     "30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_kv=4, head_dim=128, n_expert=128, n_used=8,
@@ -76,18 +78,7 @@ def main():
     w.add_expert_used_count(s["n_used"])
     w.add_expert_feed_forward_length(s["n_ff_exp"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if quant else gguf.LlamaFileType.ALL_F32)
-    # A SentencePiece-style vocabulary: specials, the 256 byte tokens, then filler pieces.
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    tokens += [f"\u2581t{i}".encode() for i in range(s["vocab"] - len(tokens))]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    types += [gguf.TokenType.NORMAL] * (s["vocab"] - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * s["vocab"])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_spm_vocab(w, s["vocab"])
 
     def add(name, shape):
         data, raw = weight(*shape)

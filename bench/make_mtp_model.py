@@ -27,6 +27,8 @@ import argparse
 
 import numpy as np
 
+from make_model import add_spm_vocab  # bench/ is the script's folder
+
 import gguf
 from gguf import quants
 
@@ -72,17 +74,7 @@ def write(out: str, *, aligned: bool = False, vocab: int = 512, embd: int = 128,
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 
-    toks = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    toks += [f"\u2581t{i}".encode() for i in range(V - len(toks))]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    types += [gguf.TokenType.NORMAL] * (V - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores([0.0] * V)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_spm_vocab(w, V)
 
     if aligned:
         # Every embedding ~ one direction c, layers nearly silent: the stream stays ~c, and

@@ -5,14 +5,7 @@
 # Synthesises Llama-shaped models with random weights, quantizes them to Q4_K_M, and runs
 # bench/compare.py (llama-bench + llama-batched-bench vs kinfer's engine) on each.
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p /tmp/lc /tmp/site "$OUT"
-if [ ! -x /tmp/lc/llama-bench ]; then
-  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
-  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
-fi
-export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+. bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for shape in "${@:-1b 7b}"; do
   for s in $shape; do

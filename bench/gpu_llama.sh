@@ -12,14 +12,7 @@ case "${STAGE}" in
   a) cp .gpu2/a/* /tmp/c/; exit 0 ;;
   b) cp .gpu2/b/* /tmp/c/; exit 0 ;;
 esac
-OUT=${OUT:-/tmp/out}; mkdir -p /tmp/lc /tmp/site "$OUT"
-if [ ! -x /tmp/lc/llama-bench ]; then
-  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
-  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
-fi
-ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
-export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+. bench/gpu_setup.sh
 s=$STAGE
 if [ ! -f /tmp/m-$s.gguf ]; then
   python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"

@@ -4,15 +4,7 @@
 #   OUT=$OUT ANCHOR=1 bash bench/gpu_moe.sh   then llama-bench on the same file and splits (a second call)
 # Writes a Qwen3-30B-A3B-shaped GGUF (random Q4_K weights, ~17 GiB) once per machine to /tmp.
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p /tmp/lc /tmp/site "$OUT"
-if [ ! -x /tmp/lc/llama-bench ]; then
-  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
-  tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
-fi
-ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
-export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+. bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 M=/tmp/moe-30b-a3b.gguf
 if [ ! -f $M ]; then

@@ -85,15 +85,20 @@ def test_drafting_never_changes_a_reply(requests, policy, drafts, slots):
     chosen = {"ngram": NgramPolicy(), "repeat-last": RepeatLast(), "noise": Noise(), "oracle": Oracle(replies)}[policy]
     engine = make_engine(slots)
     try:
-        jobs = [
-            Job(list(tokenize(text)), attrs.evolve(_options(n, t, seed, stop), drafts=drafts, draft_policy=chosen))
-            for text, n, t, seed, stop in requests
-        ]
-        run_until_done(engine, jobs)
-        for job, want in zip(jobs, wants):
-            assert (tuple(job.generated), job.text, job.stop_reason) == want
+        assert_drafted_replies(engine, requests, wants, drafts, chosen)
     finally:
         engine.model.close()
+
+
+def assert_drafted_replies(engine, requests, wants, drafts, policy):
+    """Run the requests together with drafting on; each reply must be its reply alone."""
+    jobs = [
+        Job(list(tokenize(text)), attrs.evolve(_options(n, t, seed, stop), drafts=drafts, draft_policy=policy))
+        for text, n, t, seed, stop in requests
+    ]
+    run_until_done(engine, jobs)
+    for job, want in zip(jobs, wants):
+        assert (tuple(job.generated), job.text, job.stop_reason) == want
 
 
 REPEATING = "red green blue yellow, red green blue yellow, red green blue yellow, red green blue yellow, red"
@@ -172,13 +177,7 @@ def test_a_draft_model_never_changes_a_reply(requests, draft, drafts, slots):
     wants = [alone(tokenize(text), n, t, seed, stop) for text, n, t, seed, stop in requests]
     engine, policy = make_drafting_engine(slots, embedded_default_path() if draft == "self" else synthetic_draft())
     try:
-        jobs = [
-            Job(list(tokenize(text)), attrs.evolve(_options(n, t, seed, stop), drafts=drafts, draft_policy=policy))
-            for text, n, t, seed, stop in requests
-        ]
-        run_until_done(engine, jobs)
-        for job, want in zip(jobs, wants):
-            assert (tuple(job.generated), job.text, job.stop_reason) == want
+        assert_drafted_replies(engine, requests, wants, drafts, policy)
     finally:
         close(engine)
 

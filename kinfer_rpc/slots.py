@@ -18,18 +18,9 @@ configuration), so a reply is the same after a hit, a miss or a move.
 
 from __future__ import annotations
 
+from .types import common_prefix
+
 MIN_SHARED = 8  # shorter shared prefixes are recomputed rather than copied across streams
-
-
-def shared(a, b) -> int:
-    """Length of the common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if n and list(a[:n]) == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Slots:
@@ -58,12 +49,12 @@ class Slots:
             return
         best_free, best_free_len = None, 0
         for slot in self.free:
-            n = min(shared(self.kept.get(slot, ()), prompt), limit)
+            n = min(common_prefix(self.kept.get(slot, ()), prompt), limit)
             if n > best_free_len:
                 best_free, best_free_len = slot, n
         best_busy, best_busy_len = None, 0
         for other in active:
-            n = min(shared(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
+            n = min(common_prefix(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
                     other.n_past, limit)
             if n > best_busy_len:
                 best_busy, best_busy_len = other.slot, n

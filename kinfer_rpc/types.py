@@ -15,6 +15,18 @@ if TYPE_CHECKING:
 import attrs
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences (the prefix pool's and drafters' test
+    of what cached cells still hold)."""
+    n = min(len(a), len(b))
+    if n and list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @attrs.frozen
 class LoadOptions:
     """What `model/load` asked for, after the placement filled in what it decides.

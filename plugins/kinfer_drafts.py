@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 import kinfer_rpc
+from kinfer_rpc.types import common_prefix
 
 
 class NgramPolicy:
@@ -42,14 +43,6 @@ class NgramPolicy:
         return []
 
 
-
-
-def shared_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DraftModelPolicy:
@@ -112,7 +105,7 @@ class DraftModelSession:
         for i, r in enumerate(requests):
             h = list(r.history)
             have = self.cached.get(r.seq, [])
-            p = min(shared_prefix(have, h), len(h) - 1)
+            p = min(common_prefix(have, h), len(h) - 1)
             if p < len(have):
                 self.draft.seq_remove(r.seq, p, -1)
             self.cached[r.seq] = h[:p]

@@ -8,8 +8,8 @@
 #   vocabulary (bench/make_draft_model.py --layers 1 --embd 32) in .gpu2/m3.
 # Calls, back to back (the machine keeps /tmp while warm):
 #   STAGE=1 bash bench/gpu_mlx.sh   (carry .gpu2/m1)     STAGE=2 ... (carry .gpu2/m2)
-#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, curve, compare (quantized
-#   and dense weights), invariance
+#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, then JOBS (default: probe,
+#   curve, compare in both weight forms, invariance)
 set -euo pipefail
 mkdir -p /tmp/c
 case "${STAGE:-3}" in
@@ -29,11 +29,28 @@ M=/tmp/m7b
 [ -f $M/config.json ] || python3 bench/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
     --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
 [ -n "${ONLY_SETUP:-}" ] && exit 0
-timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_curve.json" --mode curve --kmax 16 | tee "$OUT/mlx_curve.md"
-# Both weight forms (LoadOptions.weights; mlx-lm gets the same form): 4-bit as stored, and dense
-# float16 (the backend's default on the H200 for this 7.4B: 14 GiB, under half the free memory).
-for W in quantized dense; do
-  timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
-      --ntg 128 --weights $W | tee "$OUT/mlx_compare_$W.md"
+# JOBS picks what runs (default: all of them, in this order).
+for job in ${JOBS:-kernels probe curve compare invariance}; do
+  case $job in
+    probe)  # where a decode pass spends its time, per row count, beside mlx-lm's plain forward
+      timeout 240 python3 bench/mlx_probe.py $M --rows ${ROWS:-1,32,128} ${PROBE_ARGS:-} --out "$OUT/mlx_probe.json" | tee "$OUT/mlx_probe.md" ;;
+    kernels)  # the decode attention kernel checked against MLX's, and the KV writes' cost in each form
+      timeout 180 python3 bench/mlx_kernels.py --out "$OUT/mlx_kernels.json" || true ;;
+    ablate)  # the decode pass with parts of its attention swapped for mlx-lm's; also without cuDNN's SDPA
+      for env in "" MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
+        echo "== ablate ${env:-defaults}"
+        env $env timeout 200 python3 bench/mlx_probe.py $M --ablate --rows ${ROWS:-1,32,128} | tee -a "$OUT/mlx_ablate.md" || true
+      done ;;
+    curve)
+      timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_curve.json" --mode curve --kmax 16 \
+          --weights ${CURVE_WEIGHTS:-dense} | tee "$OUT/mlx_curve.md" ;;
+    compare)  # both weight forms (mlx-lm gets the same form) unless FORMS says otherwise
+      for W in ${FORMS:-dense quantized}; do
+        timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
+            --ntg 128 --weights $W | tee "$OUT/mlx_compare_$W.md"
+      done ;;
+    invariance)
+      timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 \
+          | tee "$OUT/mlx_inv.md" || true ;;
+  esac
 done
-timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 | tee "$OUT/mlx_inv.md" || true

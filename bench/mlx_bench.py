@@ -95,7 +95,9 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
     engine = start_engine(model, n, npp + ntg + 8)
     try:
         vocab = engine.model.info.n_vocab
-        run_jobs(engine, prompts_for(1, 8, vocab), 4)  # warm up
+        # Warm up at the measured shape (N rows, these prompt lengths): the compiled step is
+        # traced, and on CUDA its kernels built, once per shape; llama-batched-bench warms up too.
+        run_jobs(engine, prompts_for(n, npp, vocab), 8)
         result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
         result["device"] = engine.model.memory()["device"]
         result["weights"] = engine.model.info.weights
@@ -142,7 +144,7 @@ def mlx_lm_case(m, n: int, npp: int, ntg: int) -> dict:
     gen = BatchGenerator(m, max_tokens=ntg, stop_tokens=[], completion_batch_size=max(32, n),
                          prefill_batch_size=min(n, 8))
     try:
-        gen.insert(prompts_for(1, 8, vocab), max_tokens=[4])
+        gen.insert(prompts, max_tokens=[8] * n)  # warm up at the measured shape, as kinfer does
         while gen.next_generated() or gen._unprocessed_sequences or len(gen._prompt_batch):
             pass
         t0 = time.perf_counter()

@@ -464,14 +464,19 @@ class _Traced:
     the layer's buffers passed in (and returned) as arrays, positions and mask built on the device
     from `cols`, so that a step hands the graph only small index arrays."""
 
-    def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first):
+    def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first,
+                 kernel: bool = False):
         self.keys, self.values, self.layer = keys, values, layer
         self.slots, self.cols, self.offset, self.mask, self.span, self.first = slots, cols, pos, mask, span, first
+        # On CUDA: the attention is kinfer_mlx_attention's (it reads the whole buffers), and every
+        # write is a scatter (in place; MLX 0.32 CUDA's slice_update at a device-side start
+        # copies the whole buffer: 17 ms a pass for 64 buffers of 128 slots, measured).
+        self.kernel = kernel
 
     def update_and_fetch(self, k, v):
         i, B = self.layer, k.shape[0]
         K, V = self.keys[i], self.values[i]
-        if B == 1:  # one sequence: its L cells are one block at (slot, 0, pos, 0)
+        if B == 1 and not self.kernel:  # one sequence: its L cells are one block at (slot, 0, pos, 0)
             at = mx.concatenate([self.slots, mx.zeros((1,), mx.int32), self.offset, mx.zeros((1,), mx.int32)])
             K = mx.slice_update(K, k, at, (0, 1, 2, 3))
             V = mx.slice_update(V, v, at, (0, 1, 2, 3))
@@ -479,6 +484,8 @@ class _Traced:
             K[self.slots[:, None], :, self.cols] = k.transpose(0, 2, 1, 3)
             V[self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
         self.keys[i], self.values[i] = K, V
+        if self.kernel:
+            return K, V
         if self.first is not None:  # rows are consecutive slots: a slice at a device-side start
             return (mx.slice(K, self.first, (0,), (B, K.shape[1], self.span, K.shape[3])),
                     mx.slice(V, self.first, (0,), (B, V.shape[1], self.span, V.shape[3])))
@@ -488,6 +495,52 @@ class _Traced:
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported by the mlx backend yet")
         return self.mask
+
+
+# -- decode attention on CUDA ------------------------------------------------------------------
+def _attention_kernel(model, config: dict) -> bool:
+    """Route the decode passes' attention of `model` to kinfer_mlx_attention's kernel (CUDA only;
+    KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison). mlx-lm's attention
+    layers call their module's `scaled_dot_product_attention` (mlx_lm.models.base's); that name is
+    wrapped in the model's module so that a layer whose cache is a _Traced with the kernel on
+    calls the kernel, and every other call (mlx-lm's own caches, prompt passes) goes on to the
+    original. False when the kernel cannot run here or the module has no such function."""
+    import sys
+
+    import kinfer_mlx_attention
+
+    if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not kinfer_mlx_attention.available():
+        return False
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    heads = int(config.get("num_attention_heads") or 0)
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // max(heads, 1)))
+    if not heads or heads % kv or head_dim % 32:
+        return False
+    try:  # the kernel against MLX's own attention once per load (it is MLX's JIT that builds it)
+        dtype = next((v.dtype for _, v in _flat(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
+                     mx.float16)
+        diff = kinfer_mlx_attention.self_check(dtype, head_dim, heads // kv)
+    except Exception as exc:  # noqa: BLE001 - a CUDA build without NVRTC headers, say: MLX's attention
+        log.warning("mlx: the decode attention kernel did not run (%s); using MLX's attention", exc)
+        return False
+    if not diff < (0.05 if dtype == mx.bfloat16 else 0.02):
+        log.warning("mlx: the decode attention kernel differs from MLX's by %s; using MLX's attention", diff)
+        return False
+    if getattr(original, "kinfer_wrapped", False):
+        return True
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, _Traced) and cache.kernel and sinks is None:
+            return kinfer_mlx_attention.attention(queries, keys, values, cache.slots, cache.cols, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.kinfer_wrapped = True
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    return True
 
 
 # -- the loaded model --------------------------------------------------------------------------
@@ -525,6 +578,7 @@ class MlxModel:
         progress(0.9)
         self.layers = len(self.model.layers)
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
+        self.kernel = on_gpu and self.split_head and _attention_kernel(self.model, self.config)
         self.cells = _Cells(options.slots, self.layers)
         self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
         self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
@@ -605,7 +659,7 @@ class MlxModel:
             keys, values = list(keys), list(values)
             mask = (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
             first = slots[:1] if consecutive else None
-            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first) for i in range(layers)]
+            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel) for i in range(layers)]
             return self._logits(tokens, cache, rows), keys, values
 
         return step
@@ -623,7 +677,7 @@ class MlxModel:
             want.extend(range(b * L + len(c.tokens) - c.outputs, b * L + len(c.tokens)))
         cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
         cells.reserve(int(cols.max()) + 1)
-        span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
+        span = cells.want if self.kernel else min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
         # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
         mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
         seqs = [c.seq for c in group]
@@ -727,7 +781,7 @@ class MlxModel:
         if any(k is None or k.shape[2] < cells.want for k in cells.keys):
             return
         B = len(seqs)
-        span = min(cells.want, -(-int(pos.max() + 1) // STEP) * STEP)
+        span = cells.want if self.kernel else min(cells.want, -(-int(pos.max() + 1) // STEP) * STEP)
         first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
         fn = self._compiled.get((first is not None, span))
         if fn is None:

@@ -520,7 +520,7 @@ def _attention_kernel(model, config: dict) -> bool:
     head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // max(heads, 1)))
     if not heads or heads % kv or head_dim % 32:
         return False
-    try:  # the kernel against MLX's own attention once per load (it is MLX's JIT that builds it)
+    try:  # the kernel against plain MLX operations once per load (it is MLX's JIT that builds it)
         dtype = next((v.dtype for _, v in _flat(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
                      mx.float16)
         diff = kinfer_mlx_attention.self_check(dtype, head_dim, heads // kv)

@@ -216,17 +216,30 @@ def reference(queries, keys, values, slots, cols, scale: float):
 
 
 def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
-    """The kernel against `reference` on random cells (rows at several positions, one over many
-    chunks); returns the largest absolute difference. The backend runs this once per load and
-    keeps MLX's own attention when it fails or differs."""
-    key = mx.random.key(7)
-    k1, k2, k3 = mx.random.split(key, 3)
-    B, HKV, C = 3, 2, 2 * CHUNK + 64
-    q = mx.random.normal((B, HKV * group, 1, head_dim), key=k1).astype(dtype)
-    k = mx.random.normal((B + 1, HKV, C, head_dim), key=k2).astype(dtype)
-    v = mx.random.normal((B + 1, HKV, C, head_dim), key=k3).astype(dtype)
+    """The kernel against plain MLX operations (matrix products and a softmax over the row's
+    cells, no fused attention, no host read) on fixed pseudo-random cells, rows at several
+    positions, one over several chunks; returns the largest absolute difference. The backend runs
+    this once per load and keeps MLX's own attention when it fails or differs."""
+    B, HKV, C, D = 3, 2, 2 * CHUNK + 64, head_dim
+    HQ = HKV * group
+
+    def data(shape, seed):
+        n = 1
+        for x in shape:
+            n *= x
+        return mx.sin(mx.arange(n, dtype=mx.float32) * (0.7 + seed) + seed).reshape(shape).astype(dtype)
+
+    q, k, v = data((B, HQ, 1, D), 1), data((B + 1, HKV, C, D), 2), data((B + 1, HKV, C, D), 3)
     slots = mx.array([3, 0, 1], dtype=mx.int32)
-    cols = mx.array([[0], [CHUNK + 17], [C - 1]], dtype=mx.int32)
-    got = attention(q, k, v, slots, cols, head_dim ** -0.5)
-    want = reference(q, k, v, slots, cols, head_dim ** -0.5)
-    return float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
+    ends = [1, CHUNK + 18, C]
+    cols = mx.array([[e - 1] for e in ends], dtype=mx.int32)
+    scale = D ** -0.5
+    got = attention(q, k, v, slots, cols, scale).astype(mx.float32)
+    worst = mx.array(0.0)
+    for b, (slot, n) in enumerate(zip([3, 0, 1], ends)):
+        kk = mx.repeat(k[slot, :, :n].astype(mx.float32), group, axis=0)  # (HQ, n, D)
+        vv = mx.repeat(v[slot, :, :n].astype(mx.float32), group, axis=0)
+        s = (q[b, :, 0].astype(mx.float32)[:, None] * scale * kk).sum(-1)  # (HQ, n)
+        want = (mx.softmax(s, axis=-1)[..., None] * vv).sum(1)  # (HQ, D)
+        worst = mx.maximum(worst, mx.max(mx.abs(got[b, :, 0] - want)))
+    return float(worst.item())

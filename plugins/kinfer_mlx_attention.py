@@ -10,14 +10,16 @@ whole buffers in place, (slots, kv heads, cells, dim), given the slot and the la
 query token: no mask and no gathered copy of the cells.
 
 Work split (flash-decoding): a thread block per (kv head, query token, row, chunk of CHUNK
-cells). It scores its chunk a tile of 128 cells at a time (a thread per cell, the dot products
-of every query head of the kv head's group at once, so a key row is read once for the group),
-keeps the tile's probabilities in shared memory, and accumulates the value rows into one output
-dimension per thread (online softmax, float32). Each chunk leaves its running maximum, sum and
-unnormalised output; MLX's operations then combine the chunks of a row. A row's chunks depend
-only on its own position (never on the other rows, nor on the batch's size), and the combination
-adds the chunks in a fixed order, where chunks past the row's end add exact zeros: a row gets the
-same bits alone or in any batch, in this part of the pass.
+cells), NT threads. A tile of NT cells at a time: each thread scores one cell against every
+query head of the kv head's group (16-byte loads; a key row is read once for the group), the
+block reduces the tile's maximum and sum in a fixed tree, the probabilities go to shared memory,
+and then warp w accumulates the value rows of cells w, w + 4, ... with each lane holding D/32 of
+the output dimensions (online softmax, float32); the warps' sums are added in a fixed order at
+the end. Each chunk leaves its running maximum, sum and unnormalised output; MLX's operations
+combine a row's chunks. A row's chunks depend only on its own position (never on the other rows,
+nor on the batch's size), and the combination adds the chunks in a fixed order, where chunks past
+the row's end add exact zeros: a row gets the same bits alone or in any batch, in this part of
+the pass.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ _SOURCE = """
     const int lane = t & 31;
     const int warp = t >> 5;
     constexpr int WARPS = NT / 32;
-    constexpr int DPT = (D + NT - 1) / NT;
+    constexpr int DPL = D / 32;  // output dimensions a lane accumulates
+    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
     const int HQ = queries_shape[1];
     const int L = queries_shape[2];
     const int HKV = keys_shape[1];
@@ -66,6 +69,8 @@ _SOURCE = """
     __shared__ float qs[G][D];
     __shared__ float ps[G][NT];
     __shared__ float red[G][WARPS];
+    __shared__ float red2[G][WARPS];
+    __shared__ float buf[WARPS][D];
     const float s = scale[0];
     for (int i = t; i < G * D; i += NT) {
         const int g = i / D;
@@ -74,34 +79,38 @@ _SOURCE = """
     }
     float m[G];
     float lsum[G];
-    float acc[G][DPT];
+    float acc[G][DPL];
     for (int g = 0; g < G; ++g) {
         m[g] = NEG;
         lsum[g] = 0.0f;
-        for (int k = 0; k < DPT; ++k) {
-            acc[g][k] = 0.0f;
+        for (int x = 0; x < DPL; ++x) {
+            acc[g][x] = 0.0f;
         }
     }
     __syncthreads();
     for (int t0 = start; t0 < end; t0 += NT) {
         const int tn = min(NT, end - t0);
+        // 1. this thread's cell: its score against every query head of the group
         float sc[G];
         for (int g = 0; g < G; ++g) {
-            sc[g] = NEG;
+            sc[g] = t < tn ? 0.0f : NEG;
         }
         if (t < tn) {
-            const T* kr = kp + (size_t)(t0 + t) * D;
-            for (int g = 0; g < G; ++g) {
-                sc[g] = 0.0f;
-            }
-            #pragma unroll 8
-            for (int d = 0; d < D; ++d) {
-                const float kv = static_cast<float>(kr[d]);
-                for (int g = 0; g < G; ++g) {
-                    sc[g] += qs[g][d] * kv;
+            const uint4* kr = reinterpret_cast<const uint4*>(kp + (size_t)(t0 + t) * D);
+            #pragma unroll 4
+            for (int i = 0; i < D / VEC; ++i) {
+                const uint4 raw = kr[i];
+                const T* e = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int x = 0; x < VEC; ++x) {
+                    const float kv = static_cast<float>(e[x]);
+                    for (int g = 0; g < G; ++g) {
+                        sc[g] += qs[g][i * VEC + x] * kv;
+                    }
                 }
             }
         }
+        // 2. the tile's maximum per head
         for (int g = 0; g < G; ++g) {
             float v = sc[g];
             for (int o = 16; o > 0; o >>= 1) {
@@ -112,6 +121,7 @@ _SOURCE = """
             }
         }
         __syncthreads();
+        // 3. probabilities, and their sum per head (a fixed reduction order)
         float corr[G];
         for (int g = 0; g < G; ++g) {
             float tmax = red[g][0];
@@ -121,42 +131,64 @@ _SOURCE = """
             const float mnew = fmaxf(m[g], tmax);
             corr[g] = expf(m[g] - mnew);
             m[g] = mnew;
-            ps[g][t] = t < tn ? expf(sc[g] - mnew) : 0.0f;
+            const float p = t < tn ? expf(sc[g] - mnew) : 0.0f;
+            ps[g][t] = p;
+            float v = p;
+            for (int o = 16; o > 0; o >>= 1) {
+                v += __shfl_xor_sync(0xffffffff, v, o);
+            }
+            if (lane == 0) {
+                red2[g][warp] = v;
+            }
         }
         __syncthreads();
+        // 4. values: warp w takes the tile's cells w, w + WARPS, ...; a lane DPL dimensions
         for (int g = 0; g < G; ++g) {
-            lsum[g] *= corr[g];
-            for (int k = 0; k < DPT; ++k) {
-                acc[g][k] *= corr[g];
+            float tsum = red2[g][0];
+            for (int w = 1; w < WARPS; ++w) {
+                tsum += red2[g][w];
+            }
+            lsum[g] = lsum[g] * corr[g] + tsum;
+            for (int x = 0; x < DPL; ++x) {
+                acc[g][x] *= corr[g];
             }
         }
-        for (int j = 0; j < tn; ++j) {
-            const T* vr = vp + (size_t)(t0 + j) * D;
-            for (int k = 0; k < DPT; ++k) {
-                const int d = t + k * NT;
-                const float vv = d < D ? static_cast<float>(vr[d]) : 0.0f;
-                for (int g = 0; g < G; ++g) {
-                    acc[g][k] += ps[g][j] * vv;
-                }
+        for (int j = warp; j < tn; j += WARPS) {
+            const T* vr = vp + (size_t)(t0 + j) * D + lane * DPL;
+            float vv[DPL];
+            #pragma unroll
+            for (int x = 0; x < DPL; ++x) {
+                vv[x] = static_cast<float>(vr[x]);
             }
             for (int g = 0; g < G; ++g) {
-                lsum[g] += ps[g][j];
+                const float p = ps[g][j];
+                #pragma unroll
+                for (int x = 0; x < DPL; ++x) {
+                    acc[g][x] += p * vv[x];
+                }
             }
         }
         __syncthreads();
     }
+    // 5. the warps' partial outputs summed in a fixed order
     for (int g = 0; g < G; ++g) {
+        for (int x = 0; x < DPL; ++x) {
+            buf[warp][lane * DPL + x] = acc[g][x];
+        }
+        __syncthreads();
         const size_t at = part + (size_t)g * L * SPLITS;
+        for (int d = t; d < D; d += NT) {
+            float o = buf[0][d];
+            for (int w = 1; w < WARPS; ++w) {
+                o += buf[w][d];
+            }
+            partial[at * D + d] = o;
+        }
         if (t == 0) {
             row_max[at] = m[g];
             row_sum[at] = lsum[g];
         }
-        for (int k = 0; k < DPT; ++k) {
-            const int d = t + k * NT;
-            if (d < D) {
-                partial[at * D + d] = acc[g][k];
-            }
-        }
+        __syncthreads();
     }
 """
 

@@ -53,12 +53,13 @@ else:
     _IMPORT_ERROR = None
 
 STEP = 256  # KV buffers grow by this many cells, and a batched pass reads keys in these blocks
-# Drafts per step when a load names no count, by device, from the cost of a pass over k+1
-# positions of one sequence (bench/mlx_bench.py --mode curve; pick_drafts at 70% acceptance).
-# CUDA (the H200, MLX 0.32.4): 2-7 rows run as matrix-vector passes, a weight read per row; the
-# matrix kernel takes over at 8 rows and 9-13 rows cost about 2x one: 8 drafts for that price.
-# CPU (SmolLM2, 2 cores): 2 rows 1.49x, 3 rows 1.44x, then about +0.4x a row: 2 drafts.
-DEFAULT_DRAFTS = {"gpu": 8, "cpu": 2}
+# Drafts per step when a load names no count, by device and weight form, from the measured cost of
+# a pass over k+1 positions of one sequence (bench/mlx_bench.py --mode curve; pick_drafts at 70%
+# acceptance), fixed for the life of a load:
+# - CUDA, dense float16 (the H200, MLX 0.32.4, 7.4B): 1 row 7.06 ms, 2-16 rows 1.15-1.25x: 13.
+# - CUDA, 4-bit: 2-7 rows run as matrix-vector passes (5 rows 2.82x), 8-16 rows about 1.95x: 14.
+# - CPU (SmolLM2, 2 cores): 2 rows 1.49x, 3 rows 1.44x, then about +0.4x a row: 2.
+DEFAULT_DRAFTS = {("gpu", "dense"): 13, ("gpu", "quantized"): 14, ("cpu", "dense"): 2, ("cpu", "quantized"): 2}
 # Texts llama.cpp also treats as end of generation when they are control tokens.
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
               "<EOT>", "_<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>", "<end_of_utterance>",
@@ -585,7 +586,7 @@ class MlxModel:
         self._sampled: tuple = (None, [])  # the last pass's token ids (device) and greedy rows
         self._ahead = None  # the next pass, queued (see _build_ahead)
         self.context = options.context_length
-        drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu"]
+        drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
         self.drafts = drafts
         self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
         flat = dict(_flat(self.model.parameters()))

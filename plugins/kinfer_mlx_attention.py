@@ -252,8 +252,11 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     cells, no fused attention, no host read) on fixed pseudo-random cells, rows at several
     positions, one over several chunks; returns the largest absolute difference. The backend runs
     this once per load and keeps MLX's own attention when it fails or differs."""
-    B, HKV, C, D = 3, 2, 2 * CHUNK + 64, head_dim
+    HKV, C, D = 2, 2 * CHUNK + 64, head_dim
     HQ = HKV * group
+    order = [5, 0, 3, 1, 2]  # the slot of each row; rows of 1, 2 and 5 cells catch an off-by-one
+    ends = [1, 2, 5, CHUNK + 18, C]
+    B = len(order)
 
     def data(shape, seed):
         n = 1
@@ -262,13 +265,12 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
         return mx.sin(mx.arange(n, dtype=mx.float32) * (0.7 + seed) + seed).reshape(shape).astype(dtype)
 
     q, k, v = data((B, HQ, 1, D), 1), data((B + 1, HKV, C, D), 2), data((B + 1, HKV, C, D), 3)
-    slots = mx.array([3, 0, 1], dtype=mx.int32)
-    ends = [1, CHUNK + 18, C]
+    slots = mx.array(order, dtype=mx.int32)
     cols = mx.array([[e - 1] for e in ends], dtype=mx.int32)
     scale = D ** -0.5
     got = attention(q, k, v, slots, cols, scale).astype(mx.float32)
     worst = mx.array(0.0)
-    for b, (slot, n) in enumerate(zip([3, 0, 1], ends)):
+    for b, (slot, n) in enumerate(zip(order, ends)):
         kk = mx.repeat(k[slot, :, :n].astype(mx.float32), group, axis=0)  # (HQ, n, D)
         vv = mx.repeat(v[slot, :, :n].astype(mx.float32), group, axis=0)
         s = (q[b, :, 0].astype(mx.float32)[:, None] * scale * kk).sum(-1)  # (HQ, n)

@@ -176,7 +176,7 @@ def test_batched_replies_equal_alone_and_drafts_change_nothing():
 
 def test_default_drafts_on_the_cpu_is_the_table_value():
     m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1, drafts=None), lambda f: None)
-    assert m.info.drafts == kinfer_mlx.DEFAULT_DRAFTS["cpu"]
+    assert m.info.drafts == kinfer_mlx.DEFAULT_DRAFTS["cpu", m.weights]
     assert kinfer_mlx.pick_drafts([1.0, 2.0, 3.0]) == 0 and kinfer_mlx.pick_drafts([1.0, 1.0, 1.0, 4.0]) == 2
 
 
@@ -322,7 +322,7 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
     assert "mlx" in json.dumps(caps)
     messages = [{"role": "user", "content": "Name a colour."}]
     loaded = c.call("model/load", {"model": str(folder), "options": {"slots": 2, "contextLength": CTX}}, timeout=120)
-    assert loaded["backend"] == "mlx" and loaded["drafts"] == kinfer_mlx.DEFAULT_DRAFTS["cpu"]
+    assert loaded["backend"] == "mlx" and loaded["drafts"] == kinfer_mlx.DEFAULT_DRAFTS["cpu", loaded["weights"]]
     reply = c.call("inference/chat", {"model": str(folder), "messages": messages,
                                       "options": {"maxTokens": 4, "temperature": 0}}, timeout=120)
     assert reply["usage"]["completionTokens"] == len(reply["tokens"]) > 0
@@ -351,3 +351,22 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
     bare.initialize()
     err = error_of(bare.request("model/load", {"model": str(folder)}))
     assert err["code"] == errors.BACKEND_UNAVAILABLE and "needs the mlx backend" in err["message"]
+
+
+def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monkeypatch):
+    """The CUDA decode attention kernel (plugins/kinfer_mlx_attention.py) cannot run here; what can:
+    the check the backend runs at every GPU load before using it. It passes MLX's own attention and
+    fails one that drops a row's last cell or mixes up the slots."""
+    import mlx.core as mx
+
+    import kinfer_mlx_attention as att
+
+    assert not att.available()  # no CUDA here: loads keep MLX's attention (kernel off)
+    m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1), lambda f: None)
+    assert m.kernel is False
+    monkeypatch.setattr(att, "attention", att.reference)
+    assert att.self_check(mx.float32, 64, 4) < 1e-4
+    monkeypatch.setattr(att, "attention", lambda q, k, v, s, c, sc: att.reference(q, k, v, s, mx.maximum(c - 1, 0), sc))
+    assert att.self_check(mx.float32, 64, 4) > 0.02
+    monkeypatch.setattr(att, "attention", lambda q, k, v, s, c, sc: att.reference(q, k, v, s[::-1], c, sc))
+    assert att.self_check(mx.float32, 128, 1) > 0.02

@@ -62,6 +62,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     engine.submit(warm)
     done.wait()
 
+    phases = watch_phases(engine) if args.phases else None
     finished = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in prompts]
     jobs = [
@@ -82,7 +83,9 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     t_decode = t_end - t_all_in
     t_prompt = t_all_in - t0
     engine.stop()
+    extra = phases.summary(t_all_in) if phases else {}
     return {
+        **extra,
         "engine": "kinfer",
         "npl": npl,
         "npp": npp,
@@ -96,6 +99,51 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
         "steps": engine.steps,
     }
+
+
+class watch_phases:
+    """Where a decode step's time goes (--phases): the time inside the backend's decode() call
+    (building the batch, llama_decode queuing the pass), inside its wait (the device finishing,
+    the logits coming back), and the rest of the step (the engine's host work: planning,
+    sampling, bookkeeping, text), per step, over the steps after every request is in."""
+
+    def __init__(self, engine: Engine):
+        self.rows: list[tuple[float, float, float, float]] = []  # (start, decode call, wait, step)
+        model, step = engine.model, engine.step
+        inner = model.decode
+        current = {}
+
+        def decode(chunks):
+            t = time.perf_counter()
+            wait = inner(chunks)
+            current["call"] = time.perf_counter() - t
+
+            def timed_wait():
+                t = time.perf_counter()
+                out = wait()
+                current["wait"] = time.perf_counter() - t
+                return out
+
+            return timed_wait
+
+        def timed_step():
+            current.clear()
+            t = time.perf_counter()
+            busy = step()
+            self.rows.append((t, current.get("call", 0.0), current.get("wait", 0.0), time.perf_counter() - t))
+            return busy
+
+        model.decode = decode
+        engine.step = timed_step
+
+    def summary(self, after: float) -> dict:
+        rows = [r for r in self.rows if r[0] > after and r[3] > 0]
+        if not rows:
+            return {}
+        n = len(rows)
+        call, wait, step = (sum(r[i] for r in rows) / n * 1000 for i in (1, 2, 3))
+        return {"phase_steps": n, "ms_step": round(step, 3), "ms_decode_call": round(call, 3),
+                "ms_wait": round(wait, 3), "ms_engine_host": round(step - call - wait, 3)}
 
 
 def main():
@@ -112,6 +160,7 @@ def main():
     ap.add_argument("--kv-type", default=None, choices=["f16", "q8_0"])
     ap.add_argument("--prefix", type=int, default=-1, help="the prefix pool's token budget (-1: off, compaction)")
     ap.add_argument("--tg", action="store_true", help="also the single-stream case shaped like llama-bench tg")
+    ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see watch_phases)")
     args = ap.parse_args()
     if args.tg:
         r = run(args.model, 1, 1, args.ntg, args)

@@ -96,15 +96,35 @@ def kinfer_rows(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int, label: str
         m.set_device_greedy(b, True)
     tokens = [1] * B
 
+    split = {"call": 0.0, "wait": 0.0, "ahead": 0}
+    take = m._take_ahead
+
+    def counted(*a):
+        split["ahead"] += 1
+        return take(*a)
+
+    m._take_ahead = counted
+
     def greedy(i):
         nonlocal tokens
         chunks = [SeqChunk(b, pos[b], [tokens[b]], 1) for b in range(B)]
-        m.decode(chunks)()
+        t = time.perf_counter()
+        wait = m.decode(chunks)
+        t1 = time.perf_counter()
+        wait()
         tokens = m.sampled_tokens()
+        split["wait"] += time.perf_counter() - t1
+        split["call"] += t1 - t
         for b in range(B):
             pos[b] += 1
 
     out[f"{label} greedy first"], out[f"{label} greedy"] = timed(greedy, steps)
+    del m._take_ahead
+    # host time inside decode() (building and queuing the pass) vs waiting, and passes taken
+    # from the queue (mlx-lm-style pipelining) out of steps + 1
+    out[f"{label} greedy: ms in decode()"] = split["call"] * 1000 / (steps + 1)
+    out[f"{label} greedy: ms waiting"] = split["wait"] * 1000 / (steps + 1)
+    out[f"{label} greedy: passes queued ahead"] = split["ahead"]
     for b in range(B):
         m.set_device_greedy(b, False)
     return out

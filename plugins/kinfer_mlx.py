@@ -710,6 +710,7 @@ class MlxModel:
             return self._take_ahead(ahead, chunks)
         pieces, starts, n_out = [], {}, 0
         with mx.stream(self.device):
+            out = None
             for group in self._groups(chunks):
                 out = self._forward(group)
                 if out is not None:
@@ -732,8 +733,13 @@ class MlxModel:
                     result = result[mx.array(host)].astype(mx.float32) if host else None
                 else:
                     result = result.astype(mx.float32)
-            # One evaluation for the whole step: the logits and every layer's updated cells.
-            mx.async_eval(*[a for a in (result, ids) if a is not None], *cells.arrays())
+            # One evaluation for the whole step. When the last forward gives logits, every write
+            # of the step is upstream of them (each layer's attention reads its written cells,
+            # each group's writes go on from the group before): the outputs alone are named, as
+            # mlx-lm does (naming 64 buffers too costs host time on every step). Otherwise the
+            # cells are named.
+            named = [a for a in (result, ids) if a is not None]
+            mx.async_eval(*named, *(cells.arrays() if out is None or not named else ()))
             if ids is not None and all(greedy):
                 self._build_ahead(chunks, ids)
         n_vocab = self.n_vocab
@@ -793,7 +799,7 @@ class MlxModel:
         nxt = mx.argmax(out, axis=1)
         if order != list(range(B)):
             nxt = nxt[mx.array(np.argsort(order))]
-        mx.async_eval(nxt, *cells.arrays())
+        mx.async_eval(nxt)  # every layer's written cells are upstream of it
         self._ahead = ([(c.seq, c.pos + 1) for c in chunks], ids, nxt)
 
     def _ahead_matches(self, ahead, chunks: Sequence[SeqChunk]) -> bool:

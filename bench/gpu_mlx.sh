@@ -8,8 +8,9 @@
 #   vocabulary (bench/make_draft_model.py --layers 1 --embd 32) in .gpu2/m3.
 # Calls, back to back (the machine keeps /tmp while warm):
 #   STAGE=1 bash bench/gpu_mlx.sh   (carry .gpu2/m1)     STAGE=2 ... (carry .gpu2/m2)
-#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, then JOBS (default: probe,
-#   curve, compare in both weight forms, invariance)
+#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, then JOBS (default: kernels,
+#   probe, curve, compare in both weight forms, defaults, invariance; ablate on request). A call that
+#   finds no machine leaves a bare one for the next: start again from STAGE=1.
 set -euo pipefail
 mkdir -p /tmp/c
 case "${STAGE:-3}" in
@@ -30,7 +31,7 @@ M=/tmp/m7b
     --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
 [ -n "${ONLY_SETUP:-}" ] && exit 0
 # JOBS picks what runs (default: all of them, in this order).
-for job in ${JOBS:-kernels probe curve compare invariance}; do
+for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
   case $job in
     probe)  # where a decode pass spends its time, per row count, beside mlx-lm's plain forward
       timeout 240 python3 bench/mlx_probe.py $M --rows ${ROWS:-1,32,128} ${PROBE_ARGS:-} --out "$OUT/mlx_probe.json" | tee "$OUT/mlx_probe.md" ;;
@@ -49,6 +50,9 @@ for job in ${JOBS:-kernels probe curve compare invariance}; do
         timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
             --ntg 128 --weights $W | tee "$OUT/mlx_compare_$W.md"
       done ;;
+    defaults)  # each side's defaults in one run: kinfer's choice of weights, mlx-lm on the model as stored
+      timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_defaults.json" --npl ${NPL:-1,8,32,128} \
+          --npp 64 --ntg 128 --mlx-lm-as-stored | tee "$OUT/mlx_compare_defaults.md" ;;
     invariance)
       timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 \
           | tee "$OUT/mlx_inv.md" || true ;;

@@ -18,7 +18,8 @@ kinfer_mlx.pick_drafts takes from it (for the per-device table DEFAULT_DRAFTS).
 first position where they do.
 
 `--weights quantized|dense` sets LoadOptions.weights and gives mlx-lm the same form (dense: mlx-lm's
-dequantize_model); by default both take the form the backend chooses.
+dequantize_model); by default both take the form the backend chooses. `--mlx-lm-as-stored` runs
+mlx-lm on the model as stored instead (each side with its own defaults, in one run).
 On the CPU both sides run the model in float32 (MLX's float16 CPU kernels are emulated and 40x
 slower); on a GPU both keep the folder's types. Results: one JSON file (--out) and a markdown
 table on stdout.
@@ -51,6 +52,7 @@ def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
 
 
 WEIGHTS = None  # --weights: None (the backend's choice), "quantized" or "dense"
+MLX_LM_AS_STORED = False  # --mlx-lm-as-stored: mlx-lm runs the model as stored, whatever kinfer chose
 
 
 def start_engine(model: str, slots: int, ctx: int, drafts: int = 0) -> Engine:
@@ -118,7 +120,9 @@ def mlx_lm_model(model: str):
         kinfer_mlx._float_type(m, mx.float32)
     # mlx-lm gets the weights in the form the kinfer load chose (its default decides for both).
     form, _ = kinfer_mlx._weights_form(m, WEIGHTS, on_gpu)
-    if form == "dense" and kinfer_mlx._quantized(m):
+    if MLX_LM_AS_STORED:
+        form = "quantized" if kinfer_mlx._quantized(m) else "dense"
+    elif form == "dense" and kinfer_mlx._quantized(m):
         from mlx_lm.utils import dequantize_model
 
         m = dequantize_model(m)
@@ -226,15 +230,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--weights", choices=["default", "quantized", "dense"], default="default",
                     help="LoadOptions.weights for kinfer, and the same form for mlx-lm (default: the backend's choice)")
+    ap.add_argument("--mlx-lm-as-stored", action="store_true",
+                    help="mlx-lm runs the model as stored (its own default) while kinfer takes --weights: each "
+                         "side's defaults in one run")
     a = ap.parse_args()
-    global WEIGHTS
+    global WEIGHTS, MLX_LM_AS_STORED
+    MLX_LM_AS_STORED = a.mlx_lm_as_stored
     WEIGHTS = None if a.weights == "default" else a.weights
     a.npl = [int(x) for x in a.npl.split(",") if x]
     t = time.perf_counter()
     result = {"compare": compare, "curve": curve, "invariance": invariance}[a.mode](a)
     import mlx_lm
 
-    result.update(mode=a.mode, model=a.model, weights=a.weights, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
+    result.update(mode=a.mode, model=a.model, weights=a.weights, mlx_lm_as_stored=a.mlx_lm_as_stored, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
                   device=str(mx.default_device()), seconds=round(time.perf_counter() - t, 1))
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -221,6 +221,9 @@ def attention(queries, keys, values, slots, cols, scale: float):
                          f" (queries {queries.shape}, keys {keys.shape})")
     G = HQ // HKV
     splits = -(-C // CHUNK)  # from the buffers' size only: the same for every row and batch
+    if B * splits > 65535:  # CUDA's grid limit in z
+        raise ValueError(f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots"
+                         " or a shorter context")
     partial, row_max, row_sum = _kernel(
         inputs=[queries, keys, values, slots, cols, mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("D", D), ("G", G), ("NT", NT), ("CHUNK", CHUNK)],

@@ -48,7 +48,10 @@ def check_attention() -> list[dict]:
         # a row alone gives the same bits as among the others (batch invariance of this part)
         alone = att.attention(q[:1], k, v, slots[:1], cols[:1], scale)
         same = bool(mx.array_equal(alone, got[:1]).item())
-        out.append({"B": B, "L": L, "HQ": HQ, "HKV": HKV, "D": D, "cells": C, "max_abs_diff": diff, "alone_equal": same})
+        shapes = bool(mx.array_equal(att.attention(q, k, v, slots, cols, scale, heads=1),
+                                     att.attention(q, k, v, slots, cols, scale, heads=HQ // HKV)).item())
+        out.append({"B": B, "L": L, "HQ": HQ, "HKV": HKV, "D": D, "cells": C, "max_abs_diff": diff, "alone_equal": same,
+                    "block_shapes_equal": shapes})
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -67,6 +70,8 @@ def time_attention() -> list[dict]:
         mask = (mx.arange(span)[None, None] <= cols[:, :, None])[:, None]
         cases = {
             "kernel": lambda: att.attention(q, k, v, slots, cols, 0.088),
+            "kernel, a block per kv head": lambda: att.attention(q, k, v, slots, cols, 0.088, heads=HQ // HKV),
+            "kernel, a block per query head": lambda: att.attention(q, k, v, slots, cols, 0.088, heads=1),
             "masked (fallback)": lambda: mx.fast.scaled_dot_product_attention(
                 q, k[:, :, :span], v[:, :, :span], scale=0.088, mask=mask),
             "fused, no mask": lambda: mx.fast.scaled_dot_product_attention(

@@ -10,7 +10,8 @@ whole buffers in place, (slots, kv heads, cells, dim), given the slot and the la
 query token: no mask and no gathered copy of the cells.
 
 Work split (flash-decoding): a thread block per (kv head, query token, row, chunk of CHUNK
-cells), NT threads. A tile of NT cells at a time: each thread scores one cell against every
+cells), NT threads; for passes of few rows a block per query head instead (4x the blocks for
+one row; the same arithmetic per head, checked bit for bit at load). A tile of NT cells at a time: each thread scores one cell against every
 query head of the kv head's group (16-byte loads; a key row is read once for the group), the
 block reduces the tile's maximum and sum in a fixed tree, the probabilities go to shared memory,
 and then warp w accumulates the value rows of cells w, w + 4, ... with each lane holding D/32 of
@@ -31,7 +32,8 @@ CHUNK = 512  # cells a block covers (4 tiles of NT)
 
 _SOURCE = """
     const int SPLITS = gridDim.z / cols_shape[0];
-    const int hk = blockIdx.x;
+    const int hq0 = blockIdx.x * G;  // the block's first query head: G heads a block
+    const int hk = hq0 / (queries_shape[1] / keys_shape[1]);  // their kv head
     const int l = blockIdx.y;
     const int b = blockIdx.z / SPLITS;
     const int split = blockIdx.z % SPLITS;
@@ -48,7 +50,7 @@ _SOURCE = """
     const int n = cols[b * L + l] + 1;
     const int start = split * CHUNK;
     const int end = min(n, start + CHUNK);
-    const size_t part = ((size_t)(b * HQ + hk * G) * L + l) * SPLITS + split;  // + g * L * SPLITS
+    const size_t part = ((size_t)(b * HQ + hq0) * L + l) * SPLITS + split;  // + g * L * SPLITS
     const float NEG = __int_as_float(0xff800000);
     if (start >= end) {
         for (int g = 0; g < G; ++g) {
@@ -75,7 +77,7 @@ _SOURCE = """
     for (int i = t; i < G * D; i += NT) {
         const int g = i / D;
         const int d = i % D;
-        qs[g][d] = static_cast<float>(queries[(((size_t)b * HQ + hk * G + g) * L + l) * D + d]) * s;
+        qs[g][d] = static_cast<float>(queries[(((size_t)b * HQ + hq0 + g) * L + l) * D + d]) * s;
     }
     float m[G];
     float lsum[G];
@@ -202,10 +204,11 @@ def available() -> bool:
         and mx.default_device() == mx.gpu
 
 
-def attention(queries, keys, values, slots, cols, scale: float):
+def attention(queries, keys, values, slots, cols, scale: float, heads: int | None = None):
     """queries (B, Hq, L, D); keys and values (slots, Hkv, cells, D), a layer's whole buffers;
     slots (B,) int32: the slot of each row; cols (B, L) int32: the position of each query token
-    (it attends to its slot's cells 0..cols). Returns (B, Hq, L, D) in the queries' type."""
+    (it attends to its slot's cells 0..cols). Returns (B, Hq, L, D) in the queries' type.
+    `heads`: query heads a thread block (default: chosen by the row count, see below)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -219,15 +222,24 @@ def attention(queries, keys, values, slots, cols, scale: float):
     if D != Dk or values.shape[-1] != D or HQ % HKV:
         raise ValueError(f"the decode attention kernel needs equal key/value/query dims and whole head groups"
                          f" (queries {queries.shape}, keys {keys.shape})")
-    G = HQ // HKV
+    group = HQ // HKV
     splits = -(-C // CHUNK)  # from the buffers' size only: the same for every row and batch
     if B * splits > 65535:  # CUDA's grid limit in z
         raise ValueError(f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots"
                          " or a shorter context")
+    if heads is None:
+        # A block per kv head (its group's query heads together: a key row read once for them)
+        # when that makes enough blocks; a block per query head for a few rows (the single
+        # stream: 8 blocks would leave the GPU idle). Every query head's arithmetic is the same
+        # in both (the same products and reductions in the same order), so the choice, made by
+        # the row count, does not change a row's bits.
+        heads = group if B * L * splits * HKV >= 256 else 1
+    if group % heads:
+        raise ValueError(f"{heads} heads a block do not divide the group of {group}")
     partial, row_max, row_sum = _kernel(
         inputs=[queries, keys, values, slots, cols, mx.array([scale], dtype=mx.float32)],
-        template=[("T", queries.dtype), ("D", D), ("G", G), ("NT", NT), ("CHUNK", CHUNK)],
-        grid=(HKV * NT, L, B * splits),
+        template=[("T", queries.dtype), ("D", D), ("G", heads), ("NT", NT), ("CHUNK", CHUNK)],
+        grid=(HQ // heads * NT, L, B * splits),
         threadgroup=(NT, 1, 1),
         output_shapes=[(B, HQ, L, splits, D), (B, HQ, L, splits), (B, HQ, L, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
@@ -271,7 +283,10 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     slots = mx.array(order, dtype=mx.int32)
     cols = mx.array([[e - 1] for e in ends], dtype=mx.int32)
     scale = D ** -0.5
-    got = attention(q, k, v, slots, cols, scale).astype(mx.float32)
+    got = attention(q, k, v, slots, cols, scale, heads=group).astype(mx.float32)
+    alone = attention(q, k, v, slots, cols, scale, heads=1).astype(mx.float32)
+    if not mx.array_equal(got, alone).item():  # the block shapes must agree to the bit
+        return float("inf")
     worst = mx.array(0.0)
     for b, (slot, n) in enumerate(zip(order, ends)):
         kk = mx.repeat(k[slot, :, :n].astype(mx.float32), group, axis=0)  # (HQ, n, D)

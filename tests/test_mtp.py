@@ -1,5 +1,5 @@
 """The `mtp` draft policy: a model's own multi-token-prediction (NextN) layers draft, through
-llama.cpp's MTP context (plugins/kinfer_llama.py), on the real llama.cpp CPU backend.
+llama.cpp's MTP context (plugins/kinfer_llama_mtp.py, the policy in plugins/kinfer_llama.py), on the real llama.cpp CPU backend.
 
 The models are tiny glm4moe GGUFs with one NextN block written by bench/make_mtp_model.py:
 `random` (the MTP head guesses unrelated tokens: drafts are rejected) and `aligned` (target and

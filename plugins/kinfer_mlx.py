@@ -466,10 +466,11 @@ class _Traced:
     from `cols`, so that a step hands the graph only small index arrays."""
 
     def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first,
-                 kernel: bool = False):
+                 kernel: int = 0):
         self.keys, self.values, self.layer = keys, values, layer
         self.slots, self.cols, self.offset, self.mask, self.span, self.first = slots, cols, pos, mask, span, first
-        # On CUDA: the attention is kinfer_mlx_attention's (it reads the whole buffers), and every
+        # On CUDA (kernel: its chunks a row, see MlxModel.kernel): the attention is
+        # kinfer_mlx_attention's (it reads the whole buffers), and every
         # write is a scatter (in place; MLX 0.32 CUDA's slice_update at a device-side start
         # copies the whole buffer: 17 ms a pass for 64 buffers of 128 slots, measured).
         self.kernel = kernel
@@ -503,16 +504,21 @@ def _attention_kernel(model, config: dict) -> bool:
     """Route the decode passes' attention of `model` to kinfer_mlx_attention's kernel (CUDA only;
     KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison). mlx-lm's attention
     layers call their module's `scaled_dot_product_attention` (mlx_lm.models.base's); that name is
-    wrapped in the model's module so that a layer whose cache is a _Traced with the kernel on
-    calls the kernel, and every other call (mlx-lm's own caches, prompt passes) goes on to the
-    original. False when the kernel cannot run here or the module has no such function."""
+    wrapped in the module of the model's attention layer, so that a layer whose cache is a _Traced
+    with the kernel on calls the kernel, and every other call (mlx-lm's own caches, prompt
+    passes) goes on to the original. False when the kernel cannot run here, the attention layer
+    is not found or does not call such a function, or uses attention sinks."""
     import sys
 
     import kinfer_mlx_attention
 
     if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not kinfer_mlx_attention.available():
         return False
-    module = sys.modules.get(type(model).__module__)
+    layers = getattr(model, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    if attn is None or hasattr(attn, "sinks"):
+        return False
+    module = sys.modules.get(type(attn).__module__)
     original = getattr(module, "scaled_dot_product_attention", None)
     if original is None:
         return False
@@ -531,15 +537,17 @@ def _attention_kernel(model, config: dict) -> bool:
     if not diff < (0.05 if dtype == mx.bfloat16 else 0.02):
         log.warning("mlx: the decode attention kernel differs from MLX's by %s; using MLX's attention", diff)
         return False
-    if getattr(original, "kinfer_wrapped", False):
-        return True
+    original = getattr(original, "kinfer_original", original)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, _Traced) and cache.kernel and sinks is None:
-            return kinfer_mlx_attention.attention(queries, keys, values, cache.slots, cache.cols, scale)
+        if isinstance(cache, _Traced) and cache.kernel:
+            if sinks is not None:
+                raise NotImplementedError("attention sinks are not supported by the decode attention kernel")
+            return kinfer_mlx_attention.attention(queries, keys, values, cache.slots, cache.cols, scale,
+                                                  splits=cache.kernel)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention.kinfer_wrapped = True
+    scaled_dot_product_attention.kinfer_original = original
     module.scaled_dot_product_attention = scaled_dot_product_attention
     return True
 
@@ -579,7 +587,14 @@ class MlxModel:
         progress(0.9)
         self.layers = len(self.model.layers)
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
-        self.kernel = on_gpu and self.split_head and _attention_kernel(self.model, self.config)
+        # With the attention kernel: the chunks of cells it splits a row into, fixed by the context
+        # length for the life of the load (a row's arithmetic then never depends on the buffers'
+        # size, which grows with other rows); 0: MLX's attention.
+        self.kernel = 0
+        if on_gpu and self.split_head and _attention_kernel(self.model, self.config):
+            import kinfer_mlx_attention
+
+            self.kernel = -(-options.context_length // kinfer_mlx_attention.CHUNK)
         self.cells = _Cells(options.slots, self.layers)
         self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
         self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
@@ -658,7 +673,7 @@ class MlxModel:
 
         def step(tokens, slots, cols, pos, rows, keys, values):
             keys, values = list(keys), list(values)
-            mask = (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
+            mask = None if self.kernel else (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
             first = slots[:1] if consecutive else None
             cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel) for i in range(layers)]
             return self._logits(tokens, cache, rows), keys, values
@@ -678,14 +693,15 @@ class MlxModel:
             want.extend(range(b * L + len(c.tokens) - c.outputs, b * L + len(c.tokens)))
         cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
         cells.reserve(int(cols.max()) + 1)
-        span = cells.want if self.kernel else min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
-        # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
-        mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
+        span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
         seqs = [c.seq for c in group]
         first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
         if L <= self.drafts + 1 and all(k is not None and k.shape[2] >= cells.want for k in cells.keys):
             # Decode rows: a compiled step (its trace replayed, not rebuilt op by op in Python)
-            # for every (rows, positions, span, slots consecutive or not) shape.
+            # for every (rows, positions, span, slots consecutive or not) shape. With the attention
+            # kernel the span is the buffers' (it reads them whole; no retrace every 256 cells).
+            if self.kernel:
+                span = cells.want
             fn = self._compiled.get((first is not None, span))
             if fn is None:
                 fn = self._compiled[(first is not None, span)] = mx.compile(self._step_fn(first is not None, span))
@@ -694,6 +710,8 @@ class MlxModel:
             out, cells.keys, cells.values = fn(mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a,
                                                cells.keys, cells.values)
             return out if want else None
+        # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
+        mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
         args = (mx.array(seqs, dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span, first)
         cache = [_Rows(cells, i, *args) for i in range(self.layers)]
         rows = mx.array(np.array(want or [0], dtype=np.int32))

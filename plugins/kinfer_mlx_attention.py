@@ -204,11 +204,15 @@ def available() -> bool:
         and mx.default_device() == mx.gpu
 
 
-def attention(queries, keys, values, slots, cols, scale: float, heads: int | None = None):
+def attention(queries, keys, values, slots, cols, scale: float, heads: int | None = None,
+              splits: int | None = None):
     """queries (B, Hq, L, D); keys and values (slots, Hkv, cells, D), a layer's whole buffers;
     slots (B,) int32: the slot of each row; cols (B, L) int32: the position of each query token
     (it attends to its slot's cells 0..cols). Returns (B, Hq, L, D) in the queries' type.
-    `heads`: query heads a thread block (default: chosen by the row count, see below)."""
+    `heads`: query heads a thread block (default: chosen by the row count, see below).
+    `splits`: chunks of CHUNK cells a row is split into, fixed per load by the backend (from its
+    context length) so that neither the arithmetic nor the combination's length depends on how
+    far the buffers have grown; default: enough for the buffers."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -223,7 +227,7 @@ def attention(queries, keys, values, slots, cols, scale: float, heads: int | Non
         raise ValueError(f"the decode attention kernel needs equal key/value/query dims and whole head groups"
                          f" (queries {queries.shape}, keys {keys.shape})")
     group = HQ // HKV
-    splits = -(-C // CHUNK)  # from the buffers' size only: the same for every row and batch
+    splits = max(splits or 0, -(-C // CHUNK))
     if B * splits > 65535:  # CUDA's grid limit in z
         raise ValueError(f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots"
                          " or a shorter context")
@@ -233,7 +237,7 @@ def attention(queries, keys, values, slots, cols, scale: float, heads: int | Non
         # stream: 8 blocks would leave the GPU idle). Every query head's arithmetic is the same
         # in both (the same products and reductions in the same order), so the choice, made by
         # the row count, does not change a row's bits.
-        heads = group if B * L * splits * HKV >= 256 else 1
+        heads = group if B * L * HKV >= 128 else 1
     if group % heads:
         raise ValueError(f"{heads} heads a block do not divide the group of {group}")
     partial, row_max, row_sum = _kernel(
@@ -265,7 +269,8 @@ def reference(queries, keys, values, slots, cols, scale: float):
 def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     """The kernel against plain MLX operations (matrix products and a softmax over the row's
     cells, no fused attention, no host read) on fixed pseudo-random cells, rows at several
-    positions, one over several chunks; returns the largest absolute difference. The backend runs
+    positions, one over several chunks, rows of three tokens (drafts), both block shapes; returns
+    the largest absolute difference (inf when the block shapes disagree). The backend runs
     this once per load and keeps MLX's own attention when it fails or differs."""
     HKV, C, D = 2, 2 * CHUNK + 64, head_dim
     HQ = HKV * group
@@ -287,11 +292,23 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     alone = attention(q, k, v, slots, cols, scale, heads=1).astype(mx.float32)
     if not mx.array_equal(got, alone).item():  # the block shapes must agree to the bit
         return float("inf")
-    worst = mx.array(0.0)
-    for b, (slot, n) in enumerate(zip(order, ends)):
+
+    def plain(slot, n, query):  # softmax over the row's first n cells, every query head
         kk = mx.repeat(k[slot, :, :n].astype(mx.float32), group, axis=0)  # (HQ, n, D)
         vv = mx.repeat(v[slot, :, :n].astype(mx.float32), group, axis=0)
-        s = (q[b, :, 0].astype(mx.float32)[:, None] * scale * kk).sum(-1)  # (HQ, n)
-        want = (mx.softmax(s, axis=-1)[..., None] * vv).sum(1)  # (HQ, D)
-        worst = mx.maximum(worst, mx.max(mx.abs(got[b, :, 0] - want)))
+        s = (query.astype(mx.float32)[:, None] * scale * kk).sum(-1)  # (HQ, n)
+        return (mx.softmax(s, axis=-1)[..., None] * vv).sum(1)  # (HQ, D)
+
+    worst = mx.array(0.0)
+    for b, (slot, n) in enumerate(zip(order, ends)):
+        worst = mx.maximum(worst, mx.max(mx.abs(got[b, :, 0] - plain(slot, n, q[b, :, 0]))))
+    # rows of several tokens (a pass checking drafts): token i of a row sees one cell more than i - 1
+    q3 = data((2, HQ, 3, D), 4)
+    rows3 = [(1, 4), (4, CHUNK + 6)]  # (slot, cells the first token sees)
+    cols3 = mx.array([[n - 1 + i for i in range(3)] for _, n in rows3], dtype=mx.int32)
+    got3 = attention(q3, k, v, mx.array([r[0] for r in rows3], dtype=mx.int32), cols3, scale,
+                     splits=-(-C // CHUNK) + 1).astype(mx.float32)
+    for b, (slot, n) in enumerate(rows3):
+        for i in range(3):
+            worst = mx.maximum(worst, mx.max(mx.abs(got3[b, :, i] - plain(slot, n + i, q3[b, :, i]))))
     return float(worst.item())

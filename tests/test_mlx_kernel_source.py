@@ -1,0 +1,75 @@
+"""The mlx backend's CUDA decode-attention kernel (plugins/kinfer_mlx_attention.py) compiles.
+
+The kernel runs only on a GPU (MLX's CUDA build compiles it with NVRTC at first use). Here the
+same source, wrapped the way MLX's `mx.fast.cuda_kernel` wraps it (a `__global__` function whose
+parameters are the inputs with their shapes, then the outputs, and `constexpr` template values),
+is compiled with NVRTC for sm_90 (the H200) against CUDA's own headers, for each element type and
+head shape the backend can pass. A syntax or type error in the source fails here, not on a
+user's GPU at load. What the kernel computes is checked on the GPU, at every load (self_check).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import pytest
+
+import kinfer_mlx_attention as att
+
+nvidia = pytest.importorskip("nvidia", reason="the NVRTC wheels (the test extra, Linux x86-64 only)")
+ROOT = list(nvidia.__path__)[0]
+LIB = (glob.glob(os.path.join(ROOT, "cuda_nvrtc", "lib", "libnvrtc.so*")) or [None])[0]
+
+SHIM = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cooperative_groups.h>
+typedef int int32_t;
+namespace mlx { namespace core { namespace cu {
+struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };
+"""
+
+
+def source(dtype: str, D: int, G: int) -> str:
+    inputs = [("queries", dtype), ("keys", dtype), ("values", dtype), ("slots", "int32_t"), ("cols", "int32_t"),
+              ("scale", "float")]
+    params = []
+    for name, t in inputs:
+        params.append(f"const {t}* {name}")
+        if f"{name}_shape" in att._SOURCE:
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+    params += ["float* partial", "float* row_max", "float* row_sum"]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in (("D", D), ("G", G), ("NT", att.NT),
+                                                                  ("CHUNK", att.CHUNK)))
+    return (SHIM + "__global__ void custom_kernel_kinfer_decode_attention(" + ",\n".join(params) + ") {\n"
+            + f"  using T = {dtype};\n" + consts + att._SOURCE + "\n}\n}}}\n")
+
+
+@pytest.mark.skipif(LIB is None, reason="libnvrtc not installed")
+@pytest.mark.parametrize("dtype,D,G", [("__half", 128, 4), ("__half", 128, 1), ("__nv_bfloat16", 64, 8),
+                                       ("float", 128, 4), ("__half", 256, 2)])
+def test_kernel_source_compiles_for_sm90(dtype, D, G):
+    lib = ctypes.CDLL(LIB)
+    prog = ctypes.c_void_p()
+    code = source(dtype, D, G).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"kernel.cu", 0, None, None) == 0
+    includes = [os.path.join(ROOT, "cuda_runtime", "include"), os.path.join(ROOT, "cuda_cccl", "include")]
+    opts = [b"--gpu-architecture=compute_90", b"-std=c++17"] + [f"-I{p}".encode() for p in includes]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, log.value.decode(errors="replace")
+
+
+def test_a_broken_source_fails_to_compile(monkeypatch):
+    """The check can fail: the same source with an undefined name does not compile."""
+    if LIB is None:
+        pytest.skip("libnvrtc not installed")
+    monkeypatch.setattr(att, "_SOURCE", att._SOURCE.replace("const float NEG =", "const float NEG = inf_undefined +", 1))
+    with pytest.raises(AssertionError, match="inf_undefined"):
+        test_kernel_source_compiles_for_sm90("__half", 128, 4)

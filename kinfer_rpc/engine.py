@@ -226,7 +226,7 @@ class Engine:
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
-        # slot -> whether the device takes its argmax (backends that can: llama.cpp's samplers)
+        # slot -> whether the device takes its argmax (backends that can: the mlx backend)
         self._greedy = {} if getattr(self.model, "device_greedy", False) else None
         if hasattr(self._default_policy, "session"):
             # Now, not at the first request: a load whose policy cannot start (no draft model,

@@ -680,6 +680,25 @@ class MlxModel:
 
         return step
 
+    def _buffers_ready(self) -> bool:
+        """Every layer's buffers hold the cells the pass being built needs (a compiled pass
+        cannot grow them)."""
+        want = self.cells.want
+        return all(k is not None and k.shape[2] >= want for k in self.cells.keys)
+
+    def _compiled_step(self, seqs: list[int], last: int):
+        """The compiled decode pass for rows of slots `seqs` whose last position is `last`: its
+        trace replayed, not rebuilt op by op in Python, one per (slots consecutive or not, span)
+        shape. The span is the cells a pass reads: up to `last` in blocks of STEP, or with the
+        attention kernel the buffers' whole (it reads them in place; no retrace every STEP cells)."""
+        cells = self.cells
+        consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        span = cells.want if self.kernel else min(cells.want, -(-(last + 1) // STEP) * STEP)
+        fn = self._compiled.get((consecutive, span))
+        if fn is None:
+            fn = self._compiled[(consecutive, span)] = mx.compile(self._step_fn(consecutive, span))
+        return fn
+
     def _forward(self, group: Sequence[SeqChunk]):
         """One forward over a group (row b: chunk b, padded to the longest); the logits of the
         rows that asked for them, in the group's order, or None."""
@@ -693,23 +712,16 @@ class MlxModel:
             want.extend(range(b * L + len(c.tokens) - c.outputs, b * L + len(c.tokens)))
         cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
         cells.reserve(int(cols.max()) + 1)
-        span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
         seqs = [c.seq for c in group]
-        first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
-        if L <= self.drafts + 1 and all(k is not None and k.shape[2] >= cells.want for k in cells.keys):
-            # Decode rows: a compiled step (its trace replayed, not rebuilt op by op in Python)
-            # for every (rows, positions, span, slots consecutive or not) shape. With the attention
-            # kernel the span is the buffers' (it reads them whole; no retrace every 256 cells).
-            if self.kernel:
-                span = cells.want
-            fn = self._compiled.get((first is not None, span))
-            if fn is None:
-                fn = self._compiled[(first is not None, span)] = mx.compile(self._step_fn(first is not None, span))
+        if L <= self.drafts + 1 and self._buffers_ready():
+            fn = self._compiled_step(seqs, int(cols.max()))
             want_a = mx.array(np.array(want or [0], dtype=np.int32))
             seq_a = mx.array(seqs, dtype=mx.int32)
             out, cells.keys, cells.values = fn(mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a,
                                                cells.keys, cells.values)
             return out if want else None
+        span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
+        first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
         # Row b's token i (at cols[b, i]) sees its own slot's cells up to its own position.
         mask = (np.arange(span, dtype=np.int32)[None, None] <= cols[:, :, None])[:, None]
         args = (mx.array(seqs, dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span, first)
@@ -740,6 +752,7 @@ class MlxModel:
                 cells.length[c.seq] = c.pos + len(c.tokens)
             result = ids = None
             greedy = [c.seq in self._greedy for c in chunks for _ in range(c.outputs)]
+            host = [i for i, g in enumerate(greedy) if not g]  # rows whose logits come back
             if n_out:
                 index = [starts[id(c)] + i for c in chunks for i in range(c.outputs)]
                 result = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
@@ -747,7 +760,6 @@ class MlxModel:
                     result = result[mx.array(index)]
                 if any(greedy):  # the argmax in the step's graph: only token ids come back
                     ids = mx.argmax(result, axis=1)
-                    host = [i for i, g in enumerate(greedy) if not g]
                     result = result[mx.array(host)].astype(mx.float32) if host else None
                 else:
                     result = result.astype(mx.float32)
@@ -767,7 +779,7 @@ class MlxModel:
             if ids is not None:  # rows sampled here stay zeros; the others' logits in place
                 out = np.zeros((n_out, n_vocab), dtype=np.float32)
                 if result is not None:
-                    out[[i for i, g in enumerate(greedy) if not g]] = np.asarray(result)
+                    out[host] = np.asarray(result)
                 else:
                     mx.synchronize()
                 return out
@@ -803,14 +815,10 @@ class MlxModel:
         pos = np.array([chunks[b].pos + 1 for b in order], dtype=np.int32)
         if int(pos.max()) + 1 >= self.context or int(pos.max()) + 1 > cells.want:
             return
-        if any(k is None or k.shape[2] < cells.want for k in cells.keys):
+        if not self._buffers_ready():
             return
         B = len(seqs)
-        span = cells.want if self.kernel else min(cells.want, -(-int(pos.max() + 1) // STEP) * STEP)
-        first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
-        fn = self._compiled.get((first is not None, span))
-        if fn is None:
-            fn = self._compiled[(first is not None, span)] = mx.compile(self._step_fn(first is not None, span))
+        fn = self._compiled_step(seqs, int(pos.max()))
         tokens = ids[mx.array(order)].reshape(B, 1).astype(mx.int32)
         out, cells.keys, cells.values = fn(tokens, mx.array(seqs, dtype=mx.int32), mx.array(pos[:, None]),
                                            mx.array(pos), mx.arange(B, dtype=mx.int32), cells.keys, cells.values)

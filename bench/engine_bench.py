@@ -62,7 +62,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     engine.submit(warm)
     done.wait()
 
-    phases = watch_phases(engine) if args.phases else None
+    phases = PhaseTimer(engine) if args.phases else None
     finished = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in prompts]
     jobs = [
@@ -101,7 +101,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     }
 
 
-class watch_phases:
+class PhaseTimer:
     """Where a decode step's time goes (--phases): the time inside the backend's decode() call
     (building the batch, llama_decode queuing the pass), inside its wait (the device finishing,
     the logits coming back), and the rest of the step (the engine's host work: planning,
@@ -160,7 +160,7 @@ def main():
     ap.add_argument("--kv-type", default=None, choices=["f16", "q8_0"])
     ap.add_argument("--prefix", type=int, default=-1, help="the prefix pool's token budget (-1: off, compaction)")
     ap.add_argument("--tg", action="store_true", help="also the single-stream case shaped like llama-bench tg")
-    ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see watch_phases)")
+    ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see PhaseTimer)")
     args = ap.parse_args()
     if args.tg:
         r = run(args.model, 1, 1, args.ntg, args)

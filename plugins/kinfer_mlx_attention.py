@@ -10,8 +10,9 @@ whole buffers in place, (slots, kv heads, cells, dim), given the slot and the la
 query token: no mask and no gathered copy of the cells.
 
 Work split (flash-decoding): a thread block per (kv head, query token, row, chunk of CHUNK
-cells), NT threads; for passes of few rows a block per query head instead (4x the blocks for
-one row; the same arithmetic per head, checked bit for bit at load). A tile of NT cells at a time: each thread scores one cell against every
+cells), NT threads. (A block per query head is an option with the same arithmetic per head,
+checked bit for bit at load; it was slower on the H200 at every row count, one row included:
+1.02 against 0.87 ms for 32 layers.) A tile of NT cells at a time: each thread scores one cell against every
 query head of the kv head's group (16-byte loads; a key row is read once for the group), the
 block reduces the tile's maximum and sum in a fixed tree, the probabilities go to shared memory,
 and then warp w accumulates the value rows of cells w, w + 4, ... with each lane holding D/32 of
@@ -209,7 +210,7 @@ def attention(queries, keys, values, slots, cols, scale: float, heads: int | Non
     """queries (B, Hq, L, D); keys and values (slots, Hkv, cells, D), a layer's whole buffers;
     slots (B,) int32: the slot of each row; cols (B, L) int32: the position of each query token
     (it attends to its slot's cells 0..cols). Returns (B, Hq, L, D) in the queries' type.
-    `heads`: query heads a thread block (default: chosen by the row count, see below).
+    `heads`: query heads a thread block (default: the kv head's whole group).
     `splits`: chunks of CHUNK cells a row is split into, fixed per load by the backend (from its
     context length) so that neither the arithmetic nor the combination's length depends on how
     far the buffers have grown; default: enough for the buffers."""
@@ -232,12 +233,10 @@ def attention(queries, keys, values, slots, cols, scale: float, heads: int | Non
         raise ValueError(f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots"
                          " or a shorter context")
     if heads is None:
-        # A block per kv head (its group's query heads together: a key row read once for them)
-        # when that makes enough blocks; a block per query head for a few rows (the single
-        # stream: 8 blocks would leave the GPU idle). Every query head's arithmetic is the same
-        # in both (the same products and reductions in the same order), so the choice, made by
-        # the row count, does not change a row's bits.
-        heads = group if B * L * HKV >= 128 else 1
+        # A block per kv head: its group's query heads together, a key row read once for them.
+        # (A block per query head gives more blocks for one row, but each reads every key row
+        # again: slower on the H200 at 1, 32 and 128 rows, bench/mlx_kernels.py.)
+        heads = group
     if group % heads:
         raise ValueError(f"{heads} heads a block do not divide the group of {group}")
     partial, row_max, row_sum = _kernel(

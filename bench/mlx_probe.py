@@ -12,6 +12,10 @@ a sequence are timed (ms a pass, each pass evaluated before the next unless said
 - `... first`: the first pass at that shape (the compile and, on CUDA, kernel JIT cost).
 - variants of the compiled pass with parts taken out, to see what each costs: `no kv write`,
   `uncompiled`.
+
+`--graph` instead prints the primitives of one decode pass of one row, kinfer's compiled pass
+beside mlx-lm's forward, per layer (each primitive is at most one kernel launch: on CUDA the host
+time of a pass grows with their number).
 """
 
 from __future__ import annotations
@@ -196,6 +200,39 @@ def batch_kv(model, B: int, npp: int, steps: int) -> dict:
     return {"mlx-lm BatchKVCache": each}
 
 
+def graph(m: kinfer_mlx.MlxModel, npp: int) -> dict:
+    """Primitive counts (per layer) of one decode pass of one row, kinfer's vs mlx-lm's."""
+    import collections
+    import re
+    import tempfile
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def count(*arrays) -> dict:
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as fh:
+            mx.export_to_dot(fh.name, *arrays)
+            names = re.findall(r'label\s*=\s*"([A-Za-z]+)', fh.read())
+        return {k: round(v / m.layers, 2) for k, v in collections.Counter(names).most_common()}
+
+    m.seq_remove(0)
+    m.decode([SeqChunk(0, 0, prompts(1, npp)[0], 1)])()
+    cells = m.cells
+    cells.reserve(npp + 2)
+    fn = m._compiled_step([0], npp)
+    i32 = mx.int32
+    out, keys, values = fn(mx.array([[1]], dtype=i32), mx.array([0], dtype=i32), mx.array([[npp]], dtype=i32),
+                           mx.array([npp], dtype=i32), mx.array([0], dtype=i32), cells.keys, cells.values)
+    ours = count(out, *keys, *values)
+    mx.eval(out)
+    cache = make_prompt_cache(m.model)
+    mx.eval(m.model(mx.array(prompts(1, npp)), cache=cache))
+    o = m.model(mx.ones((1, 1), dtype=i32), cache=cache)
+    theirs = count(o, *[c.keys for c in cache], *[c.values for c in cache])
+    mx.eval(o)
+    return {"kinfer": ours, "mlx-lm": theirs, "kinfer total": round(sum(ours.values()), 1),
+            "mlx-lm total": round(sum(theirs.values()), 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -206,6 +243,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--skip", default="", help="comma list of: mlx-lm, kinfer, nokv, uncompiled")
     ap.add_argument("--ablate", action="store_true", help="only the ablations (uncompiled) and mlx-lm's caches")
+    ap.add_argument("--graph", action="store_true", help="only the primitives of a one-row pass, per layer")
     a = ap.parse_args()
     rows = [int(x) for x in a.rows.split(",")]
     skip = set(a.skip.split(","))
@@ -214,6 +252,9 @@ def main() -> None:
     t = time.perf_counter()
     m = kinfer_mlx.MlxBackend().load(a.model, opts, lambda p: None)
     print(f"load {time.perf_counter() - t:.1f} s, weights {m.weights}, device {m.device}", file=sys.stderr, flush=True)
+    if a.graph:
+        print(json.dumps(graph(m, a.npp)), flush=True)
+        return
     results = {}
     for B in rows:
         r = {}

@@ -31,6 +31,7 @@ from kinfer_llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
+from phases import PhaseTimer  # noqa: E402
 
 
 def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
@@ -99,65 +100,6 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
         "steps": engine.steps,
     }
-
-
-class PhaseTimer:
-    """Where a decode step's time goes (--phases): the time inside the backend's decode() call
-    (building the batch, llama_decode queuing the pass), inside its wait (the device finishing,
-    the logits coming back), and the rest of the step (the engine's host work: planning,
-    sampling, bookkeeping, text), per step, over the steps after every request is in; of the
-    engine's host work, the argmax over the logits and the planning of the pass on their own."""
-
-    def __init__(self, engine: Engine):
-        self.rows: list[tuple] = []  # (start, decode call, wait, step, argmax, plan)
-        model, step = engine.model, engine.step
-        inner = model.decode
-        current = {}
-
-        def timed(name, fn):
-            def wrapper(*args):
-                t = time.perf_counter()
-                out = fn(*args)
-                current[name] = current.get(name, 0.0) + time.perf_counter() - t
-                return out
-            return wrapper
-
-        engine._best = timed("argmax", engine._best)
-        engine._plan = timed("plan", engine._plan)
-
-        def decode(chunks):
-            t = time.perf_counter()
-            wait = inner(chunks)
-            current["call"] = time.perf_counter() - t
-
-            def timed_wait():
-                t = time.perf_counter()
-                out = wait()
-                current["wait"] = time.perf_counter() - t
-                return out
-
-            return timed_wait
-
-        def timed_step():
-            current.clear()
-            t = time.perf_counter()
-            busy = step()
-            self.rows.append((t, current.get("call", 0.0), current.get("wait", 0.0), time.perf_counter() - t,
-                              current.get("argmax", 0.0), current.get("plan", 0.0)))
-            return busy
-
-        model.decode = decode
-        engine.step = timed_step
-
-    def summary(self, after: float) -> dict:
-        rows = [r for r in self.rows if r[0] > after and r[3] > 0]
-        if not rows:
-            return {}
-        n = len(rows)
-        call, wait, step, best, plan = (sum(r[i] for r in rows) / n * 1000 for i in (1, 2, 3, 4, 5))
-        return {"phase_steps": n, "ms_step": round(step, 3), "ms_decode_call": round(call, 3),
-                "ms_wait": round(wait, 3), "ms_engine_host": round(step - call - wait, 3),
-                "ms_argmax": round(best, 3), "ms_plan": round(plan, 3)}
 
 
 def main():

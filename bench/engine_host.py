@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
-
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +24,7 @@ sys.path[:0] = [ROOT]
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import ModelInfo  # noqa: E402
+from phases import PhaseTimer  # noqa: E402
 
 
 class InstantModel:
@@ -71,33 +70,17 @@ def run(npl: int, vocab: int, steps: int) -> dict:
     for i in range(npl):
         engine.submit(Job([1 + i, 2, 3, 4], options, on_piece=lambda text, toks: None))
     engine.step()  # the prompts
-    parts = {"argmax": 0.0, "plan": 0.0, "text": 0.0}
-
-    def timed(name, fn):
-        def wrapper(*args):
-            t = time.perf_counter()
-            out = fn(*args)
-            parts[name] += time.perf_counter() - t
-            return out
-        return wrapper
-
-    engine._best = timed("argmax", engine._best)
-    engine._plan = timed("plan", engine._plan)
-    engine._drain_text = timed("text", engine._drain_text)
     for _ in range(10):
         engine.step()
-    for k in parts:
-        parts[k] = 0.0
-    t = time.perf_counter()
+    timer = PhaseTimer(engine)
     for _ in range(steps):
         engine.step()
-    total = (time.perf_counter() - t) / steps * 1000
-    ms = {k: v / steps * 1000 for k, v in parts.items()}
+    ms = timer.summary()
     engine.stop()
-    return {"npl": npl, "vocab": vocab, "ms_step_host": round(total - ms["text"], 3),
-            "ms_argmax": round(ms["argmax"], 3), "ms_plan": round(ms["plan"], 3),
-            "ms_rest": round(total - ms["text"] - ms["argmax"] - ms["plan"], 3),
-            "ms_text_overlapped": round(ms["text"], 3), "cpus": os.cpu_count()}
+    host = ms["ms_step"] - ms["ms_text"]
+    return {"npl": npl, "vocab": vocab, "ms_step_host": round(host, 3), "ms_argmax": ms["ms_argmax"],
+            "ms_plan": ms["ms_plan"], "ms_rest": round(host - ms["ms_argmax"] - ms["ms_plan"], 3),
+            "ms_text_overlapped": ms["ms_text"], "cpus": os.cpu_count()}
 
 
 def main():

@@ -48,7 +48,7 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
     compare)  # both weight forms (mlx-lm gets the same form) unless FORMS says otherwise
       for W in ${FORMS:-dense quantized}; do
         timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
-            --ntg ${NTG:-128} --weights $W | tee "$OUT/mlx_compare_$W.md"
+            --ntg ${NTG:-128} --weights $W --phases | tee "$OUT/mlx_compare_$W.md"
       done ;;
     defaults)  # each side's defaults in one run: kinfer's choice of weights, mlx-lm on the model as stored
       timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_defaults.json" --npl ${NPL:-1,8,32,128} \

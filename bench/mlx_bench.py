@@ -43,6 +43,7 @@ import kinfer_mlx  # noqa: E402
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
+from phases import PhaseTimer  # noqa: E402
 
 
 def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
@@ -52,6 +53,7 @@ def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
 
 
 WEIGHTS = None  # --weights: None (the backend's choice), "quantized" or "dense"
+PHASES = False  # --phases: also where kinfer's steps go (bench/phases.py)
 MLX_LM_AS_STORED = False  # --mlx-lm-as-stored: mlx-lm runs the model as stored, whatever kinfer chose
 
 
@@ -100,7 +102,10 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
         # Warm up at the measured shape (N rows, these prompt lengths): the compiled step is
         # traced, and on CUDA its kernels built, once per shape; llama-batched-bench warms up too.
         run_jobs(engine, prompts_for(n, npp, vocab), 8)
+        timer = PhaseTimer(engine) if PHASES else None
         result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
+        if timer:  # every step of the run, the prompt's included
+            result.update(timer.summary())
         result["device"] = engine.model.memory()["device"]
         result["weights"] = engine.model.info.weights
         return result
@@ -233,9 +238,10 @@ def main():
     ap.add_argument("--mlx-lm-as-stored", action="store_true",
                     help="mlx-lm runs the model as stored (its own default) while kinfer takes --weights: each "
                          "side's defaults in one run")
+    ap.add_argument("--phases", action="store_true", help="also where kinfer's decode steps go (bench/phases.py)")
     a = ap.parse_args()
-    global WEIGHTS, MLX_LM_AS_STORED
-    MLX_LM_AS_STORED = a.mlx_lm_as_stored
+    global WEIGHTS, MLX_LM_AS_STORED, PHASES
+    MLX_LM_AS_STORED, PHASES = a.mlx_lm_as_stored, a.phases
     WEIGHTS = None if a.weights == "default" else a.weights
     a.npl = [int(x) for x in a.npl.split(",") if x]
     t = time.perf_counter()

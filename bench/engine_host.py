@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

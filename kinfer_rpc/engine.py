@@ -29,6 +29,7 @@ from .textstream import TextStream
 from .types import DraftRequest, LoadedModel, SeqChunk
 
 _CPUS = os.cpu_count() or 1
+_ARGMAX_PARTS = 4  # at most: the engine's thread and 3 of the pool (see Engine._argmax)
 log = logging.getLogger(__name__)
 
 
@@ -327,7 +328,6 @@ class Engine:
     def _plan(self):
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
         budget = self.batch
-        chunks, owners = [], []
         context = self.model.info.context_length
         decoding = [job for job in self._active if job.n_past >= len(job.prompt)]
         if any(job.drafting for job in decoding):
@@ -339,6 +339,7 @@ class Engine:
                 room -= k
                 wanted.append(k)
             self._propose_all(decoding, wanted)
+            chunks = []
             for job in decoding:  # decoding: feed the last sampled token and its drafts
                 chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
                 budget -= 1 + len(job.drafts)
@@ -445,7 +446,7 @@ class Engine:
     def _draft_count(self, job: Job, room: int) -> int:
         """How many drafts this job checks this step (0: none)."""
         opts = job.options
-        if not opts.drafts or opts.draft_policy is None or room <= 0:
+        if not job.drafting or room <= 0:
             return 0
         if job.draft_pause:
             job.draft_pause -= 1
@@ -551,14 +552,14 @@ class Engine:
     def _argmax(self, logits) -> list:
         """Row-wise argmax. It is on the step's critical path (the device waits for it) and
         bound by memory bandwidth: a big pass (128 rows of a 32k vocabulary are 16 MB) is split
-        over up to 4 threads, this one taking a part too (numpy lets go of the GIL); a small one
+        over up to _ARGMAX_PARTS threads, this one taking a part too (numpy lets go of the GIL); a small one
         stays on this thread, where handing parts out would cost more than it saves (measured
         on the H200's host: 128 rows 0.69 ms on one thread, 0.33 on 4, 0.52 on 8)."""
-        parts = min(4, _CPUS, logits.size >> 19)
+        parts = min(_ARGMAX_PARTS, _CPUS, logits.size >> 19)
         if parts <= 1 or logits.shape[0] < 2 * parts:
             return logits.argmax(axis=1).tolist()
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(3, "kinfer-argmax")
+            self._pool = concurrent.futures.ThreadPoolExecutor(_ARGMAX_PARTS - 1, "kinfer-argmax")
         rows = logits.shape[0]
         bounds = [rows * i // parts for i in range(parts + 1)]
         futures = [self._pool.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]

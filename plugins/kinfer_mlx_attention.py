@@ -12,9 +12,9 @@ query token: no mask and no gathered copy of the cells.
 Work split (flash-decoding): a thread block per (kv head, query token, row, chunk of CHUNK
 cells), NT threads. (A block per query head is an option with the same arithmetic per head,
 checked bit for bit at load; it was slower on the H200 at every row count, one row included:
-1.02 against 0.87 ms for 32 layers.) A tile of NT cells at a time: each thread scores one cell against every
-query head of the kv head's group (16-byte loads; a key row is read once for the group), the
-block reduces the tile's maximum and sum in a fixed tree, the probabilities go to shared memory,
+1.02 against 0.87 ms for 32 layers.) A tile of NT cells at a time: each thread scores one cell
+against every query head of the kv head's group (16-byte loads; a key row is read once for the
+group), the block reduces the tile's maximum and sum in a fixed tree, the probabilities go to shared memory,
 and then warp w accumulates the value rows of cells w, w + 4, ... with each lane holding D/32 of
 the output dimensions (online softmax, float32); the warps' sums are added in a fixed order at
 the end. Each chunk leaves its running maximum, sum and unnormalised output; MLX's operations

@@ -38,7 +38,7 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
     kernels)  # the decode attention kernel checked against MLX's, and the KV writes' cost in each form
       timeout 180 python3 bench/mlx_kernels.py --out "$OUT/mlx_kernels.json" || true ;;
     ablate)  # the decode pass with parts of its attention swapped for mlx-lm's; also without cuDNN's SDPA
-      for env in "" MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
+      for env in KINFER_MLX_ATTENTION=0 "KINFER_MLX_ATTENTION=0 MLX_CUDA_USE_CUDNN_SDPA=0" "KINFER_MLX_ATTENTION=0 MLX_USE_CUDA_GRAPHS=0"; do
         echo "== ablate ${env:-defaults}"
         env $env timeout 200 python3 bench/mlx_probe.py $M --ablate --rows ${ROWS:-1,32,128} | tee -a "$OUT/mlx_ablate.md" || true
       done ;;
@@ -48,11 +48,11 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
     compare)  # both weight forms (mlx-lm gets the same form) unless FORMS says otherwise
       for W in ${FORMS:-dense quantized}; do
         timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
-            --ntg ${NTG:-128} --weights $W --phases | tee "$OUT/mlx_compare_$W.md"
+            --ntg ${NTG:-128} --weights $W --phases --rounds ${ROUNDS:-3} | tee "$OUT/mlx_compare_$W.md"
       done ;;
     defaults)  # each side's defaults in one run: kinfer's choice of weights, mlx-lm on the model as stored
       timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_defaults.json" --npl ${NPL:-1,8,32,128} \
-          --npp 64 --ntg 128 --mlx-lm-as-stored | tee "$OUT/mlx_compare_defaults.md" ;;
+          --npp 64 --ntg 128 --mlx-lm-as-stored --rounds ${ROUNDS:-3} | tee "$OUT/mlx_compare_defaults.md" ;;
     invariance)
       timeout 120 python3 bench/mlx_bench.py $M --out "$OUT/mlx_inv.json" --mode invariance --npl 8,32 --ntg 64 \
           | tee "$OUT/mlx_inv.md" || true ;;

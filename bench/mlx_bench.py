@@ -11,7 +11,9 @@ each (greedy, end-of-generation ignored). kinfer: the engine on its worker threa
 backend, exactly as the server runs it (no RPC). mlx-lm: N=1 is `generate_step` (what mlx_lm.generate
 runs), N>1 its `BatchGenerator` (completion batch N). Decode tok/s counts the tokens made after every
 request has its first token, over that time (llama-batched-bench's T_TG); total tok/s is every
-generated token over the whole run. Ratios are kinfer / mlx-lm.
+generated token over the whole run. Ratios are kinfer / mlx-lm. With `--rounds R` each side runs
+R times, alternating (the GPU machine's host speed drifts between runs, and a one-row pass is
+bound by it on both sides); the run of median decode tok/s is reported.
 `curve`: seconds of one pass over one sequence's k+1 positions, k = 0..kmax, and the draft count
 kinfer_mlx.pick_drafts takes from it (for the per-device table DEFAULT_DRAFTS).
 `invariance`: N requests together vs each alone (greedy): the share of replies that differ, and the
@@ -95,7 +97,9 @@ def timing(t0, t_end, times) -> dict:
             "total_tps": round(total / (t_end - t0), 2), "tokens": total}
 
 
-def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
+def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between=None) -> list[dict]:
+    """`rounds` measured runs of N requests on one engine; `between(i)` runs after run i (the
+    other side's run i, so that both sides alternate through one stretch of time)."""
     engine = start_engine(model, n, npp + ntg + 8)
     try:
         vocab = engine.model.info.n_vocab
@@ -103,14 +107,26 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int) -> dict:
         # traced, and on CUDA its kernels built, once per shape; llama-batched-bench warms up too.
         run_jobs(engine, prompts_for(n, npp, vocab), 8)
         timer = PhaseTimer(engine) if PHASES else None
-        result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
-        if timer:  # every step of the run, the prompt's included
-            result.update(timer.summary())
-        result["device"] = engine.model.memory()["device"]
-        result["weights"] = engine.model.info.weights
-        return result
+        out = []
+        for i in range(rounds):
+            t = time.perf_counter()
+            result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
+            if timer:  # every step of the run, the prompt's included
+                result.update(timer.summary(after=t))
+            result["device"] = engine.model.memory()["device"]
+            result["weights"] = engine.model.info.weights
+            out.append(result)
+            if between:
+                between(i)
+        return out
     finally:
         engine.stop()
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median decode tok/s, with every run's decode tok/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["decode_tps"])
+    return {**ranked[(len(ranked) - 1) // 2], "decode_tps_runs": [r["decode_tps"] for r in runs]}
 
 
 def mlx_lm_model(model: str):
@@ -175,8 +191,10 @@ def compare(a) -> dict:
     rows = []
     m = mlx_lm_model(a.model)
     for n in a.npl:
-        ours = kinfer_case(a.model, n, a.npp, a.ntg)
-        theirs = mlx_lm_case(m, n, a.npp, a.ntg)
+        theirs_runs: list[dict] = []
+        ours = median_run(kinfer_case(a.model, n, a.npp, a.ntg, a.rounds,
+                                      lambda i: theirs_runs.append(mlx_lm_case(m, n, a.npp, a.ntg))))
+        theirs = median_run(theirs_runs)
         rows.append({"npl": n, "kinfer": ours, "mlx_lm": theirs,
                      "decode_ratio": round(ours["decode_tps"] / theirs["decode_tps"], 3) if theirs["decode_tps"] else None,
                      "total_ratio": round(ours["total_tps"] / theirs["total_tps"], 3) if theirs["total_tps"] else None})
@@ -233,6 +251,9 @@ def main():
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--kmax", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="compare: runs of each side, alternating (kinfer, mlx-lm, kinfer, ...); the median run of"
+                         " each is reported, with every run's decode tok/s")
     ap.add_argument("--weights", choices=["default", "quantized", "dense"], default="default",
                     help="LoadOptions.weights for kinfer, and the same form for mlx-lm (default: the backend's choice)")
     ap.add_argument("--mlx-lm-as-stored", action="store_true",

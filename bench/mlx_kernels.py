@@ -35,23 +35,33 @@ def check_attention() -> list[dict]:
     out = []
     for B, L, HQ, HKV, D, S, C in ((1, 1, 32, 8, 128, 4, 768), (8, 1, 32, 8, 128, 8, 768), (128, 1, 32, 8, 128, 128, 512),
                                    (8, 4, 32, 8, 128, 16, 768), (5, 1, 9, 3, 64, 7, 300)):
+        def buffers():
+            return (mx.array(rng.standard_normal((S, HKV, C, D)).astype(np.float16)) for _ in range(2))
+
         q = mx.array(rng.standard_normal((B, HQ, L, D)).astype(np.float16))
-        k = mx.array(rng.standard_normal((S, HKV, C, D)).astype(np.float16))
-        v = mx.array(rng.standard_normal((S, HKV, C, D)).astype(np.float16))
+        nk = mx.array(rng.standard_normal((B, HKV, L, D)).astype(np.float16))
+        nv = mx.array(rng.standard_normal((B, HKV, L, D)).astype(np.float16))
+        k, v = buffers()
+        kr, vr = mx.array(np.array(k)), mx.array(np.array(v))  # the same cells, written by MLX's operations
+        counter = mx.zeros((B * HQ * L,), dtype=mx.int32)
         slots = mx.array(rng.permutation(S)[:B].astype(np.int32))
         start = rng.integers(0, C - L, size=B)
         cols = mx.array((start[:, None] + np.arange(L)[None]).astype(np.int32))
         scale = D ** -0.5
-        got = att.attention(q, k, v, slots, cols, scale)
-        want = att.reference(q, k, v, slots, cols, scale)
+        got = att.attention(q, nk, nv, k, v, slots, cols, scale, counter)
+        mx.eval(got)
+        want = att.reference(q, nk, nv, kr, vr, slots, cols, scale)
         diff = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
+        writes = bool(mx.array_equal(k, kr).item() and mx.array_equal(v, vr).item())
         # a row alone gives the same bits as among the others (batch invariance of this part)
-        alone = att.attention(q[:1], k, v, slots[:1], cols[:1], scale)
+        alone = att.attention(q[:1], nk[:1], nv[:1], k, v, slots[:1], cols[:1], scale, counter)
         same = bool(mx.array_equal(alone, got[:1]).item())
-        shapes = bool(mx.array_equal(att.attention(q, k, v, slots, cols, scale, heads=1),
-                                     att.attention(q, k, v, slots, cols, scale, heads=HQ // HKV)).item())
-        out.append({"B": B, "L": L, "HQ": HQ, "HKV": HKV, "D": D, "cells": C, "max_abs_diff": diff, "alone_equal": same,
-                    "block_shapes_equal": shapes})
+        one = att.attention(q, nk, nv, k, v, slots, cols, scale, counter, heads=1)
+        mx.eval(one)
+        shapes = bool(mx.array_equal(one, att.attention(q, nk, nv, k, v, slots, cols, scale, counter,
+                                                        heads=HQ // HKV)).item())
+        out.append({"B": B, "L": L, "HQ": HQ, "HKV": HKV, "D": D, "cells": C, "max_abs_diff": diff, "writes_equal": writes,
+                    "alone_equal": same, "block_shapes_equal": shapes, "counter_zero": not mx.any(counter).item()})
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -62,16 +72,21 @@ def time_attention() -> list[dict]:
     for B, C, n in ((1, 256, 100), (32, 256, 100), (128, 256, 100), (32, 2048, 1500), (128, 1024, 700)):
         HQ, HKV, D = 32, 8, 128
         q = mx.array(rng.standard_normal((B, HQ, 1, D)).astype(np.float16))
+        nk = mx.array(rng.standard_normal((B, HKV, 1, D)).astype(np.float16))
+        nv = mx.array(rng.standard_normal((B, HKV, 1, D)).astype(np.float16))
         k = mx.array(rng.standard_normal((B, HKV, C, D)).astype(np.float16))
         v = mx.array(rng.standard_normal((B, HKV, C, D)).astype(np.float16))
+        counter = mx.zeros((B * HQ,), dtype=mx.int32)
         slots = mx.arange(B, dtype=mx.int32)
         cols = mx.array(np.full((B, 1), n - 1, dtype=np.int32) - rng.integers(0, n // 2, size=(B, 1)).astype(np.int32))
         span = -(-n // 256) * 256
         mask = (mx.arange(span)[None, None] <= cols[:, :, None])[:, None]
         cases = {
-            "kernel": lambda: att.attention(q, k, v, slots, cols, 0.088),
-            "kernel, a block per kv head": lambda: att.attention(q, k, v, slots, cols, 0.088, heads=HQ // HKV),
-            "kernel, a block per query head": lambda: att.attention(q, k, v, slots, cols, 0.088, heads=1),
+            "kernel (with the writes)": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088, counter),
+            "kernel, 8 blocks a row (a 4,096 context)": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088,
+                                                                             counter, splits=8),
+            "kernel, a block per query head": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088, counter,
+                                                                   heads=1),
             "masked (fallback)": lambda: mx.fast.scaled_dot_product_attention(
                 q, k[:, :, :span], v[:, :, :span], scale=0.088, mask=mask),
             "fused, no mask": lambda: mx.fast.scaled_dot_product_attention(

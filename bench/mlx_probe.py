@@ -138,6 +138,9 @@ def kinfer_rows(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int, label: str
 def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
     """The decode pass (uncompiled, every row greedy on the device, no pass queued ahead) with
     parts of the attention swapped for mlx-lm's, to see which part costs what at B rows."""
+    if m.kernel:
+        raise SystemExit("--ablate swaps the decode pass's KV writes, which the attention kernel makes: run it with"
+                         " KINFER_MLX_ATTENTION=0")
     T = kinfer_mlx._Traced
     init, upd, mask = T.__init__, T.update_and_fetch, T.make_mask
     compile_, ahead = kinfer_mlx.mx.compile, kinfer_mlx.MlxModel._build_ahead
@@ -267,7 +270,7 @@ def main() -> None:
             continue
         if "kinfer" not in skip:
             r.update(kinfer_rows(m, B, a.npp, a.steps))
-        if "nokv" not in skip:
+        if "nokv" not in skip and not m.kernel:  # (with the kernel, the writes are part of its launch)
             orig = kinfer_mlx._Traced.update_and_fetch
 
             def no_write(self, k, v):  # read the cells but write nothing (what the scatter costs)

@@ -466,19 +466,22 @@ class _Traced:
     from `cols`, so that a step hands the graph only small index arrays."""
 
     def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first,
-                 kernel: int = 0):
+                 kernel: int = 0, counter=None):
         self.keys, self.values, self.layer = keys, values, layer
         self.slots, self.cols, self.offset, self.mask, self.span, self.first = slots, cols, pos, mask, span, first
-        # On CUDA (kernel: its chunks a row, see MlxModel.kernel): the attention is
-        # kinfer_mlx_attention's (it reads the whole buffers), and every
-        # write is a scatter (in place; MLX 0.32 CUDA's slice_update at a device-side start
-        # copies the whole buffer: 17 ms a pass for 64 buffers of 128 slots, measured).
-        self.kernel = kernel
+        # On CUDA (kernel: thread blocks a row, see MlxModel.kernel): the attention is
+        # kinfer_mlx_attention's, which also writes the pass's cells into the buffers in place
+        # (counter: its scratch). Otherwise every write on CUDA would be a scatter (MLX 0.32
+        # CUDA's slice_update at a device-side start copies the whole buffer: 17 ms a pass for
+        # 64 buffers of 128 slots, measured).
+        self.kernel, self.counter = kernel, counter
 
     def update_and_fetch(self, k, v):
+        if self.kernel:  # the attention kernel writes and reads them (see scaled_dot_product_attention)
+            return k, v
         i, B = self.layer, k.shape[0]
         K, V = self.keys[i], self.values[i]
-        if B == 1 and not self.kernel:  # one sequence: its L cells are one block at (slot, 0, pos, 0)
+        if B == 1:  # one sequence: its L cells are one block at (slot, 0, pos, 0)
             at = mx.concatenate([self.slots, mx.zeros((1,), mx.int32), self.offset, mx.zeros((1,), mx.int32)])
             K = mx.slice_update(K, k, at, (0, 1, 2, 3))
             V = mx.slice_update(V, v, at, (0, 1, 2, 3))
@@ -486,8 +489,6 @@ class _Traced:
             K[self.slots[:, None], :, self.cols] = k.transpose(0, 2, 1, 3)
             V[self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
         self.keys[i], self.values[i] = K, V
-        if self.kernel:
-            return K, V
         if self.first is not None:  # rows are consecutive slots: a slice at a device-side start
             return (mx.slice(K, self.first, (0,), (B, K.shape[1], self.span, K.shape[3])),
                     mx.slice(V, self.first, (0,), (B, V.shape[1], self.span, V.shape[3])))
@@ -502,25 +503,12 @@ class _Traced:
 # -- decode attention on CUDA ------------------------------------------------------------------
 def _attention_kernel(model, config: dict) -> bool:
     """Route the decode passes' attention of `model` to kinfer_mlx_attention's kernel (CUDA only;
-    KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison). mlx-lm's attention
-    layers call their module's `scaled_dot_product_attention` (mlx_lm.models.base's); that name is
-    wrapped in the module of the model's attention layer, so that a layer whose cache is a _Traced
-    with the kernel on calls the kernel, and every other call (mlx-lm's own caches, prompt
-    passes) goes on to the original. False when the kernel cannot run here, the attention layer
-    is not found or does not call such a function, or uses attention sinks."""
-    import sys
-
+    KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison), once the kernel has
+    passed its check against MLX's operations here. False when the kernel cannot run here, fails
+    the check, or the model's attention cannot be routed (_route_attention)."""
     import kinfer_mlx_attention
 
     if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not kinfer_mlx_attention.available():
-        return False
-    layers = getattr(model, "layers", None)
-    attn = getattr(layers[0], "self_attn", None) if layers else None
-    if attn is None or hasattr(attn, "sinks"):
-        return False
-    module = sys.modules.get(type(attn).__module__)
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None:
         return False
     heads = int(config.get("num_attention_heads") or 0)
     kv = int(config.get("num_key_value_heads") or heads)
@@ -537,14 +525,37 @@ def _attention_kernel(model, config: dict) -> bool:
     if not diff < (0.05 if dtype == mx.bfloat16 else 0.02):
         log.warning("mlx: the decode attention kernel differs from MLX's by %s; using MLX's attention", diff)
         return False
+    return _route_attention(model)
+
+
+def _route_attention(model) -> bool:
+    """mlx-lm's attention layers call their module's `scaled_dot_product_attention` (mlx_lm.models.
+    base's); that name is wrapped in the module of the model's attention layer, so that a layer
+    whose cache is a _Traced with the kernel on calls the kernel (with the layer's new cells, which
+    it writes into the buffers), and every other call (mlx-lm's own caches, prompt passes) goes on
+    to the original. False when the attention layer is not found, does not call such a function,
+    or uses attention sinks."""
+    import sys
+
+    import kinfer_mlx_attention
+
+    layers = getattr(model, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    if attn is None or hasattr(attn, "sinks"):
+        return False
+    module = sys.modules.get(type(attn).__module__)
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
     original = getattr(original, "kinfer_original", original)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(cache, _Traced) and cache.kernel:
             if sinks is not None:
                 raise NotImplementedError("attention sinks are not supported by the decode attention kernel")
-            return kinfer_mlx_attention.attention(queries, keys, values, cache.slots, cache.cols, scale,
-                                                  splits=cache.kernel)
+            i = cache.layer
+            return kinfer_mlx_attention.attention(queries, keys, values, cache.keys[i], cache.values[i], cache.slots,
+                                                  cache.cols, scale, cache.counter, splits=cache.kernel)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.kinfer_original = original
@@ -587,14 +598,6 @@ class MlxModel:
         progress(0.9)
         self.layers = len(self.model.layers)
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
-        # With the attention kernel: the chunks of cells it splits a row into, fixed by the context
-        # length for the life of the load (a row's arithmetic then never depends on the buffers'
-        # size, which grows with other rows); 0: MLX's attention.
-        self.kernel = 0
-        if on_gpu and self.split_head and _attention_kernel(self.model, self.config):
-            import kinfer_mlx_attention
-
-            self.kernel = -(-options.context_length // kinfer_mlx_attention.CHUNK)
         self.cells = _Cells(options.slots, self.layers)
         self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
         self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
@@ -603,6 +606,11 @@ class MlxModel:
         self.context = options.context_length
         drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
         self.drafts = drafts
+        # With the attention kernel: the thread blocks a row (chunks of cells), enough for the
+        # context length, and the kernel's counter; 0: MLX's attention.
+        self.kernel, self.counter = 0, None
+        if on_gpu and self.split_head and _attention_kernel(self.model, self.config):
+            self._use_kernel()
         self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
         flat = dict(_flat(self.model.parameters()))
         group = (self.config.get("quantization") or {}).get("group_size", 32)
@@ -621,6 +629,15 @@ class MlxModel:
         )
         log.info("mlx: %s weights (%s)", self.weights, self.weights_reason)
         progress(1.0)
+
+    def _use_kernel(self) -> None:
+        """Decode passes from now on through kinfer_mlx_attention's kernel (once it is routed)."""
+        import kinfer_mlx_attention
+
+        self.kernel = -(-self.context // kinfer_mlx_attention.CHUNK)
+        heads = int(self.config.get("num_attention_heads") or 1)
+        self.counter = mx.zeros((self.cells.slots * heads * (self.drafts + 1),), dtype=mx.int32)
+        mx.eval(self.counter)
 
     # -- tokens -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -675,8 +692,17 @@ class MlxModel:
             keys, values = list(keys), list(values)
             mask = None if self.kernel else (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
             first = slots[:1] if consecutive else None
-            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel) for i in range(layers)]
-            return self._logits(tokens, cache, rows), keys, values
+            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel, self.counter)
+                     for i in range(layers)]
+            logits = self._logits(tokens, cache, rows)
+            if self.kernel:
+                # The kernel wrote the cells into the buffers in place, which MLX does not see:
+                # the buffers handed on depend on the pass (every layer's kernel is upstream of
+                # the logits), so that whatever reads them next (the next pass, a prompt's
+                # scatter, a copy) runs after it, and evaluating them runs the pass.
+                bufs = mx.depends(keys + values, [logits])
+                keys, values = bufs[:layers], bufs[layers:]
+            return logits, keys, values
 
         return step
 

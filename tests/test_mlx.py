@@ -356,7 +356,8 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
 def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monkeypatch):
     """The CUDA decode attention kernel (plugins/kinfer_mlx_attention.py) cannot run here; what can:
     the check the backend runs at every GPU load before using it. It passes MLX's own attention and
-    fails one that drops a row's last cell or mixes up the slots."""
+    writes, and fails one that drops a row's last cell, mixes up the slots, or attends right but
+    leaves the buffers unwritten."""
     import mlx.core as mx
 
     import kinfer_mlx_attention as att
@@ -365,14 +366,64 @@ def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monke
     m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1), lambda f: None)
     assert m.kernel == 0
     reference = att.reference
-    monkeypatch.setattr(att, "attention", lambda q, k, v, s, c, sc, heads=None, **kw: reference(q, k, v, s, c, sc))
+
+    def fake(shift=0, order=slice(None), write=True, scale_if_group=1.0):
+        def attention(q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None):
+            if not write:  # right attention, buffers untouched
+                k2, v2 = mx.array(k), mx.array(v)
+                return reference(q, nk, nv, k2, v2, s, c, sc)
+            out = reference(q, nk, nv, k, v, s[order], mx.maximum(c - shift, 0), sc)
+            return out * (1.0 if heads == 1 else scale_if_group)
+        return attention
+
+    monkeypatch.setattr(att, "attention", fake())
     assert att.self_check(mx.float32, 64, 4) < 1e-4
-    monkeypatch.setattr(att, "attention",
-                        lambda q, k, v, s, c, sc, heads=None, **kw: reference(q, k, v, s, mx.maximum(c - 1, 0), sc))
+    monkeypatch.setattr(att, "attention", fake(shift=1))
     assert att.self_check(mx.float32, 64, 4) > 0.02
-    monkeypatch.setattr(att, "attention", lambda q, k, v, s, c, sc, heads=None, **kw: reference(q, k, v, s[::-1], c, sc))
+    monkeypatch.setattr(att, "attention", fake(order=slice(None, None, -1)))
     assert att.self_check(mx.float32, 128, 1) > 0.02
-    # the two block shapes (a kv head's group of query heads, or one query head) must agree bit for bit
-    monkeypatch.setattr(att, "attention",
-                        lambda q, k, v, s, c, sc, heads=None, **kw: reference(q, k, v, s, c, sc) * (1.0 if heads == 1 else 1.0001))
+    monkeypatch.setattr(att, "attention", fake(write=False))
     assert att.self_check(mx.float32, 64, 4) == float("inf")
+    # the two block shapes (a kv head's group of query heads, or one query head) must agree bit for bit
+    monkeypatch.setattr(att, "attention", fake(scale_if_group=1.0001))
+    assert att.self_check(mx.float32, 64, 4) == float("inf")
+
+
+def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
+    """The decode passes as they run with the CUDA kernel, here on the CPU: the kernel's part (it
+    writes the pass's cells into the buffers it is given and returns the attention) played by
+    MLX's own operations (kinfer_mlx_attention.reference), routed as on the GPU, the layers'
+    cache writes left to it and the buffers handed on through mx.depends. Replies (rows joining
+    and leaving, prompts beside decode rows in one step, queued greedy passes, drafts) are the
+    kernel-off replies."""
+    import sys
+
+    import kinfer_mlx_attention as att
+
+    calls = []
+    monkeypatch.setattr(att, "attention", lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None:
+                        calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc))
+
+    def loader(drafts):
+        def load(p):
+            m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=drafts), p)
+            module = sys.modules[type(m.model.layers[0].self_attn).__module__]
+            monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+            assert kinfer_mlx._route_attention(m.model)
+            m._use_kernel()
+            return m
+        return load
+
+    e = Engine(loader(0), lambda fn: fn(), batch=16, prefix=-1)
+    e.load_model()
+    assert e.model.kernel == 1 and e.model.counter.size == 3 * 9  # SmolLM2: 9 query heads
+    prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
+    solo = [list(alone(tuple(p), 5, 0.0, 1)) for p in prompts]
+    got = run_until_done(e, [job(p, 5) for p in prompts], arrivals=[0, 2, 3])
+    assert [j.generated for j in got] == solo
+    assert calls  # the compiled passes went through the kernel's route
+    d = Engine(loader(3), lambda fn: fn(), batch=16, prefix=-1)
+    d.load_model()
+    drafted = run_until_done(d, [job(p, 5, drafts=3) for p in prompts], arrivals=[0, 0, 1])
+    assert [j.generated for j in drafted] == solo
+    assert sum(j.accepted for j in drafted) > 0

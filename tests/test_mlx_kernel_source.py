@@ -33,14 +33,14 @@ struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; }
 
 
 def source(dtype: str, D: int, G: int) -> str:
-    inputs = [("queries", dtype), ("keys", dtype), ("values", dtype), ("slots", "int32_t"), ("cols", "int32_t"),
-              ("scale", "float")]
+    inputs = [("queries", dtype), ("new_keys", dtype), ("new_values", dtype), ("keys", dtype), ("values", dtype),
+              ("slots", "int32_t"), ("cols", "int32_t"), ("scale", "float"), ("counter", "int32_t")]
     params = []
     for name, t in inputs:
         params.append(f"const {t}* {name}")
         if f"{name}_shape" in att._SOURCE:
             params.append(f"const __grid_constant__ Shape {name}_shape")
-    params += ["float* partial", "float* row_max", "float* row_sum"]
+    params += [f"{dtype}* out", "float* partial", "float* row_max", "float* row_sum"]
     consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in (("D", D), ("G", G), ("NT", att.NT),
                                                                   ("CHUNK", att.CHUNK)))
     return (SHIM + "__global__ void custom_kernel_kinfer_decode_attention(" + ",\n".join(params) + ") {\n"

@@ -2,7 +2,8 @@
 # On the H200 (the device tool), from the repo root, with .gpu carried (see ../shared/device/README.md):
 #   bash bench/gpu_compare.sh [shapes...]     default: 1b 7b
 #   CURVE=0 skips the draft-count curve; POOL="7b" adds the prefix-pool runs on those shapes;
-#   THREADS (default 8) is the CPU threads of both sides (llama.cpp's workers spin between passes).
+#   THREADS: both sides' CPU threads (unset: kinfer takes its default for the load, 2 with every layer on
+#   the GPU, and llama.cpp's tools run at each of ANCHOR_THREADS, default the CPU count, the fastest kept).
 # Synthesises Llama-shaped models with random weights, quantizes them to Q4_K_M, and runs
 # bench/compare.py (llama-bench + llama-batched-bench vs kinfer's engine) on each.
 set -euo pipefail
@@ -15,7 +16,7 @@ for shape in "${@:-1b 7b}"; do
       /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
       rm -f /tmp/m-$s-f16.gguf
     fi
-    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads ${THREADS:-8} --ngl 99 \
+    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc ${THREADS:+--threads $THREADS} ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 \
       --label "$s-shaped Q4_K_M, H200" ${KVU:+--kvu} | tee -a "$OUT/compare.md"
   done
 done
@@ -28,9 +29,9 @@ fi
 # -kvu, and the agent case (32 conversations sharing a 4,000-token system prompt).
 if [ -n "${POOL:-}" ]; then
   for s in ${POOL}; do
-    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads ${THREADS:-8} --ngl 99 --npl 32,64,128 \
+    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc ${THREADS:+--threads $THREADS} ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128 \
       --label "$s-shaped Q4_K_M, H200" --pool | tee -a "$OUT/pool.md"
-    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc --threads ${THREADS:-8} --ngl 99 --npl 32,64,128 \
+    python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc ${THREADS:+--threads $THREADS} ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128 \
       --label "$s-shaped Q4_K_M, H200" | tee -a "$OUT/pool.md"
     python3 bench/prefix_bench.py /tmp/m-$s.gguf --system 4000 --n 32 --gpu-layers 99 --threads 8 | tee -a "$OUT/agent.jsonl"
   done

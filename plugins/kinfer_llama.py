@@ -147,7 +147,7 @@ class LlamaModel:
         cparams.n_ctx = options.context_length * (1 if options.kv_unified else slots)
         cparams.n_batch = options.batch
         cparams.n_ubatch = min(options.ubatch, options.batch)
-        threads = options.threads or max(1, os.cpu_count() or 1)
+        threads = options.threads or self.default_threads(options)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.flash_attn_type = (
@@ -204,6 +204,23 @@ class LlamaModel:
             add_bos=bool(L.llama_vocab_get_add_bos(self.vocab)),
             drafts=drafts,
         )
+
+    # CPU threads for a load that names none while every layer and the output are on the GPU.
+    GPU_THREADS = 2
+
+    def default_threads(self, options: LoadOptions) -> int:
+        """The machine's CPU count, unless every layer and the output layer are on the GPU with no
+        tensor kept in host memory: llama.cpp's CPU threads then only look up the prompt's token
+        embeddings, and its workers spin between passes, on the cores the engine's own host work
+        (the argmax over the logits, the next pass's planning) needs while the GPU waits for it.
+        On the H200 (1.1B shape, 128 at once) 2 threads instead of 8 took `prefix -1` from 80% to
+        85% of llama-batched-bench (docs/performance.md)."""
+        cpus = max(1, os.cpu_count() or 1)
+        layers = self.L.llama_model_n_layer(self.model)
+        every = options.gpu_layers < 0 or options.gpu_layers > layers  # the output layer is one more
+        if self.on_cpu or not every or options.host_tensors:
+            return cpus
+        return min(cpus, self.GPU_THREADS)
 
     def default_drafts(self) -> int:
         """Drafts per step when a load names no count, from the measured cost of a pass over

@@ -203,6 +203,28 @@ def test_experts_really_stay_in_host_buffers(moe_path, caplog):
     assert np.array_equal(logits[0], logits[1])
 
 
+def test_default_threads_follow_where_the_layers_are(smol_path):
+    """A load naming no thread count gets the CPU count, except with every layer and the output
+    on a GPU and nothing in host memory: then llama.cpp's threads only look up embeddings, and 2
+    leave the cores to the engine's host work (measured on the H200, docs/performance.md). This
+    machine has no GPU: the model loads on the CPU, and the rule is asked as if it had one."""
+    import kinfer_llama
+
+    m = kinfer_llama.LlamaBackend().load(smol_path, LoadOptions(context_length=64, slots=1), lambda f: None)
+    try:
+        cpus = max(1, os.cpu_count() or 1)
+        layers = m.L.llama_model_n_layer(m.model)
+        assert m.on_cpu and m.default_threads(LoadOptions()) == cpus
+        m.on_cpu = False  # the same model, as a GPU load would see it
+        assert m.default_threads(LoadOptions()) == min(cpus, 2)
+        assert m.default_threads(LoadOptions(gpu_layers=layers + 1)) == min(cpus, 2)
+        assert m.default_threads(LoadOptions(gpu_layers=layers)) == cpus  # the output layer on the CPU
+        assert m.default_threads(LoadOptions(host_tensors=(P.EXPERTS,))) == cpus
+    finally:
+        m.on_cpu = True
+        m.close()
+
+
 # -- through the server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():

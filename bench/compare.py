@@ -98,13 +98,16 @@ def main():
         a, b = bb[n]["speed_tg"], ours_bb[n]["decode_tps"]
         print(f"| {n} at once, decode (llama-batched-bench S_TG, pp{args.npp} tg{args.ntg}) | {a:,.1f} | {b:,.1f} | {b / a:.0%} |")
     # Where kinfer's decode step goes (engine_bench --phases), beside llama.cpp's whole step.
-    print("\n| at once | llama.cpp ms a step | kinfer ms a step | in decode() | waiting | engine host | of it argmax | of it planning |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # The gap: from the end of one pass's wait to the next decode() call, the device idle.
+    print("\n| at once | llama.cpp ms a step | kinfer ms a step | in decode() | waiting | engine host | of it argmax"
+          " | of it planning | gap, device idle |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in npl:
         r = ours_bb[n]
         if "ms_step" in r:
             print(f"| {n} | {1000 * n / bb[n]['speed_tg']:.2f} | {r['ms_step']:.2f} | {r['ms_decode_call']:.2f} |"
-                  f" {r['ms_wait']:.2f} | {r['ms_engine_host']:.2f} | {r.get('ms_argmax', 0):.2f} | {r.get('ms_plan', 0):.2f} |")
+                  f" {r['ms_wait']:.2f} | {r['ms_engine_host']:.2f} | {r.get('ms_argmax', 0):.2f} | {r.get('ms_plan', 0):.2f} |"
+                  f" {r.get('ms_gap', 0):.2f} |")
     print("\n<details><summary>raw</summary>\n")
     for r in tg + list(bb.values()) + ours:
         print("    " + json.dumps(r))

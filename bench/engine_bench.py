@@ -28,6 +28,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 import llama_cpp  # noqa: E402,F401
 
 from kinfer_llama import LlamaBackend  # noqa: E402
+from kinfer_rpc import engine as engine_module  # noqa: E402
 from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
@@ -48,7 +49,8 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     )
     ready = threading.Event()
     engine = Engine(lambda p: LlamaBackend().load(model, opts, p), lambda fn: fn(), batch=args.batch,
-                    on_ready=lambda exc: ready.set(), prefix=args.prefix)
+                    on_ready=lambda exc: ready.set(), prefix=args.prefix,
+                    start_ahead=False if args.start_ahead == "off" else None)
     engine.start()
     ready.wait()
     if engine.model is None:
@@ -99,6 +101,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
         "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
         "steps": engine.steps,
+        "started_ahead": engine.started_ahead,
     }
 
 
@@ -117,7 +120,12 @@ def main():
     ap.add_argument("--prefix", type=int, default=-1, help="the prefix pool's token budget (-1: off, compaction)")
     ap.add_argument("--tg", action="store_true", help="also the single-stream case shaped like llama-bench tg")
     ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see PhaseTimer)")
+    ap.add_argument("--start-ahead", choices=["auto", "off"], default="auto",
+                    help="off: never start a pass before the last one's tokens are taken (Engine._start_next), to compare")
+    ap.add_argument("--argmax-parts", type=int, default=None, help="the argmax's most threads (engine._ARGMAX_PARTS)")
     args = ap.parse_args()
+    if args.argmax_parts:
+        engine_module._ARGMAX_PARTS = args.argmax_parts
     if args.tg:
         r = run(args.model, 1, 1, args.ntg, args)
         r["case"] = "tg"

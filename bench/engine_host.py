@@ -81,7 +81,7 @@ def run(npl: int, vocab: int, steps: int) -> dict:
     host = ms["ms_step"] - ms["ms_text"]
     return {"npl": npl, "vocab": vocab, "ms_step_host": round(host, 3), "ms_argmax": ms["ms_argmax"],
             "ms_plan": ms["ms_plan"], "ms_rest": round(host - ms["ms_argmax"] - ms["ms_plan"], 3),
-            "ms_text_overlapped": ms["ms_text"], "cpus": os.cpu_count()}
+            "ms_text_overlapped": ms["ms_text"], "ms_gap_device_idle": ms["ms_gap"], "cpus": os.cpu_count()}
 
 
 def main():

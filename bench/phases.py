@@ -11,15 +11,19 @@ class PhaseTimer:
     the logits coming back), and the rest of the step (the engine's host work: planning,
     sampling, bookkeeping, text), per step, over the steps after every request is in; of the
     engine's host work, the argmax over the logits, the planning of the pass and the text work
-    (which runs while the device computes the pass) on their own."""
+    (which runs while the device computes the pass) on their own; and the gap, from the end of
+    one pass's wait to the next decode() call, in which the device has nothing to do (the engine
+    starts the next pass before its bookkeeping when it can, so the gap can be shorter than the
+    host work)."""
 
-    PARTS = ("call", "wait", "step", "argmax", "plan", "text")
+    PARTS = ("call", "wait", "step", "argmax", "plan", "text", "gap")
 
     def __init__(self, engine):
         self.rows: list[tuple] = []  # (start, *PARTS)
         model, step = engine.model, engine.step
         inner = model.decode
         current = {}
+        waited = [0.0]  # when the last wait ended
 
         def timed(name, fn):
             def wrapper(*args):
@@ -35,13 +39,16 @@ class PhaseTimer:
 
         def decode(chunks):
             t = time.perf_counter()
+            if waited[0]:
+                current["gap"] = t - waited[0]
             wait = inner(chunks)
             current["call"] = time.perf_counter() - t
 
             def timed_wait():
                 t = time.perf_counter()
                 out = wait()
-                current["wait"] = time.perf_counter() - t
+                waited[0] = time.perf_counter()
+                current["wait"] = waited[0] - t
                 return out
 
             return timed_wait
@@ -65,4 +72,5 @@ class PhaseTimer:
         ms = {k: sum(r[1 + i] for r in rows) / len(rows) * 1000 for i, k in enumerate(self.PARTS)}
         return {"phase_steps": len(rows), "ms_step": round(ms["step"], 3), "ms_decode_call": round(ms["call"], 3),
                 "ms_wait": round(ms["wait"], 3), "ms_engine_host": round(ms["step"] - ms["call"] - ms["wait"], 3),
-                "ms_argmax": round(ms["argmax"], 3), "ms_plan": round(ms["plan"], 3), "ms_text": round(ms["text"], 3)}
+                "ms_argmax": round(ms["argmax"], 3), "ms_plan": round(ms["plan"], 3), "ms_text": round(ms["text"], 3),
+                "ms_gap": round(ms["gap"], 3)}

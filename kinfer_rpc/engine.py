@@ -128,6 +128,7 @@ class Engine:
         on_ready: Callable[[Exception | None], None] | None = None,
         draft_session: Callable[[object, LoadedModel], object] | None = None,
         draft_policy: object = None,
+        start_ahead: bool | None = None,
     ):
         self._load = load
         # Draft policies that draft for all requests at once (a draft model, an MTP head) get
@@ -155,6 +156,13 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
         self._decoded = collections.deque(maxlen=64)  # (time, tokens generated) per step
+        # Start a pass before taking the last one's tokens (_start_next): None follows the
+        # model (its decode_async), True also where decode() waits for the pass (tests on a CPU).
+        self.start_ahead = start_ahead
+        self._ahead = False
+        self._steady = False  # the last planned pass: every job one greedy token (_start_next)
+        self._running = None  # (chunks, owners, wait) of a pass started ahead by _start_next
+        self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
 
     # -- host side (any thread) -------------------------------------------------------------
@@ -234,6 +242,8 @@ class Engine:
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
+        ahead = self.start_ahead
+        self._ahead = bool(getattr(self.model, "decode_async", False)) if ahead is None else ahead
         # slot -> whether the device takes its argmax (backends that can: the mlx backend)
         self._greedy = {} if getattr(self.model, "device_greedy", False) else None
         if hasattr(self._default_policy, "session"):
@@ -268,6 +278,12 @@ class Engine:
             log.exception("engine step failed")
             self._fail_all(exc)
         finally:
+            running, self._running = self._running, None
+            if running is not None and running[2] is not None:
+                try:
+                    running[2]()  # the pass started ahead must end before the model goes
+                except Exception:
+                    log.exception("the last pass failed")
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
             for session in self._sessions.values():
                 try:
@@ -293,29 +309,40 @@ class Engine:
         self._flush(events)
 
     def step(self) -> bool:
-        """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle."""
+        """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle.
+
+        The pass may already be running: the previous step started it (see _start_next)."""
         events: list = []
+        running, self._running = self._running, None
+        ended = []
         with self._cond:
-            # Leave: cancelled jobs free their slot before anything runs.
+            # Leave: cancelled jobs free their slot before anything runs (or once the pass
+            # already running, which holds their row, is done; the row is thrown away).
             for job in [j for j in self._active if j.cancelled]:
-                self._finish(job, "cancelled", events)
+                self._finish(job, "cancelled", events, release=running is None)
+                if running is not None:
+                    ended.append(job)
             for job in [j for j in self._queue if j.cancelled]:
                 self._queue.remove(job)
                 self._finish(job, "cancelled", events)
-            # Join: each waiting job takes a slot (and whatever prefix the pool holds for it).
-            while self._queue and self.slots.free:
-                job = self._queue.popleft()
-                job.t_start = time.perf_counter()
-                self.slots.take(job, self._active)
-                self._active.append(job)
-            self.slots.compact(self._active)
-            if self._greedy is not None:
-                self._sync_greedy()
-        chunks, owners = self._plan()
-        wait = self.model.decode(chunks) if chunks else None
+            if running is None:
+                # Join: each waiting job takes a slot (and whatever prefix the pool holds for it).
+                while self._queue and self.slots.free:
+                    job = self._queue.popleft()
+                    job.t_start = time.perf_counter()
+                    self.slots.take(job, self._active)
+                    self._active.append(job)
+                self.slots.compact(self._active)
+                if self._greedy is not None:
+                    self._sync_greedy()
+        if running is None:
+            chunks, owners = self._plan()
+            wait = self.model.decode(chunks) if chunks else None
+        else:
+            chunks, owners, wait = running
         # While the device runs this pass, turn the previous step's tokens into text. A stop
         # string found now ends its job; the token the job has in this pass is thrown away.
-        ended = self._drain_text(events)
+        ended += self._drain_text(events)
         if wait is not None:
             logits = wait()
             self.steps += 1
@@ -346,6 +373,10 @@ class Engine:
         else:  # the usual step, on the device's critical path: one token a job
             chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
             budget -= len(decoding)
+        # Every job decoding one greedy token: the next pass can start before this one's
+        # bookkeeping (see _start_next).
+        self._steady = (self._ahead and len(decoding) == len(self._active)
+                        and not any(j.drafting for j in decoding) and all(j.plain for j in decoding))
         owners = decoding[:]
         for job in self._active:
             left = len(job.prompt) - job.n_past
@@ -369,6 +400,8 @@ class Engine:
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
         best = self._best(logits, plain, chunks) if any(plain) else None
+        if self._steady and best is not None:
+            self._start_next(chunks, owners, best)
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -426,6 +459,30 @@ class Engine:
                     self.model.seq_remove(job.slot, job.n_past, -1)
                 job.drafts = []
         self._decoded.append((now, produced))
+
+    def _start_next(self, chunks, owners, best) -> None:
+        """Start the next pass now, before this one's tokens are taken, when it is exactly the
+        pass the next step would plan: every row a greedy job's one token, none of them ending
+        here (end-of-generation, max_tokens, the context), none cancelled or stopped, nobody
+        waiting to join and no slot to move. The device then runs it while this thread does
+        the bookkeeping, the text and the events; the rows and their positions are the same,
+        so the reply is too. A job cancelled or ended by a stop string meanwhile has its row
+        thrown away, as a stop string's always was."""
+        if self._queue:
+            return
+        eog, context = self._eog, self.model.info.context_length
+        nxt = []
+        for chunk, job, token in zip(chunks, owners, best):
+            limit = job.options.max_tokens
+            if (job.cancelled or job.stop_reason is not None or chunk.pos + 2 >= context
+                    or (limit is not None and len(job.generated) + 1 >= limit)
+                    or (token in eog and not job.options.ignore_eos)):
+                return
+            nxt.append(SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1))
+        if not self.slots.settled(owners):
+            return
+        self._running = (nxt, owners, self.model.decode(nxt))
+        self.started_ahead += 1
 
     def _append(self, job: Job, token: int, next_pos: int, events) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""

@@ -102,6 +102,10 @@ class Slots:
         self.free.append(slot)
         return []
 
+    def settled(self, active) -> bool:
+        """Whether compact() has nothing to move."""
+        return self.prefix >= 0 or not self.free or not active or min(self.free) > max(j.slot for j in active)
+
     def compact(self, active) -> None:
         """Per-slot streams: close one gap among busy ids (the highest busy slot moves into the
         lowest free one below it). Called after waiting requests took free slots, so a gap a

@@ -130,6 +130,9 @@ class LoadedModel(Protocol):
     # output rows are sampled greedily on the device; False if it cannot) and
     # `sampled_tokens() -> list[int]` (after a pass's wait: one token per output row, -1 for
     # rows it did not sample; their logits are in the array the wait returned).
+    # Optional: `decode_async = True` when decode() returns before the pass is done (it queues
+    # the pass on a device). The engine may then start a pass before taking the tokens of the
+    # one before, so the device does not wait for that bookkeeping (Engine._start_next).
 
 
 class Backend(Protocol):

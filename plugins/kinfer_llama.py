@@ -110,6 +110,8 @@ class LlamaModel:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
         self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
+        # On a GPU llama_decode returns once the pass is queued (see decode).
+        self.decode_async = not self.on_cpu
         self._overrides = None
         if options.host_tensors:
             # Tensors matching these patterns stay in host memory (the CPU buffer type); on a

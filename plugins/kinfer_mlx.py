@@ -818,6 +818,7 @@ class MlxModel:
 
     # -- greedy rows sampled on the device (the LoadedModel's optional contract) ---------------
     device_greedy = True
+    decode_async = True  # mx.async_eval: decode() returns while the pass runs
 
     def set_device_greedy(self, seq: int, on: bool) -> bool:
         """From the next pass on, the output rows of `seq` end in an argmax in the pass's graph."""

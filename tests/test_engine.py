@@ -28,11 +28,14 @@ WORDS = (
 ).split(" ")
 
 
-def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1) -> Engine:
+def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True) -> Engine:
+    """On the CPU llama_decode waits for its pass, so the engine would not start passes ahead
+    of their bookkeeping (Engine._start_next); the tests make it, to check that path's replies
+    against the reference engine's (`alone`), which does not."""
     path = embedded_default_path()
     opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2)
     engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch,
-                    prefix=prefix)
+                    prefix=prefix, start_ahead=start_ahead)
     engine.load_model()
     return engine
 
@@ -68,7 +71,7 @@ def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int, stop: s
 
 @functools.lru_cache(maxsize=1)
 def _alone_engine():
-    return make_engine(slots=1, batch=512)
+    return make_engine(slots=1, batch=512, start_ahead=False)
 
 
 def _options(max_tokens, temperature, seed, stop=None):
@@ -296,5 +299,59 @@ def test_compaction_moves_the_highest_busy_slot_down():
             engine.step()
         for job in jobs[1:]:
             assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), 30, 0.0, 0)
+    finally:
+        engine.model.close()
+
+
+def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
+    """A pass started before the last one's tokens are taken (Engine._start_next) feeds each
+    job the token it is about to take, so replies are the reference's; a job cancelled or
+    stopped by a stop string while such a pass runs loses that row and frees its slot after
+    the pass, and the compaction and a newcomer that follow change no reply."""
+    engine = make_engine(slots=3, batch=512, prefix=-1)
+    try:
+        prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(4)]
+        free = alone(prompts[1], 24, 0.0, 0)
+        stop = free[1][4:8]
+        jobs = [Job(list(prompts[0]), _options(40, 0.0, 0)),
+                Job(list(prompts[1]), _options(24, 0.0, 0, stop)),
+                Job(list(prompts[2]), _options(30, 0.0, 0))]
+        fed = []  # (token fed, token the job had taken last) for every row of every pass
+        decode = engine.model.decode
+
+        def watch(chunks):
+            by_slot = {j.slot: j for j in jobs if j.slot >= 0}
+            fed.extend((c.tokens[0], by_slot[c.seq].generated[-1]) for c in chunks
+                       if len(c.tokens) == 1 and by_slot[c.seq].generated)
+            return decode(chunks)
+
+        engine.model.decode = watch
+        for job in jobs:
+            engine.submit(job)
+        while engine._running is None or len(jobs[0].generated) < 6:
+            engine.step()
+        engine.cancel(jobs[0])  # while a pass holding its row runs
+        engine.step()
+        assert jobs[0].stop_reason == "cancelled" and jobs[0] not in engine._active
+        late = Job(list(prompts[3]), _options(12, 0.0, 0))
+        engine.submit(late)
+        while any(j.stop_reason is None for j in (late, *jobs)):
+            engine.step()
+        assert engine.started_ahead > 20
+        assert any(token != last for token, last in fed)  # fed before being taken
+        assert sorted(j.slot for j in engine._active) == []
+        assert jobs[1].stop_reason == "stop" and stop not in jobs[1].text
+        for job, n, stop_at in ((jobs[1], 24, stop), (jobs[2], 30, None), (late, 12, None)):
+            assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), n, 0.0, 0, stop_at)
+    finally:
+        engine.model.close()
+
+
+def test_no_pass_starts_ahead_where_decode_waits_for_it():
+    engine = make_engine(slots=2, start_ahead=None)  # the CPU's llama_decode returns when done
+    try:
+        jobs = [Job(list(tokenize("count to ten: one two")), _options(8, 0.0, 0)) for _ in range(2)]
+        run_until_done(engine, jobs)
+        assert engine.started_ahead == 0 and not engine.model.decode_async
     finally:
         engine.model.close()

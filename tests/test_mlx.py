@@ -236,7 +236,7 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
         m.device_greedy = False  # the engine then takes every argmax on the host
         return m
 
-    host = Engine(host_loader, lambda fn: fn(), batch=16, prefix=-1)
+    host = Engine(host_loader, lambda fn: fn(), batch=16, prefix=-1, start_ahead=False)
     host.load_model()
     e = engine(slots=3, batch=16)
     prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
@@ -248,6 +248,7 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
         got = run_until_done(e, [job(p, n + i) for i, p in enumerate(prompts)], arrivals=arrivals)
         assert [j.generated[:n] for j in got] == [j.generated for j in want]
     assert taken  # the queued passes were used
+    assert e.started_ahead and not host.started_ahead  # ... and the engine started passes ahead
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -1,7 +1,7 @@
 """Write a Llama-shaped GGUF with random weights (F16), for benchmarks where no weights can be
 downloaded. Quantize it afterwards with llama-quantize.
 
-    python bench/make_model.py OUT.gguf --shape 1b|7b
+    python bench/make_model.py OUT.gguf --shape 1b|7b|7.4b
 
 Needs the `gguf` package (llama.cpp vendors it as gguf-py). Speed does not depend on the values,
 so every tensor reuses slices of one random block.
@@ -19,6 +19,8 @@ SHAPES = {
     "tiny": dict(n_embd=256, n_layer=2, n_head=4, n_kv=2, n_ff=512, vocab=32000),
     # Llama-2-7B's shape
     "7b": dict(n_embd=4096, n_layer=32, n_head=32, n_kv=32, n_ff=11008, vocab=32000),
+    # The 7.4B shape of the mlx backend's benchmarks (bench/gpu_mlx.sh, Llama 3 8B's layers)
+    "7.4b": dict(n_embd=4096, n_layer=32, n_head=32, n_kv=8, n_ff=14336, vocab=128256),
 }
 
 

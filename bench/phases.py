@@ -58,6 +58,8 @@ class PhaseTimer:
             t = time.perf_counter()
             busy = step()
             current["step"] = time.perf_counter() - t
+            if "wait" not in current:  # idle: no gap to the next pass
+                waited[0] = 0.0
             self.rows.append((t, *(current.get(k, 0.0) for k in self.PARTS)))
             return busy
 

@@ -276,14 +276,10 @@ class Engine:
                 self.step()
         except Exception as exc:  # the device failed: answer everyone, never hang them
             log.exception("engine step failed")
+            self._end_running()
             self._fail_all(exc)
         finally:
-            running, self._running = self._running, None
-            if running is not None and running[2] is not None:
-                try:
-                    running[2]()  # the pass started ahead must end before the model goes
-                except Exception:
-                    log.exception("the last pass failed")
+            self._end_running()
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
             for session in self._sessions.values():
                 try:
@@ -296,6 +292,16 @@ class Engine:
                 model.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
+
+    def _end_running(self) -> None:
+        """Wait for a pass started ahead, if any (its tokens are dropped): slots are freed and
+        the model closed only once the device is done with it."""
+        running, self._running = self._running, None
+        if running is not None:
+            try:
+                running[2]()
+            except Exception:
+                log.exception("the pass started ahead failed")
 
     def _fail_all(self, exc: Exception) -> None:
         events = []
@@ -340,16 +346,20 @@ class Engine:
             wait = self.model.decode(chunks) if chunks else None
         else:
             chunks, owners, wait = running
-        # While the device runs this pass, turn the previous step's tokens into text. A stop
-        # string found now ends its job; the token the job has in this pass is thrown away.
-        ended += self._drain_text(events)
-        if wait is not None:
-            logits = wait()
-            self.steps += 1
-            self._take(chunks, owners, logits, events)
-        for job in ended:
-            self._release(job)
-        self._flush(events)
+        try:
+            # While the device runs this pass, turn the previous step's tokens into text. A stop
+            # string found now ends its job; the token the job has in this pass is thrown away.
+            ended += self._drain_text(events)
+            if wait is not None:
+                logits, wait = wait(), None
+                self.steps += 1
+                self._take(chunks, owners, logits, events)
+            for job in ended:
+                self._release(job)
+        finally:
+            if wait is not None:  # failed before its wait: the pass must end before anything goes
+                self._running = (chunks, owners, wait)
+            self._flush(events)
         return bool(chunks)
 
     def _plan(self):
@@ -468,7 +478,7 @@ class Engine:
         the bookkeeping, the text and the events; the rows and their positions are the same,
         so the reply is too. A job cancelled or ended by a stop string meanwhile has its row
         thrown away, as a stop string's always was."""
-        if self._queue:
+        if self._queue and self.slots.free:  # someone joins at the next step
             return
         eog, context = self._eog, self.model.info.context_length
         nxt = []

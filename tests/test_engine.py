@@ -28,14 +28,52 @@ WORDS = (
 ).split(" ")
 
 
-def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True) -> Engine:
+class Queued:
+    """The model with its pass run at the wait, as on a GPU, where decode() only queues it: what
+    the engine does between the two (freeing or moving a slot) then comes before the pass, so
+    doing it while a pass is in flight breaks that pass. Everything else is the model's."""
+
+    decode_async = True
+
+    def __init__(self, model):
+        self._model = model
+        self._queued = False
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def decode(self, chunks):
+        assert not self._queued, "a pass was started before the last one was waited for"
+        chunks = list(chunks)
+        self._queued = True
+
+        def wait():
+            self._queued = False
+            return self._model.decode(chunks)()
+
+        return wait
+
+    def seq_remove(self, seq, start=0, end=-1):
+        assert not self._queued, "cells removed while a pass is in flight"
+        self._model.seq_remove(seq, start, end)
+
+    def seq_copy(self, src, dst, start=0, end=-1):
+        assert not self._queued, "cells copied while a pass is in flight"
+        self._model.seq_copy(src, dst, start, end)
+
+
+def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True, gpu_layers=-1) -> Engine:
     """On the CPU llama_decode waits for its pass, so the engine would not start passes ahead
-    of their bookkeeping (Engine._start_next); the tests make it, to check that path's replies
-    against the reference engine's (`alone`), which does not."""
+    of their bookkeeping (Engine._start_next). The tests queue passes as a GPU does (Queued), so
+    it does, and check that path's replies against the reference engine's (`alone`)."""
     path = embedded_default_path()
-    opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2)
-    engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch,
-                    prefix=prefix, start_ahead=start_ahead)
+    opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2, gpu_layers=gpu_layers)
+
+    def load(progress):
+        model = LlamaBackend().load(path, opts, progress)
+        return Queued(model) if start_ahead else model
+
+    engine = Engine(load, lambda fn: fn(), batch=batch, prefix=prefix, start_ahead=None if start_ahead else start_ahead)
     engine.load_model()
     return engine
 
@@ -320,7 +358,7 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
         decode = engine.model.decode
 
         def watch(chunks):
-            by_slot = {j.slot: j for j in jobs if j.slot >= 0}
+            by_slot = {j.slot: j for j in engine._active}
             fed.extend((c.tokens[0], by_slot[c.seq].generated[-1]) for c in chunks
                        if len(c.tokens) == 1 and by_slot[c.seq].generated)
             return decode(chunks)
@@ -328,8 +366,11 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
         engine.model.decode = watch
         for job in jobs:
             engine.submit(job)
-        while engine._running is None or len(jobs[0].generated) < 6:
+        for _ in range(30):
             engine.step()
+            if engine._running is not None and len(jobs[0].generated) >= 6:
+                break
+        assert engine._running is not None  # a pass holding jobs[0]'s row is in flight
         engine.cancel(jobs[0])  # while a pass holding its row runs
         engine.step()
         assert jobs[0].stop_reason == "cancelled" and jobs[0] not in engine._active
@@ -339,7 +380,7 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
             engine.step()
         assert engine.started_ahead > 20
         assert any(token != last for token, last in fed)  # fed before being taken
-        assert sorted(j.slot for j in engine._active) == []
+        assert not engine._active
         assert jobs[1].stop_reason == "stop" and stop not in jobs[1].text
         for job, n, stop_at in ((jobs[1], 24, stop), (jobs[2], 30, None), (late, 12, None)):
             assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), n, 0.0, 0, stop_at)
@@ -348,10 +389,42 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
 
 
 def test_no_pass_starts_ahead_where_decode_waits_for_it():
-    engine = make_engine(slots=2, start_ahead=None)  # the CPU's llama_decode returns when done
+    engine = make_engine(slots=2, start_ahead=None, gpu_layers=0)  # the CPU's llama_decode returns when done
     try:
         jobs = [Job(list(tokenize("count to ten: one two")), _options(8, 0.0, 0)) for _ in range(2)]
         run_until_done(engine, jobs)
         assert engine.started_ahead == 0 and not engine.model.decode_async
+    finally:
+        engine.model.close()
+
+
+def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
+    """No pass starts ahead while a slot is still to move (two gaps close in two steps) or while
+    a request waits for a free slot (it joins at the next step but one, at the latest)."""
+    engine = make_engine(slots=5, batch=512, prefix=-1)
+    try:
+        prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(6)]
+        assert len({len(p) for p in prompts}) == 1
+        jobs = [Job(list(p), _options(6 if i in (1, 2) else 40, 0.0, 0)) for i, p in enumerate(prompts[:5])]
+        for job in jobs:
+            engine.submit(job)
+        for _ in range(30):
+            engine.step()
+            if jobs[1].stop_reason is not None:
+                break
+        assert jobs[2].stop_reason is not None and sorted(j.slot for j in engine._active) == [0, 3, 4]
+        engine.step()
+        engine.step()
+        assert sorted(j.slot for j in engine._active) == [0, 1, 2]  # slot 4 went to 1, then 3 to 2
+        assert engine._running is not None
+        late = Job(list(prompts[5]), _options(8, 0.0, 0))
+        engine.submit(late)
+        engine.step()
+        engine.step()
+        assert late in engine._active
+        while any(j.stop_reason is None for j in (late, *jobs)):
+            engine.step()
+        for job in (late, *jobs):
+            assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), job.options.max_tokens, 0.0, 0)
     finally:
         engine.model.close()

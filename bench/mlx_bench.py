@@ -120,7 +120,7 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between
                 between(i)
         return out
     finally:
-        engine.stop()
+        engine.stop(timeout=None)  # the worker must leave MLX before the interpreter exits
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -229,10 +229,10 @@ def invariance(a) -> dict:
         vocab = solo_engine.model.info.n_vocab
         prompts = prompts_for(n, a.npp, vocab)
         alone = [run_jobs(solo_engine, [p], a.ntg)[1][0] for p in prompts]
-        solo_engine.stop()
+        solo_engine.stop(timeout=None)
         engine = start_engine(a.model, n, a.npp + a.ntg + 8)
         _, together = run_jobs(engine, prompts, a.ntg)
-        engine.stop()
+        engine.stop(timeout=None)  # the worker must leave MLX before the interpreter exits
         first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(alone, together)]
         differ = [f for f in first if f is not None]
         out.append({"npl": n, "replies": n, "differ": len(differ), "rate": round(len(differ) / n, 4),

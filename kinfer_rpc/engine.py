@@ -157,7 +157,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
         self._decoded = collections.deque(maxlen=64)  # (time, tokens generated) per step
         # Start a pass before taking the last one's tokens (_start_next): None follows the
-        # model (its decode_async), True also where decode() waits for the pass (tests on a CPU).
+        # model (its decode_async); False never (a reference to compare with, benchmarks).
         self.start_ahead = start_ahead
         self._ahead = False
         self._steady = False  # the last planned pass: every job one greedy token (_start_next)
@@ -367,7 +367,8 @@ class Engine:
         budget = self.batch
         context = self.model.info.context_length
         decoding = [job for job in self._active if job.n_past >= len(job.prompt)]
-        if any(job.drafting for job in decoding):
+        drafting = any(job.drafting for job in decoding)
+        if drafting:
             # Room for drafts: every decoding job's own token first, then drafts in admission order.
             room = budget - len(decoding)
             wanted = []
@@ -385,8 +386,8 @@ class Engine:
             budget -= len(decoding)
         # Every job decoding one greedy token: the next pass can start before this one's
         # bookkeeping (see _start_next).
-        self._steady = (self._ahead and len(decoding) == len(self._active)
-                        and not any(j.drafting for j in decoding) and all(j.plain for j in decoding))
+        self._steady = (self._ahead and not drafting and len(decoding) == len(self._active)
+                        and all(j.plain for j in decoding))
         owners = decoding[:]
         for job in self._active:
             left = len(job.prompt) - job.n_past
@@ -480,13 +481,11 @@ class Engine:
         thrown away, as a stop string's always was."""
         if self._queue and self.slots.free:  # someone joins at the next step
             return
-        eog, context = self._eog, self.model.info.context_length
         nxt = []
         for chunk, job, token in zip(chunks, owners, best):
-            limit = job.options.max_tokens
-            if (job.cancelled or job.stop_reason is not None or chunk.pos + 2 >= context
-                    or (limit is not None and len(job.generated) + 1 >= limit)
-                    or (token in eog and not job.options.ignore_eos)):
+            # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
+            if (job.cancelled or job.stop_reason is not None or self._ends(job, token)
+                    or self._full(job, len(job.generated) + 1, chunk.pos + 1)):
                 return
             nxt.append(SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1))
         if not self.slots.settled(owners):
@@ -496,19 +495,27 @@ class Engine:
 
     def _append(self, job: Job, token: int, next_pos: int, events) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""
-        if token in self._eog and not job.options.ignore_eos:
+        if self._ends(job, token):
             self._text(job, events)
             self._finish(job, "stop", events)
             return False
         job.generated.append(token)
         if not self._pending or self._pending[-1] is not job:
             self._pending.append(job)
-        if (job.options.max_tokens is not None and len(job.generated) >= job.options.max_tokens) or (
-            next_pos + 1 >= self.model.info.context_length
-        ):
+        if self._full(job, len(job.generated), next_pos):
             self._finish(job, "stop" if self._text(job, events) else "length", events)
             return False
         return True
+
+    def _ends(self, job: Job, token: int) -> bool:
+        """Whether `token` ends the job's reply (end of generation)."""
+        return token in self._eog and not job.options.ignore_eos
+
+    def _full(self, job: Job, generated: int, next_pos: int) -> bool:
+        """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached
+        its max_tokens or the context."""
+        limit = job.options.max_tokens
+        return (limit is not None and generated >= limit) or next_pos + 1 >= self.model.info.context_length
 
     def _draft_count(self, job: Job, room: int) -> int:
         """How many drafts this job checks this step (0: none)."""

@@ -111,12 +111,10 @@ class Slots:
         lowest free one below it). Called after waiting requests took free slots, so a gap a
         new request fills costs nothing; at most one move a step, since llama.cpp copies the
         whole stream buffer for it."""
-        if self.prefix >= 0 or not active or not self.free:
+        if self.settled(active):
             return
         high = max(active, key=lambda j: j.slot)
         low = min(self.free)
-        if low >= high.slot:
-            return
         self.model.seq_copy(high.slot, low)
         self.model.seq_remove(high.slot)
         self.free.remove(low)

@@ -73,7 +73,9 @@ def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=
         model = LlamaBackend().load(path, opts, progress)
         return Queued(model) if start_ahead else model
 
-    engine = Engine(load, lambda fn: fn(), batch=batch, prefix=prefix, start_ahead=None if start_ahead else start_ahead)
+    # start_ahead None: the engine follows the model (the CPU's llama_decode: not ahead).
+    engine = Engine(load, lambda fn: fn(), batch=batch, prefix=prefix,
+                    start_ahead=False if start_ahead is False else None)
     engine.load_model()
     return engine
 

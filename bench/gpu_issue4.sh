@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 4's benchmark in one device call, on the H200, from the repo root, with .gpu carried:
+#   OUT=$OUT JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
+# For each shape (synthesised, Q4_K_M), the jobs named (default all), each writing to $OUT as it goes:
+#   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py)
+#   loop:   the llama backend alone in llama-batched-bench's loop and in a loop that feeds back its
+#           argmax (loop_bench.py): what any server that samples can reach through llama.cpp
+#   pool:   the prefix pool vs llama-batched-bench -kvu (compare.py --pool)
+#   agent:  32 conversations sharing a 4,000-token system prompt, pool vs none (prefix_bench.py)
+set -euo pipefail
+. bench/gpu_setup.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+shapes=${*:-1b 7b}
+jobs=" ${JOBS:-prefix loop pool agent} "
+for s in $shapes; do
+  if [ ! -f /tmp/m-$s.gguf ]; then
+    python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
+    /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
+    rm -f /tmp/m-$s-f16.gguf
+  fi
+done
+common="--tools /tmp/lc ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128"
+for s in $shapes; do
+  case $jobs in *" prefix "*)
+    python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" | tee -a "$OUT/prefix-off.md";;
+  esac
+  case $jobs in *" loop "*)
+    python3 bench/loop_bench.py /tmp/m-$s.gguf --npl 32,64,128 --gpu-layers 99 \
+      | sed "s/^{/{\"shape\": \"$s\", /" | tee -a "$OUT/loop.jsonl";;
+  esac
+done
+for s in $shapes; do
+  case $jobs in *" pool "*)
+    python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" --pool | tee -a "$OUT/pool.md";;
+  esac
+  case $jobs in *" agent "*)
+    python3 bench/prefix_bench.py /tmp/m-$s.gguf --system 4000 --n 32 --gpu-layers 99 --threads 8 \
+      | sed "s/^{/{\"shape\": \"$s\", /" | tee -a "$OUT/agent.jsonl";;
+  esac
+done

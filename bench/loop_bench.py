@@ -1,0 +1,109 @@
+"""What any loop that samples its tokens can reach through llama.cpp: kinfer's llama backend
+driven alone (no engine, no requests), in passes shaped like llama-batched-bench's.
+
+    python bench/loop_bench.py MODEL.gguf --npl 32,64,128 --gpu-layers 99
+
+For each N in --npl: N sequences (one KV stream each, as `prefix -1`), an --npp-token prompt
+each, then --ntg passes of one token per sequence, every row asking for its logits. Two loops
+over the same passes:
+
+- blind: each pass feeds a token nobody reads the logits for, as llama-batched-bench does. On a
+  GPU llama_decode returns once the pass is queued, so the next call prepares its pass (batch,
+  KV cells, inputs) while the GPU still runs this one.
+- wait: each pass waits for the one before (its logits are ready to read), then feeds a token
+  without reading them: what waiting for a pass costs, the argmax left out.
+- greedy: each pass feeds the argmax of the one before, as a server must. The loop waits for
+  the pass, takes the argmax (over up to 4 threads, as the engine does) and only then calls
+  llama_decode for the next.
+
+Prints one JSON object per line: decode tok/s of each loop and the time of its llama_decode call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+
+import llama_cpp  # noqa: E402,F401  (before numpy: see engine_bench.py)
+
+import numpy as np  # noqa: E402
+
+from kinfer_llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+
+POOL = concurrent.futures.ThreadPoolExecutor(3)
+
+
+def argmax(logits: np.ndarray) -> list[int]:
+    rows = logits.shape[0]
+    if rows < 8:
+        return logits.argmax(axis=1).tolist()
+    bounds = [rows * i // 4 for i in range(5)]
+    parts = [POOL.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]
+    first = logits[: bounds[1]].argmax(axis=1)
+    return np.concatenate([first] + [p.result() for p in parts]).tolist()
+
+
+def run(path: str, npl: int, args) -> dict:
+    opts = LoadOptions(context_length=args.npp + args.ntg + 8, slots=npl, batch=2048, ubatch=512,
+                       threads=args.threads, gpu_layers=args.gpu_layers, flash_attention=True, kv_type="f16")
+    model = LlamaBackend().load(path, opts, lambda f: None)
+    vocab = model.info.n_vocab
+    out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
+    try:
+        for mode in ("blind", "wait", "greedy") * 2:  # each twice, alternating; the best kept
+            for s in range(npl):
+                model.seq_remove(s)
+            prompts = [SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
+                       for s in range(npl)]
+            for i in range(0, npl, max(1, 2048 // args.npp)):
+                model.decode(prompts[i : i + max(1, 2048 // args.npp)])()
+            tokens = [100] * npl
+            calls = 0.0
+            t0 = time.perf_counter()
+            wait = None
+            for step in range(args.ntg):
+                if mode == "greedy" and wait is not None:
+                    tokens = argmax(wait())
+                elif mode == "wait" and wait is not None:
+                    wait()
+                chunks = [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
+                c0 = time.perf_counter()
+                wait = model.decode(chunks)
+                calls += time.perf_counter() - c0
+            wait()
+            dt = time.perf_counter() - t0
+            tps = npl * args.ntg / dt
+            if tps > out.get(f"{mode}_tps", 0):
+                out[f"{mode}_tps"] = round(tps, 1)
+                out[f"{mode}_ms_step"] = round(1000 * dt / args.ntg, 3)
+                out[f"{mode}_ms_decode_call"] = round(1000 * calls / args.ntg, 3)
+        out["wait_over_blind"] = round(out["wait_tps"] / out["blind_tps"], 3)
+        out["greedy_over_blind"] = round(out["greedy_tps"] / out["blind_tps"], 3)
+    finally:
+        model.close()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--npp", type=int, default=128)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("--npl", default="32,64,128")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gpu-layers", type=int, default=-1)
+    args = ap.parse_args()
+    for n in [int(x) for x in args.npl.split(",")]:
+        print(json.dumps(run(args.model, n, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -48,7 +48,13 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         kv_type=args.kv_type,
     )
     ready = threading.Event()
-    engine = Engine(lambda p: LlamaBackend().load(model, opts, p), lambda fn: fn(), batch=args.batch,
+    def load(progress):
+        loaded = LlamaBackend().load(model, opts, progress)
+        if args.device_argmax == "off":  # every row's logits come back; the engine takes the argmax
+            loaded.device_greedy = False
+        return loaded
+
+    engine = Engine(load, lambda fn: fn(), batch=args.batch,
                     on_ready=lambda exc: ready.set(), prefix=args.prefix,
                     start_ahead=False if args.start_ahead == "off" else None)
     engine.start()
@@ -102,6 +108,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
         "steps": engine.steps,
         "started_ahead": engine.started_ahead,
+        "device_argmax": bool(getattr(engine.model, "device_greedy", False)),
     }
 
 
@@ -122,6 +129,8 @@ def main():
     ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see PhaseTimer)")
     ap.add_argument("--start-ahead", choices=["auto", "off"], default="auto",
                     help="off: never start a pass before the last one's tokens are taken (Engine._start_next), to compare")
+    ap.add_argument("--device-argmax", choices=["auto", "off"], default="auto",
+                    help="greedy rows' argmax in llama.cpp's pass where its library has the patch (auto), or on the host (off)")
     ap.add_argument("--argmax-parts", type=int, default=None, help="the argmax's most threads (engine._ARGMAX_PARTS)")
     args = ap.parse_args()
     if args.argmax_parts:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4's benchmark in one device call, on the H200, from the repo root, with .gpu carried:
+# Issue 4's benchmarks in one device call, on the H200, from the repo root, with .gpu carried:
 #   OUT=$OUT JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
 # For each shape (synthesised, Q4_K_M), the jobs named (default all), each writing to $OUT as it goes:
 #   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py)
+#   ab:     greedy rows' argmax in llama.cpp's pass (patches/llama-output-argmax.patch) vs on the host,
+#           engine_bench --device-argmax auto|off, 2 alternating rounds
 #   loop:   the llama backend alone in llama-batched-bench's loop and in a loop that feeds back its
 #           argmax (loop_bench.py): what any server that samples can reach through llama.cpp
 #   pool:   the prefix pool vs llama-batched-bench -kvu (compare.py --pool)
@@ -11,7 +13,7 @@ set -euo pipefail
 . bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 shapes=${*:-1b 7b}
-jobs=" ${JOBS:-prefix loop pool agent} "
+jobs=" ${JOBS:-prefix ab loop pool agent} "
 for s in $shapes; do
   if [ ! -f /tmp/m-$s.gguf ]; then
     python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
@@ -23,6 +25,12 @@ common="--tools /tmp/lc ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ng
 for s in $shapes; do
   case $jobs in *" prefix "*)
     python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" | tee -a "$OUT/prefix-off.md";;
+  esac
+  case $jobs in *" ab "*)
+    for r in 1 2; do for d in auto off; do
+      python3 bench/engine_bench.py /tmp/m-$s.gguf --npp 128 --ntg 128 --npl 32,64,128 --gpu-layers 99 \
+        --kv-type f16 --phases --device-argmax $d | sed "s/^{/{\"shape\": \"$s\", \"round\": $r, /" | tee -a "$OUT/ab.jsonl"
+    done; done;;
   esac
   case $jobs in *" loop "*)
     python3 bench/loop_bench.py /tmp/m-$s.gguf --npl 32,64,128 --gpu-layers 99 \

@@ -244,7 +244,7 @@ class Engine:
         self._eog = frozenset(self.model.eog_tokens())
         ahead = self.start_ahead
         self._ahead = bool(getattr(self.model, "decode_async", False)) if ahead is None else ahead
-        # slot -> whether the device takes its argmax (backends that can: the mlx backend)
+        # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
         self._greedy = {} if getattr(self.model, "device_greedy", False) else None
         if hasattr(self._default_policy, "session"):
             # Now, not at the first request: a load whose policy cannot start (no draft model,

@@ -51,6 +51,8 @@ def _llama():
             L.llama_backend_init()
             # llama-cpp-python 0.3.36 leaves tensor_buft_overrides unbound (patches/README.md).
             llama_cpp_buft.apply(L)
+            global _set_output_argmax, _get_output_argmax
+            _set_output_argmax, _get_output_argmax = _bind_output_argmax()
             _initialised = True
     return L
 
@@ -135,6 +137,12 @@ class LlamaModel:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path!r} (not a GGUF file it can read?)")
         self._mtp = None
+        # With the patched llama.cpp the pass takes greedy rows' argmax (set_device_greedy).
+        self.device_greedy = _set_output_argmax is not None
+        self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
+        self._argmax_mode = 0
+        self._chunks: Sequence[SeqChunk] = ()  # the last pass's, for sampled_tokens
+        self._n_out = 0  # its output rows
         if options.mtp and L.llama_model_n_layer_nextn(self.model) == 0:
             L.llama_model_free(self.model)
             self.model = None
@@ -289,7 +297,15 @@ class LlamaModel:
         total = sum(len(c.tokens) for c in chunks)
         if total > self._batch.capacity:
             raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
-        n_out = self._batch.fill(chunks)
+        n_out = self._n_out = self._batch.fill(chunks)
+        self._chunks = chunks
+        if self._argmax_mode:
+            # Every row greedy: only the token ids come back, not n_vocab logits a row.
+            greedy = self._greedy
+            mode = 2 if greedy and all(c.seq in greedy for c in chunks if c.outputs) else 1
+            if mode != self._argmax_mode:
+                _set_output_argmax(self.ctx, mode)
+                self._argmax_mode = mode
         # On a GPU llama_decode returns once the pass is queued; reading the logits waits for it.
         rc = self.L.llama_decode(self.ctx, self._batch.batch)
         if rc != 0:
@@ -315,6 +331,35 @@ class LlamaModel:
             return out
 
         return logits_and_mirror
+
+    # The argmax of greedy rows in the pass's graph (the engine's device_greedy contract), with
+    # llama.cpp patched (patches/llama-output-argmax.patch): one argmax over every output row,
+    # copied back as token ids; a pass whose rows are all greedy copies no logits at all.
+    # Without the patch the engine takes the argmax over the logits itself.
+    def set_device_greedy(self, seq: int, on: bool) -> bool:
+        if _set_output_argmax is None:
+            return False
+        (self._greedy.add if on else self._greedy.discard)(seq)
+        if on and not self._argmax_mode:
+            _set_output_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
+            self._argmax_mode = 1
+        return True
+
+    def sampled_tokens(self) -> list[int]:
+        """After a pass's wait: each output row's argmax where its sequence is greedy, else -1."""
+        n_out = self._n_out
+        if not self._argmax_mode or not n_out:
+            return [-1] * n_out
+        ptr = _get_output_argmax(self.ctx)
+        ids = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
+        if self._argmax_mode == 2:
+            return ids
+        greedy = self._greedy
+        out = []
+        for c in self._chunks:
+            if c.outputs:
+                out.extend([1 if c.seq in greedy else 0] * c.outputs)
+        return [t if g else -1 for t, g in zip(ids, out)]
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)
@@ -344,6 +389,24 @@ class LlamaModel:
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
+
+
+def _bind_output_argmax():
+    """llama_set_output_argmax / llama_get_output_argmax where the loaded libllama has them
+    (patches/llama-output-argmax.patch), else None."""
+    import llama_cpp.llama_cpp as raw
+
+    lib = raw._lib
+    try:
+        set_fn, get_fn = lib.llama_set_output_argmax, lib.llama_get_output_argmax
+    except AttributeError:
+        return None, None
+    set_fn.argtypes, set_fn.restype = [ctypes.c_void_p, ctypes.c_int32], None
+    get_fn.argtypes, get_fn.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)
+    return set_fn, get_fn
+
+
+_set_output_argmax = _get_output_argmax = None
 
 
 class LlamaBackend:

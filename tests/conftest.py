@@ -6,3 +6,10 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Test helpers (test_engine's, rpcclient) import each other as plain modules.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# kinfer's patched llama.cpp (patches/build_llama.sh, run by the README's test command): load it
+# instead of the wheel's library where it was built.
+_PATCHED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".llama", "lib")
+if os.path.exists(os.path.join(_PATCHED, "libllama.so")) and "LLAMA_CPP_LIB_PATH" not in os.environ:
+    os.environ["LLAMA_CPP_LIB_PATH"] = _PATCHED
+    os.environ["KINFER_TESTS_ON_PATCHED_LLAMA"] = "1"

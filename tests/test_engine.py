@@ -8,7 +8,10 @@ The engine is driven step by step from the test thread, so arrival steps are exa
 from __future__ import annotations
 
 import functools
+import os
 
+import attrs
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,9 +21,10 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine import Engine, GenerateOptions, Job
 from kinfer_rpc.sampling import SamplingOptions
 from kinfer_rpc.store import embedded_default_path
-from kinfer_rpc.types import LoadOptions
+from kinfer_rpc.types import LoadOptions, SeqChunk
 
 CTX = 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = (
     "the quick brown fox jumps over lazy dog code editor agent function return value "
     "Paris France capital river bridge night rain coffee müde café 東京 über naïve "
@@ -61,16 +65,37 @@ class Queued:
         assert not self._queued, "cells copied while a pass is in flight"
         self._model.seq_copy(src, dst, start, end)
 
+    def set_device_greedy(self, seq, on):
+        assert not self._queued, "a sequence's argmax moved while a pass is in flight"
+        return self._model.set_device_greedy(seq, on)
 
-def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True, gpu_layers=-1) -> Engine:
+
+class HostArgmax:
+    """The model with every argmax left to the engine (all logits come back): the reference
+    that the argmax inside the pass (patches/llama-output-argmax.patch) is checked against."""
+
+    device_greedy = False
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True, gpu_layers=-1,
+                device_argmax=True) -> Engine:
     """On the CPU llama_decode waits for its pass, so the engine would not start passes ahead
     of their bookkeeping (Engine._start_next). The tests queue passes as a GPU does (Queued), so
-    it does, and check that path's replies against the reference engine's (`alone`)."""
+    it does, and check that path's replies against the reference engine's (`alone`), which also
+    takes every argmax itself (HostArgmax) where the patched llama.cpp takes it in the pass."""
     path = embedded_default_path()
     opts = LoadOptions(context_length=ctx, slots=slots, batch=batch, ubatch=ubatch, threads=2, gpu_layers=gpu_layers)
 
     def load(progress):
         model = LlamaBackend().load(path, opts, progress)
+        if not device_argmax:
+            model = HostArgmax(model)
         return Queued(model) if start_ahead else model
 
     # start_ahead None: the engine follows the model (the CPU's llama_decode: not ahead).
@@ -111,7 +136,7 @@ def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int, stop: s
 
 @functools.lru_cache(maxsize=1)
 def _alone_engine():
-    return make_engine(slots=1, batch=512, start_ahead=False)
+    return make_engine(slots=1, batch=512, start_ahead=False, device_argmax=False)
 
 
 def _options(max_tokens, temperature, seed, stop=None):
@@ -428,5 +453,103 @@ def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
             engine.step()
         for job in (late, *jobs):
             assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), job.options.max_tokens, 0.0, 0)
+    finally:
+        engine.model.close()
+
+
+def _patched_llama() -> bool:
+    """Whether the loaded libllama has kinfer's argmax patch (patches/build_llama.sh)."""
+    import kinfer_llama
+
+    kinfer_llama._llama()
+    return kinfer_llama._set_output_argmax is not None
+
+
+def test_the_patched_llama_is_loaded_where_it_was_built():
+    """The README's test command builds it into .llama/lib; the tests then run on it (conftest),
+    unless LLAMA_CPP_LIB_PATH names another library."""
+    if not os.environ.get("KINFER_TESTS_ON_PATCHED_LLAMA"):
+        pytest.skip("not built here (bash patches/build_llama.sh), or LLAMA_CPP_LIB_PATH names another library")
+    assert os.environ["LLAMA_CPP_LIB_PATH"] == os.path.join(ROOT, ".llama", "lib") and _patched_llama()
+
+
+needs_patch = pytest.mark.skipif("not _patched_llama()", reason="needs kinfer's patched llama.cpp: bash patches/build_llama.sh")
+
+
+@needs_patch
+def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
+    """patches/llama-output-argmax.patch: a pass ends in one argmax over its output rows. A greedy
+    sequence's rows get it (several rows too: drafts), and it is the host's argmax of the same
+    logits; other rows keep their logits. A pass of only greedy rows copies back no logits, and
+    turning greedy off brings them back."""
+    m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=CTX, slots=4, threads=2), lambda f: None)
+    try:
+        prompt = tokenize(" ".join(WORDS[:20]))
+        chunks = [SeqChunk(0, 0, prompt[:10], 3), SeqChunk(1, 0, prompt[:8], 1),
+                  SeqChunk(2, 0, prompt[:12], 1), SeqChunk(3, 0, prompt[:7], 2)]
+
+        def run():
+            for s in range(4):
+                m.seq_remove(s)
+            return np.array(m.decode(chunks)()), m.sampled_tokens()
+
+        ref, none = run()
+        assert none == [-1] * 7
+        host = ref.argmax(axis=1).tolist()
+        assert m.device_greedy and m.set_device_greedy(0, True) and m.set_device_greedy(2, True)
+        logits, got = run()
+        assert got == host[:3] + [-1, host[4], -1, -1]
+        np.testing.assert_array_equal(logits, ref)  # rows of other sequences need their logits
+        for s in (1, 3):
+            m.set_device_greedy(s, True)
+        logits, got = run()
+        assert got == host and m._argmax_mode == 2  # only token ids came back
+        for s in range(4):
+            m.set_device_greedy(s, False)
+        logits, got = run()
+        assert got == [-1] * 7
+        np.testing.assert_array_equal(logits, ref)
+    finally:
+        m.close()
+
+
+class _RepeatLast:
+    name = "repeat-last"
+
+    def propose(self, history, k):
+        return [history[-1]] * k
+
+
+@needs_patch
+def test_greedy_replies_take_their_argmax_in_the_pass():
+    """A greedy request's rows (a drafting one's too) get their argmax in the pass; a seeded
+    one's logits still come back. Replies are the host-argmax reference's."""
+    engine = make_engine(slots=3, start_ahead=False)
+    model = engine.model
+    sampled = model.sampled_tokens
+    from_pass = []
+
+    def watch():
+        tokens = sampled()
+        from_pass.extend(t for t in tokens if t >= 0)
+        return tokens
+
+    model.sampled_tokens = watch
+    try:
+        prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(3)]
+        drafting = attrs.evolve(_options(16, 0.0, 0), drafts=1, draft_policy=_RepeatLast())
+        jobs = [Job(list(prompts[0]), _options(16, 0.0, 0)),
+                Job(list(prompts[1]), _options(16, 0.7, 5)),
+                Job(list(prompts[2]), drafting)]
+        run_until_done(engine, jobs)
+        assert jobs[2].drafted > 0
+        assert len(from_pass) >= len(jobs[0].generated) + len(jobs[2].generated)
+        for job, t, seed in ((jobs[0], 0.0, 0), (jobs[1], 0.7, 5), (jobs[2], 0.0, 0)):
+            assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), 16, t, seed)
+        # A seeded request taking a greedy slot turns its argmax in the pass off.
+        late = Job(list(prompts[0]), _options(8, 0.7, 1))
+        run_until_done(engine, [late])
+        assert late.slot not in model._greedy
+        assert (tuple(late.generated), late.text, late.stop_reason) == alone(tuple(late.prompt), 8, 0.7, 1)
     finally:
         engine.model.close()

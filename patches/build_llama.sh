@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build llama.cpp exactly as llama-cpp-python 0.3.36 vendors it, with the patches kinfer carries
+# against it (patches/llama-*.patch), into DEST (default: .llama/lib of this checkout). kinfer
+# loads it when LLAMA_CPP_LIB_PATH names that folder (tests/conftest.py sets it when it exists).
+#
+#   bash patches/build_llama.sh [DEST]
+#
+# CPU only and portable (AVX2), like the wheel in ../shared/wheels; CMAKE_ARGS adds options. On the
+# GPU machine bench/gpu_setup.sh builds only libllama this way and keeps the prebuilt CUDA ggml.
+# SRC: a llama.cpp source tree or .tgz to use instead of downloading the sdist from PyPI.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dest=$(realpath -m "${1:-$here/../.llama/lib}")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if [ -n "${SRC:-}" ]; then
+  if [ -d "$SRC" ]; then cp -r "$SRC" "$work/llama.cpp"; else mkdir "$work/llama.cpp" && tar xzf "$SRC" -C "$work/llama.cpp"; fi
+else
+  py=${PYTHON:-python3}
+  [ -x "$here/../.venv/bin/python" ] && py=${PYTHON:-$here/../.venv/bin/python}
+  "$py" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$work"
+  tar xzf "$work"/llama_cpp_python-0.3.36.tar.gz -C "$work"
+  mv "$work"/llama_cpp_python-0.3.36/vendor/llama.cpp "$work/llama.cpp"
+fi
+for p in "$here"/llama-*.patch; do
+  if command -v patch > /dev/null; then patch -d "$work/llama.cpp" -p1 --quiet --forward < "$p"
+  else (cd "$work/llama.cpp" && git apply "$p"); fi
+done
+cmake -S "$work/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF ${CMAKE_ARGS:-} > "$work/cmake.log" 2>&1 \
+  || { cat "$work/cmake.log"; exit 1; }
+cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
+mkdir -p "$dest"
+cp -a "$work"/build/bin/lib*.so* "$dest"/
+echo "$dest"

@@ -91,6 +91,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     decode_tokens = sum(1 for t in times for x in t if x > t_all_in)
     t_decode = t_end - t_all_in
     t_prompt = t_all_in - t0
+    device_argmax = bool(getattr(engine.model, "device_greedy", False))
     engine.stop()
     extra = phases.summary(t_all_in) if phases else {}
     return {
@@ -108,7 +109,7 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
         "steps": engine.steps,
         "started_ahead": engine.started_ahead,
-        "device_argmax": bool(getattr(engine.model, "device_greedy", False)),
+        "device_argmax": device_argmax,
     }
 
 

@@ -351,6 +351,8 @@ class LlamaModel:
         if not self._argmax_mode or not n_out:
             return [-1] * n_out
         ptr = _get_output_argmax(self.ctx)
+        if not ptr:
+            return [-1] * n_out
         ids = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
         if self._argmax_mode == 2:
             return ids

@@ -141,8 +141,8 @@ class LlamaModel:
         self.device_greedy = _set_output_argmax is not None
         self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
         self._argmax_mode = 0
-        self._chunks: Sequence[SeqChunk] = ()  # the last pass's, for sampled_tokens
-        self._n_out = 0  # its output rows
+        self._n_out = 0  # the last pass's output rows
+        self._rows_greedy: list[bool] | None = None  # per output row, at its decode (mode 1)
         if options.mtp and L.llama_model_n_layer_nextn(self.model) == 0:
             L.llama_model_free(self.model)
             self.model = None
@@ -298,11 +298,12 @@ class LlamaModel:
         if total > self._batch.capacity:
             raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
         n_out = self._n_out = self._batch.fill(chunks)
-        self._chunks = chunks
         if self._argmax_mode:
             # Every row greedy: only the token ids come back, not n_vocab logits a row.
             greedy = self._greedy
-            mode = 2 if greedy and all(c.seq in greedy for c in chunks if c.outputs) else 1
+            rows = [c.seq in greedy for c in chunks for _ in range(c.outputs)]
+            mode = 2 if all(rows) else 1
+            self._rows_greedy = None if mode == 2 else rows
             if mode != self._argmax_mode:
                 _set_output_argmax(self.ctx, mode)
                 self._argmax_mode = mode
@@ -335,7 +336,10 @@ class LlamaModel:
     # The argmax of greedy rows in the pass's graph (the engine's device_greedy contract), with
     # llama.cpp patched (patches/llama-output-argmax.patch): one argmax over every output row,
     # copied back as token ids; a pass whose rows are all greedy copies no logits at all.
-    # Without the patch the engine takes the argmax over the logits itself.
+    # Without the patch the engine takes the argmax over the logits itself. An exact tie between
+    # the largest logits may be broken differently than numpy's argmax (lowest id) does; a
+    # greedy request's rows always take this path while the patch is there, so its reply is
+    # still the same whatever runs beside it.
     def set_device_greedy(self, seq: int, on: bool) -> bool:
         if _set_output_argmax is None:
             return False
@@ -354,14 +358,11 @@ class LlamaModel:
         if not ptr:
             return [-1] * n_out
         ids = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
-        if self._argmax_mode == 2:
+        if self._rows_greedy is None:  # mode 2: no logits came back to fall back on
+            if min(ids) < 0:  # a row of NaN or -inf logits has no argmax
+                raise RuntimeError("the model produced logits without a largest value (NaN) for a greedy row")
             return ids
-        greedy = self._greedy
-        out = []
-        for c in self._chunks:
-            if c.outputs:
-                out.extend([1 if c.seq in greedy else 0] * c.outputs)
-        return [t if g else -1 for t, g in zip(ids, out)]
+        return [t if g else -1 for t, g in zip(ids, self._rows_greedy)]
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)

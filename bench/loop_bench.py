@@ -13,7 +13,7 @@ over the same passes:
 - wait: each pass waits for the one before (its logits are ready to read), then feeds a token
   without reading them: what waiting for a pass costs, the argmax left out.
 - greedy: each pass feeds the argmax of the one before, as a server must. The loop waits for
-  the pass, takes the argmax (over up to 4 threads, as the engine does) and only then calls
+  the pass, takes the argmax with the engine's own code (Engine._argmax) and only then calls
   llama_decode for the next.
 
 Prints one JSON object per line: decode tok/s of each loop and the time of its llama_decode call.
@@ -22,7 +22,6 @@ Prints one JSON object per line: decode tok/s of each loop and the time of its l
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import sys
@@ -33,22 +32,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
 import llama_cpp  # noqa: E402,F401  (before numpy: see engine_bench.py)
 
-import numpy as np  # noqa: E402
-
 from kinfer_llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine import Engine  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
-POOL = concurrent.futures.ThreadPoolExecutor(3)
-
-
-def argmax(logits: np.ndarray) -> list[int]:
-    rows = logits.shape[0]
-    if rows < 8:
-        return logits.argmax(axis=1).tolist()
-    bounds = [rows * i // 4 for i in range(5)]
-    parts = [POOL.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]
-    first = logits[: bounds[1]].argmax(axis=1)
-    return np.concatenate([first] + [p.result() for p in parts]).tolist()
+# An engine never started, for its argmax over a pass's rows (split over threads as it splits it).
+argmax = Engine(lambda progress: None, lambda fn: fn())._argmax
 
 
 def run(path: str, npl: int, args) -> dict:

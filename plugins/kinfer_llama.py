@@ -301,9 +301,9 @@ class LlamaModel:
         if self._argmax_mode:
             # Every row greedy: only the token ids come back, not n_vocab logits a row.
             greedy = self._greedy
-            rows = [c.seq in greedy for c in chunks for _ in range(c.outputs)]
-            mode = 2 if all(rows) else 1
-            self._rows_greedy = None if mode == 2 else rows
+            mode = 2 if all(c.seq in greedy for c in chunks if c.outputs) else 1
+            # Which rows the pass samples, for a pass that also copies logits back.
+            self._rows_greedy = None if mode == 2 else [c.seq in greedy for c in chunks for _ in range(c.outputs)]
             if mode != self._argmax_mode:
                 _set_output_argmax(self.ctx, mode)
                 self._argmax_mode = mode

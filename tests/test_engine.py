@@ -513,17 +513,12 @@ def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
         m.close()
 
 
-class _RepeatLast:
-    name = "repeat-last"
-
-    def propose(self, history, k):
-        return [history[-1]] * k
-
-
 @needs_patch
 def test_greedy_replies_take_their_argmax_in_the_pass():
     """A greedy request's rows (a drafting one's too) get their argmax in the pass; a seeded
     one's logits still come back. Replies are the host-argmax reference's."""
+    from test_drafts import RepeatLast  # here: test_drafts imports this module
+
     engine = make_engine(slots=3, start_ahead=False)
     model = engine.model
     sampled = model.sampled_tokens
@@ -537,7 +532,7 @@ def test_greedy_replies_take_their_argmax_in_the_pass():
     model.sampled_tokens = watch
     try:
         prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(3)]
-        drafting = attrs.evolve(_options(16, 0.0, 0), drafts=1, draft_policy=_RepeatLast())
+        drafting = attrs.evolve(_options(16, 0.0, 0), drafts=1, draft_policy=RepeatLast())
         jobs = [Job(list(prompts[0]), _options(16, 0.0, 0)),
                 Job(list(prompts[1]), _options(16, 0.7, 5)),
                 Job(list(prompts[2]), drafting)]

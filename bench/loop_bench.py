@@ -15,6 +15,8 @@ over the same passes:
 - greedy: each pass feeds the argmax of the one before, as a server must. The loop waits for
   the pass, takes the argmax with the engine's own code (Engine._argmax) and only then calls
   llama_decode for the next.
+- device (only with llama.cpp patched, patches/llama-output-argmax.patch): as greedy, but the
+  pass takes the argmax in its graph and copies back token ids, no logits.
 
 Prints one JSON object per line: decode tok/s of each loop and the time of its llama_decode call.
 """
@@ -47,9 +49,12 @@ def run(path: str, npl: int, args) -> dict:
     vocab = model.info.n_vocab
     out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
     try:
-        for mode in ("blind", "wait", "greedy") * 2:  # each twice, alternating; the best kept
+        modes = ("blind", "wait", "greedy") + (("device",) if model.device_greedy else ())
+        for mode in modes * 2:  # each twice, alternating; the best kept
             for s in range(npl):
                 model.seq_remove(s)
+                if model.device_greedy:
+                    model.set_device_greedy(s, mode == "device")
             prompts = [SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
                        for s in range(npl)]
             for i in range(0, npl, max(1, 2048 // args.npp)):
@@ -61,6 +66,9 @@ def run(path: str, npl: int, args) -> dict:
             for step in range(args.ntg):
                 if mode == "greedy" and wait is not None:
                     tokens = argmax(wait())
+                elif mode == "device" and wait is not None:
+                    wait()
+                    tokens = model.sampled_tokens()
                 elif mode == "wait" and wait is not None:
                     wait()
                 chunks = [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
@@ -76,6 +84,8 @@ def run(path: str, npl: int, args) -> dict:
                 out[f"{mode}_ms_decode_call"] = round(1000 * calls / args.ntg, 3)
         out["wait_over_blind"] = round(out["wait_tps"] / out["blind_tps"], 3)
         out["greedy_over_blind"] = round(out["greedy_tps"] / out["blind_tps"], 3)
+        if "device_tps" in out:
+            out["device_over_blind"] = round(out["device_tps"] / out["blind_tps"], 3)
     finally:
         model.close()
     return out

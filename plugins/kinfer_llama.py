@@ -347,6 +347,9 @@ class LlamaModel:
         if on and not self._argmax_mode:
             _set_output_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
             self._argmax_mode = 1
+        elif not self._greedy and self._argmax_mode:
+            _set_output_argmax(self.ctx, 0)  # no sequence greedy: the graph leaves the argmax out
+            self._argmax_mode = 0
         return True
 
     def sampled_tokens(self) -> list[int]:

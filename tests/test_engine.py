@@ -481,7 +481,7 @@ def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
     """patches/llama-output-argmax.patch: a pass ends in one argmax over its output rows. A greedy
     sequence's rows get it (several rows too: drafts), and it is the host's argmax of the same
     logits; other rows keep their logits. A pass of only greedy rows copies back no logits, and
-    turning greedy off brings them back."""
+    turning greedy off brings them back (with no greedy sequence the graph has no argmax)."""
     m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=CTX, slots=4, threads=2), lambda f: None)
     try:
         prompt = tokenize(" ".join(WORDS[:20]))
@@ -507,7 +507,11 @@ def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
         for s in range(4):
             m.set_device_greedy(s, False)
         logits, got = run()
-        assert got == [-1] * 7
+        assert got == [-1] * 7 and m._argmax_mode == 0  # no greedy sequence: no argmax in the graph
+        np.testing.assert_array_equal(logits, ref)
+        assert m.set_device_greedy(0, True)  # and back
+        logits, got = run()
+        assert got == host[:3] + [-1] * 4
         np.testing.assert_array_equal(logits, ref)
     finally:
         m.close()

@@ -37,21 +37,24 @@ class PhaseTimer:
         engine._plan = timed("plan", engine._plan)
         engine._drain_text = timed("text", engine._drain_text)
 
-        def decode(chunks):
-            t = time.perf_counter()
-            if waited[0]:
-                current["gap"] = t - waited[0]
-            wait = inner(chunks)
-            current["call"] = time.perf_counter() - t
-
-            def timed_wait():
+        def launch(inner):  # decode(chunks), and decode_next(tokens) where the backend has it
+            def call(arg):
                 t = time.perf_counter()
-                out = wait()
-                waited[0] = time.perf_counter()
-                current["wait"] = waited[0] - t
-                return out
+                if waited[0]:
+                    current["gap"] = t - waited[0]
+                wait = inner(arg)
+                current["call"] = time.perf_counter() - t
 
-            return timed_wait
+                def timed_wait():
+                    t = time.perf_counter()
+                    out = wait()
+                    waited[0] = time.perf_counter()
+                    current["wait"] = waited[0] - t
+                    return out
+
+                return timed_wait
+
+            return call
 
         def timed_step():
             current.clear()
@@ -63,7 +66,9 @@ class PhaseTimer:
             self.rows.append((t, *(current.get(k, 0.0) for k in self.PARTS)))
             return busy
 
-        model.decode = decode
+        model.decode = launch(inner)
+        if hasattr(model, "decode_next"):
+            model.decode_next = launch(model.decode_next)
         engine.step = timed_step
 
     def summary(self, after: float = 0.0) -> dict:

@@ -481,16 +481,25 @@ class Engine:
         thrown away, as a stop string's always was."""
         if self._queue and self.slots.free:  # someone joins at the next step
             return
-        nxt = []
-        for chunk, job, token in zip(chunks, owners, best):
-            # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
-            if (job.cancelled or job.stop_reason is not None or self._ends(job, token)
-                    or self._full(job, len(job.generated) + 1, chunk.pos + 1)):
-                return
-            nxt.append(SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1))
         if not self.slots.settled(owners):
             return
-        self._running = (nxt, owners, self.model.decode(nxt))
+        ends, full = self._ends, self._full
+        for chunk, job, token in zip(chunks, owners, best):
+            # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
+            if (job.cancelled or job.stop_reason is not None or ends(job, token)
+                    or full(job, len(job.generated) + 1, chunk.pos + 1)):
+                return
+        # The device waits from the last pass's end until this call: a backend that can repeat
+        # the last pass one token further (decode_next) is spared reading chunks, which are
+        # built once the pass runs.
+        decode_next = getattr(self.model, "decode_next", None)
+        if decode_next is not None:
+            wait = decode_next(best)
+            nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
+        else:
+            nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
+            wait = self.model.decode(nxt)
+        self._running = (nxt, owners, wait)
         self.started_ahead += 1
 
     def _append(self, job: Job, token: int, next_pos: int, events) -> bool:

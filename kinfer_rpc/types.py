@@ -133,6 +133,11 @@ class LoadedModel(Protocol):
     # Optional: `decode_async = True` when decode() returns before the pass is done (it queues
     # the pass on a device). The engine may then start a pass before taking the tokens of the
     # one before, so the device does not wait for that bookkeeping (Engine._start_next).
+    # Optional, with it: `decode_next(tokens)`, the same as decode() of the last pass's rows one
+    # token further (row i's sequence gets tokens[i] at its next position), called only right
+    # after a pass whose rows were one token each, all asking for logits, with no cells removed
+    # or copied and no set_device_greedy since: the engine's steady step, started with no chunks
+    # to read. It raises ValueError when the last pass was not such a pass.
 
 
 class Backend(Protocol):

@@ -141,6 +141,7 @@ class LlamaModel:
         self.device_greedy = _set_output_argmax is not None
         self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
         self._argmax_mode = 0
+        self._next_ok = False  # whether decode_next may repeat the last pass (see decode)
         self._n_out = 0  # the last pass's output rows
         self._rows_greedy: list[bool] | None = None  # per output row, at its decode (mode 1)
         if options.mtp and L.llama_model_n_layer_nextn(self.model) == 0:
@@ -298,7 +299,25 @@ class LlamaModel:
         if total > self._batch.capacity:
             raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
         n_out = self._n_out = self._batch.fill(chunks)
-        if self._argmax_mode:
+        # decode_next may repeat this pass one token further: every row one token, with its logits.
+        self._next_ok = self._mtp is None and n_out == total
+        return self._launch(chunks, total, n_out)
+
+    def decode_next(self, tokens: Sequence[int]):
+        """The last pass's rows again, each one token further on: row i's sequence gets tokens[i]
+        at the next position. Only after a pass of one token a row, each asking for its logits
+        (the engine's steady decode step); the batch is updated in place, with no chunks to read."""
+        n = self._batch.batch.n_tokens
+        if not (self._next_ok and n and len(tokens) == n):
+            # Nor after cells were removed or copied, or a sequence's argmax moved, since then.
+            raise ValueError("decode_next follows only a pass of one token a row, with as many tokens")
+        b = self._batch
+        b.token[:n] = tokens
+        b.pos[:n] += 1
+        return self._launch(None, n, n)
+
+    def _launch(self, chunks, total, n_out):
+        if self._argmax_mode and chunks is not None:  # decode_next: the rows, so the mode, are the same
             # Every row greedy: only the token ids come back, not n_vocab logits a row.
             greedy = self._greedy
             mode = 2 if all(c.seq in greedy for c in chunks if c.outputs) else 1
@@ -310,6 +329,7 @@ class LlamaModel:
         # On a GPU llama_decode returns once the pass is queued; reading the logits waits for it.
         rc = self.L.llama_decode(self.ctx, self._batch.batch)
         if rc != 0:
+            self._next_ok = False
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
         def logits() -> np.ndarray:
@@ -343,6 +363,7 @@ class LlamaModel:
     def set_device_greedy(self, seq: int, on: bool) -> bool:
         if _set_output_argmax is None:
             return False
+        self._next_ok = False
         (self._greedy.add if on else self._greedy.discard)(seq)
         if on and not self._argmax_mode:
             _set_output_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
@@ -368,11 +389,13 @@ class LlamaModel:
         return [t if g else -1 for t, g in zip(ids, self._rows_greedy)]
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
+        self._next_ok = False
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)
         if self._mtp is not None:
             self._mtp.seq_remove(seq, start, end)
 
     def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
+        self._next_ok = False
         self.L.llama_memory_seq_cp(self.mem, src, dst, start, end)
         if self._mtp is not None:
             self._mtp.seq_copy(src, dst, start, end)

@@ -57,6 +57,17 @@ class Queued:
 
         return wait
 
+    def decode_next(self, tokens):
+        assert not self._queued, "a pass was started before the last one was waited for"
+        tokens = list(tokens)
+        self._queued = True
+
+        def wait():
+            self._queued = False
+            return self._model.decode_next(tokens)()
+
+        return wait
+
     def seq_remove(self, seq, start=0, end=-1):
         assert not self._queued, "cells removed while a pass is in flight"
         self._model.seq_remove(seq, start, end)
@@ -390,7 +401,18 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
                        if len(c.tokens) == 1 and by_slot[c.seq].generated)
             return decode(chunks)
 
+        decode_next = engine.model.decode_next
+        nexts = [0]
+
+        def watch_next(tokens):  # a pass started ahead: the last pass's rows, in slot order
+            rows = sorted(engine._active, key=lambda j: j.slot)
+            assert len(rows) == len(tokens)
+            fed.extend((t, j.generated[-1]) for t, j in zip(tokens, rows))
+            nexts[0] += 1
+            return decode_next(tokens)
+
         engine.model.decode = watch
+        engine.model.decode_next = watch_next
         for job in jobs:
             engine.submit(job)
         for _ in range(30):
@@ -405,7 +427,7 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
         engine.submit(late)
         while any(j.stop_reason is None for j in (late, *jobs)):
             engine.step()
-        assert engine.started_ahead > 20
+        assert engine.started_ahead > 20 and nexts[0] == engine.started_ahead  # all by decode_next
         assert any(token != last for token, last in fed)  # fed before being taken
         assert not engine._active
         assert jobs[1].stop_reason == "stop" and stop not in jobs[1].text
@@ -455,6 +477,37 @@ def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
             assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), job.options.max_tokens, 0.0, 0)
     finally:
         engine.model.close()
+
+
+def test_decode_next_is_the_last_pass_one_token_further():
+    """decode_next(tokens) gives the logits decode() gives for the same rows one position on,
+    and refuses where the last pass was not one token a row or cells moved since."""
+    m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=CTX, slots=3, threads=2), lambda f: None)
+    try:
+        prompt = tokenize(" ".join(WORDS[:12]))
+
+        def start():
+            for s in range(3):
+                m.seq_remove(s)
+            m.decode([SeqChunk(s, 0, prompt[: 6 + s], 1) for s in range(3)])()
+            with pytest.raises(ValueError):  # a pass of prompts is not one token a row
+                m.decode_next([5, 6, 7])
+            return np.array(m.decode([SeqChunk(s, 6 + s, (100 + s,), 1) for s in range(3)])())
+
+        start()
+        tokens = [200, 300, 400]
+        ref = np.array(m.decode([SeqChunk(s, 7 + s, (tokens[s],), 1) for s in range(3)])())
+        ref2 = np.array(m.decode([SeqChunk(s, 8 + s, (tokens[s] + 1,), 1) for s in range(3)])())
+        start()
+        np.testing.assert_array_equal(np.array(m.decode_next(tokens)()), ref)
+        np.testing.assert_array_equal(np.array(m.decode_next([t + 1 for t in tokens])()), ref2)
+        with pytest.raises(ValueError):
+            m.decode_next([1, 2])  # not one token a row
+        m.seq_remove(2, 9)
+        with pytest.raises(ValueError):
+            m.decode_next([1, 2, 3])  # cells moved since
+    finally:
+        m.close()
 
 
 def _patched_llama() -> bool:

@@ -360,14 +360,14 @@ def test_compaction_moves_the_highest_busy_slot_down():
             engine.submit(job)
         while jobs[0].stop_reason is None:
             engine.step()
-        engine.step()
-        assert sorted(j.slot for j in jobs[1:]) == [0, 1]  # no gap: slot 2 moved into 0
         # The moved job is last in admission order but first by slot: a pass lists its chunks
-        # by slot, so llama.cpp runs both sequences in one pass.
+        # by slot, so llama.cpp runs both sequences in one pass (passes started ahead after it,
+        # by decode_next, repeat its rows).
         passes = []
         decode = engine.model.decode
         engine.model.decode = lambda chunks: passes.append([c.seq for c in chunks]) or decode(chunks)
         engine.step()
+        assert sorted(j.slot for j in jobs[1:]) == [0, 1]  # no gap: slot 2 moved into 0
         assert passes == [[0, 1]]
         engine.model.decode = decode
         run_until_done(engine, [])

@@ -20,6 +20,18 @@ M.REQUEST_CANCELLED = -32800
 local Client = {}
 Client.__index = Client
 
+-- Run fn on the main loop, keeping the order the server's messages came in. Neovim schedules
+-- dispatchers and answer callbacks itself (0.7 does; where it calls one in a fast event, it is
+-- scheduled here): scheduling a stream's pieces again would run its last pieces after its answer,
+-- which drops them.
+local function in_order(fn)
+  if vim.in_fast_event() then
+    vim.schedule(fn)
+  else
+    fn()
+  end
+end
+
 local function start_rpc(cmd, dispatchers)
   if vim.fn.has('nvim-0.10') == 1 then
     return vim.lsp.rpc.start(cmd, dispatchers)
@@ -41,11 +53,11 @@ function M.start(opts)
     notification = function(method, params)
       if method == '$/progress' and type(params) == 'table' and self.streams[params.token] then
         local handler = self.streams[params.token]
-        vim.schedule(function()
+        in_order(function()
           handler(params.value)
         end)
       elseif opts.on_notification then
-        vim.schedule(function()
+        in_order(function()
           opts.on_notification(method, params)
         end)
       end
@@ -136,7 +148,9 @@ function Client:request(method, params, on_done, on_piece)
       return finish({ code = M.REQUEST_CANCELLED, message = 'cancelled' })
     end
     local ok, id = self.rpc.request(method, params, function(err, result)
-      finish(err, result)
+      in_order(function()
+        finish(err, result)
+      end)
     end, function()
       -- Any answer came; a cancelled request's (-32800) never reaches the callback above.
       vim.schedule(function()

@@ -9,6 +9,8 @@
 #           argmax (loop_bench.py): what any server that samples can reach through llama.cpp
 #   pool:   the prefix pool vs llama-batched-bench -kvu (compare.py --pool)
 #   agent:  32 conversations sharing a 4,000-token system prompt, pool vs none (prefix_bench.py)
+#   profile: py-spy (its wheel in .gpu) over the engine's steps and over loop_bench's device loop,
+#           64 at once, 1024 tokens each: where the host's time goes (spy_summary.py)
 set -euo pipefail
 . bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -31,6 +33,17 @@ for s in $shapes; do
       python3 bench/engine_bench.py /tmp/m-$s.gguf --npp 128 --ntg 128 --npl 32,64,128 --gpu-layers 99 \
         --kv-type f16 --phases --device-argmax $d | sed "s/^{/{\"shape\": \"$s\", \"round\": $r, /" | tee -a "$OUT/ab.jsonl"
     done; done;;
+  esac
+  case $jobs in *" profile "*)
+    spy="/tmp/site/bin/py-spy record -r 2000 --native -f raw"
+    $spy -o "$OUT/spy-engine-$s.txt" -- python3 bench/engine_bench.py /tmp/m-$s.gguf --npp 128 --ntg 1024 --npl 64 \
+      --gpu-layers 99 --kv-type f16 --prefix -1 --phases >>"$OUT/profile-$s.txt" 2>/dev/null
+    $spy -o "$OUT/spy-loop-$s.txt" -- python3 bench/loop_bench.py /tmp/m-$s.gguf --npl 64 --ntg 1024 \
+      --gpu-layers 99 --modes device >>"$OUT/profile-$s.txt" 2>/dev/null
+    for w in "engine Engine.step" "loop loop_bench.py"; do set -- $w
+      echo "## $1 ($2)"; python3 bench/spy_summary.py "$OUT/spy-$1-$s.txt" "$2"
+    done >>"$OUT/profile-$s.txt"
+    set --;;
   esac
   case $jobs in *" loop "*)
     python3 bench/loop_bench.py /tmp/m-$s.gguf --npl 32,64,128 --gpu-layers 99 \

@@ -50,6 +50,7 @@ def run(path: str, npl: int, args) -> dict:
     out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
     try:
         modes = ("blind", "wait", "greedy") + (("device",) if model.device_greedy else ())
+        modes = tuple(m for m in modes if m in args.modes.split(","))
         for mode in modes * 2:  # each twice, alternating; the best kept
             for s in range(npl):
                 model.seq_remove(s)
@@ -82,10 +83,9 @@ def run(path: str, npl: int, args) -> dict:
                 out[f"{mode}_tps"] = round(tps, 1)
                 out[f"{mode}_ms_step"] = round(1000 * dt / args.ntg, 3)
                 out[f"{mode}_ms_decode_call"] = round(1000 * calls / args.ntg, 3)
-        out["wait_over_blind"] = round(out["wait_tps"] / out["blind_tps"], 3)
-        out["greedy_over_blind"] = round(out["greedy_tps"] / out["blind_tps"], 3)
-        if "device_tps" in out:
-            out["device_over_blind"] = round(out["device_tps"] / out["blind_tps"], 3)
+        for mode in modes[1:]:
+            if "blind_tps" in out:
+                out[f"{mode}_over_blind"] = round(out[f"{mode}_tps"] / out["blind_tps"], 3)
     finally:
         model.close()
     return out
@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--npl", default="32,64,128")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gpu-layers", type=int, default=-1)
+    ap.add_argument("--modes", default="blind,wait,greedy,device", help="which loops to run (device: patched llama.cpp only)")
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:
         print(json.dumps(run(args.model, n, args)), flush=True)

@@ -4,7 +4,8 @@
 
 On the GPU a step is: the backend's decode() call (llama_decode queues the pass), the wait for
 the pass, then the engine's host work (the argmax over every row's logits, taking the tokens,
-planning the next pass), during which the device is idle. This drives the real engine with a
+planning the next pass), during which the device is idle. --model picks stand-ins for the llama
+backend without the argmax patch (host), with it (device), and with decode_next (device-next). This drives the real engine with a
 stand-in model whose passes are instant and whose logits are a fixed array of the real shape, so
 each step's time is only that host work (plus the text work, which on a device overlaps the pass:
 it is timed apart). Not evidence that anything decodes: bench/compare.py measures that.
@@ -67,8 +68,35 @@ class InstantModel:
         pass
 
 
-def run(npl: int, vocab: int, steps: int) -> dict:
-    model = InstantModel(npl, vocab, steps + 64)
+class DeviceArgmaxModel(InstantModel):
+    """As the llama backend with llama.cpp patched: the pass takes greedy rows' argmax and
+    copies back token ids (sampled_tokens), no logits."""
+
+    device_greedy = True
+
+    def decode(self, chunks):
+        self.n = sum(c.outputs for c in chunks)
+        return lambda: self.logits[: self.n]
+
+    def set_device_greedy(self, seq, on):
+        return True
+
+    def sampled_tokens(self):
+        return [7] * self.n
+
+
+class DeviceArgmaxNextModel(DeviceArgmaxModel):
+    """... and decode_next: the last pass's rows one token further, with no chunks to read."""
+
+    def decode_next(self, tokens):
+        return lambda: self.logits[: self.n]
+
+
+MODELS = {"host": InstantModel, "device": DeviceArgmaxModel, "device-next": DeviceArgmaxNextModel}
+
+
+def run(npl: int, vocab: int, steps: int, kind: str = "host") -> dict:
+    model = MODELS[kind](npl, vocab, steps + 64)
     engine = Engine(lambda p: model, lambda fn: fn(), batch=2048, prefix=-1)
     engine.load_model()
     options = GenerateOptions(max_tokens=steps + 8, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
@@ -83,7 +111,7 @@ def run(npl: int, vocab: int, steps: int) -> dict:
     ms = timer.summary()
     engine.stop()
     host = ms["ms_step"] - ms["ms_text"]
-    return {"npl": npl, "vocab": vocab, "ms_step_host": round(host, 3), "ms_argmax": ms["ms_argmax"],
+    return {"model": kind, "npl": npl, "vocab": vocab, "ms_step_host": round(host, 3), "ms_argmax": ms["ms_argmax"],
             "ms_plan": ms["ms_plan"], "ms_rest": round(host - ms["ms_argmax"] - ms["ms_plan"], 3),
             "ms_text_overlapped": ms["ms_text"], "ms_gap_device_idle": ms["ms_gap"], "cpus": os.cpu_count()}
 
@@ -93,9 +121,13 @@ def main():
     ap.add_argument("--npl", default="32,64,128")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", default="host,device,device-next",
+                    help="stand-ins: host (the engine takes the argmax), device (the pass takes it), "
+                         "device-next (and the backend has decode_next)")
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:
-        print(json.dumps(run(n, args.vocab, args.steps)), flush=True)
+        for kind in args.model.split(","):
+            print(json.dumps(run(n, args.vocab, args.steps, kind)), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@
 
 On the GPU a step is: the backend's decode() call (llama_decode queues the pass), the wait for
 the pass, then the engine's host work (the argmax over every row's logits, taking the tokens,
-planning the next pass), during which the device is idle. --model picks stand-ins for the llama
-backend without the argmax patch (host), with it (device), and with decode_next (device-next). This drives the real engine with a
+planning the next pass), during which the device is idle. This drives the real engine with a
 stand-in model whose passes are instant and whose logits are a fixed array of the real shape, so
 each step's time is only that host work (plus the text work, which on a device overlaps the pass:
-it is timed apart). Not evidence that anything decodes: bench/compare.py measures that.
+it is timed apart). --model picks stand-ins for the llama backend without the argmax patch
+(host), with it (device), and with decode_next too (device-next). Not evidence that anything
+decodes: bench/compare.py measures that.
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ def run(path: str, npl: int, args) -> dict:
                 out[f"{mode}_tps"] = round(tps, 1)
                 out[f"{mode}_ms_step"] = round(1000 * dt / args.ntg, 3)
                 out[f"{mode}_ms_decode_call"] = round(1000 * calls / args.ntg, 3)
-        for mode in modes[1:]:
-            if "blind_tps" in out:
+        if "blind" in modes:
+            for mode in modes[1:]:
                 out[f"{mode}_over_blind"] = round(out[f"{mode}_tps"] / out["blind_tps"], 3)
     finally:
         model.close()

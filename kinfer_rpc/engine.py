@@ -493,13 +493,9 @@ class Engine:
         # the last pass one token further (decode_next) is spared reading chunks, which are
         # built once the pass runs.
         decode_next = getattr(self.model, "decode_next", None)
-        if decode_next is not None:
-            wait = decode_next(best)
-            nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
-        else:
-            nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
-            wait = self.model.decode(nxt)
-        self._running = (nxt, owners, wait)
+        wait = decode_next(best) if decode_next is not None else None
+        nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
+        self._running = (nxt, owners, wait or self.model.decode(nxt))
         self.started_ahead += 1
 
     def _append(self, job: Job, token: int, next_pos: int, events) -> bool:

@@ -46,27 +46,22 @@ class Queued:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def decode(self, chunks):
+    def _queue(self, run, arg):
         assert not self._queued, "a pass was started before the last one was waited for"
-        chunks = list(chunks)
+        arg = list(arg)
         self._queued = True
 
         def wait():
             self._queued = False
-            return self._model.decode(chunks)()
+            return run(arg)()
 
         return wait
+
+    def decode(self, chunks):
+        return self._queue(self._model.decode, chunks)
 
     def decode_next(self, tokens):
-        assert not self._queued, "a pass was started before the last one was waited for"
-        tokens = list(tokens)
-        self._queued = True
-
-        def wait():
-            self._queued = False
-            return self._model.decode_next(tokens)()
-
-        return wait
+        return self._queue(self._model.decode_next, tokens)
 
     def seq_remove(self, seq, start=0, end=-1):
         assert not self._queued, "cells removed while a pass is in flight"

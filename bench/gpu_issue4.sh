@@ -2,7 +2,9 @@
 # Issue 4's benchmarks in one device call, on the H200, from the repo root, with .gpu carried:
 #   OUT=$OUT JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
 # For each shape (synthesised, Q4_K_M), the jobs named (default all), each writing to $OUT as it goes:
-#   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py)
+#   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py),
+#           ROUNDS times alternating (default 3; the medians), llama-batched-bench also on the patched
+#           libllama when there is one
 #   ab:     greedy rows' argmax in llama.cpp's pass (patches/llama-output-argmax.patch) vs on the host,
 #           engine_bench --device-argmax auto|off, 2 alternating rounds
 #   loop:   the llama backend alone in llama-batched-bench's loop and in a loop that feeds back its
@@ -23,10 +25,15 @@ for s in $shapes; do
     rm -f /tmp/m-$s-f16.gguf
   fi
 done
+patched=
+if [ "$LLAMA_CPP_LIB_PATH" = /tmp/lcp ]; then  # which libllama llama-batched-bench loads on it
+  patched=1; LD_LIBRARY_PATH=/tmp/lcp:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama || true
+fi
 common="--tools /tmp/lc ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128"
 for s in $shapes; do
   case $jobs in *" prefix "*)
-    python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" | tee -a "$OUT/prefix-off.md";;
+    python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" --rounds "${ROUNDS:-3}" \
+      ${patched:+--patched-lib /tmp/lcp} | tee -a "$OUT/prefix-off.md";;
   esac
   case $jobs in *" ab "*)
     for r in 1 2; do for d in auto off; do

@@ -214,6 +214,35 @@ def test_chunked_prompt_matches_one_pass():
         engine.model.close()
 
 
+def test_passes_of_many_ubatches_and_of_one_place_every_sequences_cells():
+    """llama.cpp finds every ubatch's cells before a pass (llama_kv_cache::prepare);
+    patches/llama-kv-prepare.patch skips placing and restoring the last ubatch's. A pass of
+    prompts split into many small ubatches across three streams, then steps of one ubatch (one
+    token a stream), give the logits of the same passes in ubatches of 512, and each stream
+    holds exactly its own positions."""
+    prompt = tokenize(" ".join(WORDS[:24]))
+    lengths = (20, 17, 13)
+
+    def run(ubatch):
+        opts = LoadOptions(context_length=CTX, slots=3, batch=512, ubatch=ubatch, threads=2)
+        m = LlamaBackend().load(embedded_default_path(), opts, lambda f: None)
+        try:
+            out = [np.array(m.decode([SeqChunk(s, 0, prompt[s : s + n], 2) for s, n in enumerate(lengths)])())]
+            for step in range(3):
+                out.append(np.array(m.decode([SeqChunk(s, n + step, (60 + s + step,), 1) for s, n in enumerate(lengths)])()))
+            kept = [(m.L.llama_memory_seq_pos_min(m.mem, s), m.L.llama_memory_seq_pos_max(m.mem, s)) for s in range(3)]
+            return out, kept
+        finally:
+            m.close()
+
+    split, kept = run(8)  # 8 tokens a ubatch: 2 of each sequence at a time
+    whole, _ = run(512)
+    assert kept == [(0, n + 2) for n in lengths]
+    for a, b in zip(split, whole):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def engine4():
     engine = make_engine(slots=4, batch=256)

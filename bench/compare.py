@@ -10,10 +10,10 @@ and the fastest figure of each case is the anchor, while kinfer runs at `--threa
 default for the load when `--threads` is not given (2 with every layer on a GPU).
 
 `--rounds R` runs llama-batched-bench and kinfer's engine R times, alternating, and reports for
-each N the median of the R rounds' ratios (each kinfer run against the llama-batched-bench run
-just before it), with every round's ratio beside it. `--patched-lib DIR` also runs
+each N the median of the R rounds' ratios (each kinfer run against the stock llama-batched-bench
+run of its round), with every round's ratio beside it. `--patched-lib DIR` also runs
 llama-batched-bench on the libllama in DIR (kinfer's patched build, patches/README.md) in each
-round: what the patches give llama.cpp's own loop.
+round, between the two: llama.cpp's own loop on the library kinfer runs on.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ def main():
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
                     help="KV cells for both sides (kinfer's CPU default is q8_0, for invariance)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be 1 or more")
+    if args.patched_lib and not os.path.exists(os.path.join(args.patched_lib, "libllama.so")):
+        ap.error(f"--patched-lib: no libllama.so in {args.patched_lib}")
     npl = [int(x) for x in args.npl.split(",")]
     ours_t = args.threads
     anchor_t = (args.anchor_threads or str(args.threads or os.cpu_count())).split(",")
@@ -91,7 +95,8 @@ def main():
 
     patched_env = None
     if args.patched_lib:
-        patched_env = {**os.environ, "LD_LIBRARY_PATH": args.patched_lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
+        paths = [args.patched_lib] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        patched_env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
     ours_cmd = [sys.executable, os.path.join(HERE, "engine_bench.py"), args.model, "--npp", str(args.npp),
                 "--ntg", str(args.ntg), "--npl", args.npl, "--gpu-layers", str(args.ngl),
                 "--kv-type", args.kv_type, "--phases"] + (["--threads", str(ours_t)] if ours_t else [])

@@ -27,7 +27,7 @@ for s in $shapes; do
 done
 patched=
 if [ "$LLAMA_CPP_LIB_PATH" = /tmp/lcp ]; then  # which libllama llama-batched-bench loads on it
-  patched=1; LD_LIBRARY_PATH=/tmp/lcp:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama || true
+  patched=1; LD_LIBRARY_PATH=/tmp/lcp:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama | tee -a "$OUT/prefix-off.md" || true
 fi
 common="--tools /tmp/lc ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128"
 for s in $shapes; do

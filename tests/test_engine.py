@@ -214,33 +214,43 @@ def test_chunked_prompt_matches_one_pass():
         engine.model.close()
 
 
-def test_passes_of_many_ubatches_and_of_one_place_every_sequences_cells():
-    """llama.cpp finds every ubatch's cells before a pass (llama_kv_cache::prepare);
-    patches/llama-kv-prepare.patch skips placing and restoring the last ubatch's. A pass of
-    prompts split into many small ubatches across three streams, then steps of one ubatch (one
-    token a stream), give the logits of the same passes in ubatches of 512, and each stream
-    holds exactly its own positions."""
+def test_a_pass_of_many_ubatches_places_every_sequences_cells():
+    """llama.cpp finds every ubatch's cells before a pass (llama_kv_cache::prepare), placing each
+    ubatch but the last (patches/llama-kv-prepare.patch) so the next finds other cells. Three
+    prompts in one pass split into 9 ubatches (8 tokens a ubatch, across three KV streams), then
+    one-token steps, give each sequence the logits and positions it gets decoded alone, its
+    prompt in one ubatch."""
     prompt = tokenize(" ".join(WORDS[:24]))
     lengths = (20, 17, 13)
 
-    def run(ubatch):
+    def load(ubatch):
         opts = LoadOptions(context_length=CTX, slots=3, batch=512, ubatch=ubatch, threads=2)
-        m = LlamaBackend().load(embedded_default_path(), opts, lambda f: None)
-        try:
-            out = [np.array(m.decode([SeqChunk(s, 0, prompt[s : s + n], 2) for s, n in enumerate(lengths)])())]
-            for step in range(3):
-                out.append(np.array(m.decode([SeqChunk(s, n + step, (60 + s + step,), 1) for s, n in enumerate(lengths)])()))
-            kept = [(m.L.llama_memory_seq_pos_min(m.mem, s), m.L.llama_memory_seq_pos_max(m.mem, s)) for s in range(3)]
-            return out, kept
-        finally:
-            m.close()
+        return LlamaBackend().load(embedded_default_path(), opts, lambda f: None)
 
-    split, kept = run(8)  # 8 tokens a ubatch: 2 of each sequence at a time
-    whole, _ = run(512)
+    def steps(m, seqs):
+        """The prompts' pass, then 3 steps of one token a sequence: each pass's rows, and each
+        sequence's first and last position in its cells."""
+        out = [np.array(m.decode([SeqChunk(s, 0, prompt[s : s + lengths[s]], 2) for s in seqs])())]
+        for step in range(3):
+            out.append(np.array(m.decode([SeqChunk(s, lengths[s] + step, (60 + s + step,), 1) for s in seqs])()))
+        return out, [(m.L.llama_memory_seq_pos_min(m.mem, s), m.L.llama_memory_seq_pos_max(m.mem, s)) for s in seqs]
+
+    m = load(8)
+    try:
+        together, kept = steps(m, (0, 1, 2))
+    finally:
+        m.close()
     assert kept == [(0, n + 2) for n in lengths]
-    for a, b in zip(split, whole):
-        assert a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
+    m = load(512)
+    try:
+        for s in range(3):
+            alone, kept = steps(m, (s,))
+            assert kept == [(0, lengths[s] + 2)]
+            np.testing.assert_array_equal(together[0][2 * s : 2 * s + 2], alone[0])
+            for t, a in zip(together[1:], alone[1:]):
+                np.testing.assert_array_equal(t[s : s + 1], a)
+    finally:
+        m.close()
 
 
 @pytest.fixture(scope="module")

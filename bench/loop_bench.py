@@ -17,6 +17,11 @@ over the same passes:
   llama_decode for the next.
 - device (only with llama.cpp patched, patches/llama-output-argmax.patch): as greedy, but the
   pass takes the argmax in its graph and copies back token ids, no logits.
+- next: as device, but each pass after the first is the last one a token further
+  (decode_next), as the engine's steady step.
+- busy: as next, with host work of about --busy-ms between starting a pass and waiting for it
+  (Python objects built and dropped, dicts and lists walked), as the engine's bookkeeping and
+  text work: whether work done while a pass runs makes the next llama_decode call slower.
 
 Prints one JSON object per line: decode tok/s of each loop and the time of its llama_decode call.
 """
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +48,14 @@ from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 argmax = Engine(lambda progress: None, lambda fn: fn())._argmax
 
 
+def busy(ms: float) -> None:
+    """About `ms` of host work of the engine's kind: small objects built, walked and dropped."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        rows = [{"seq": i, "text": str(i) * 3, "tokens": [i, i + 1]} for i in range(64)]
+        sum(len(r["text"]) + len(r["tokens"]) for r in rows)
+
+
 def run(path: str, npl: int, args) -> dict:
     opts = LoadOptions(context_length=args.npp + args.ntg + 8, slots=npl, batch=2048, ubatch=512,
                        threads=args.threads, gpu_layers=args.gpu_layers, flash_attention=True, kv_type="f16")
@@ -49,13 +63,13 @@ def run(path: str, npl: int, args) -> dict:
     vocab = model.info.n_vocab
     out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
     try:
-        modes = ("blind", "wait", "greedy") + (("device",) if model.device_greedy else ())
+        modes = ("blind", "wait", "greedy") + (("device", "next", "busy") if model.device_greedy else ())
         modes = tuple(m for m in modes if m in args.modes.split(","))
         for mode in modes * 2:  # each twice, alternating; the best kept
             for s in range(npl):
                 model.seq_remove(s)
                 if model.device_greedy:
-                    model.set_device_greedy(s, mode == "device")
+                    model.set_device_greedy(s, mode in ("device", "next", "busy"))
             prompts = [SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
                        for s in range(npl)]
             for i in range(0, npl, max(1, 2048 // args.npp)):
@@ -67,14 +81,20 @@ def run(path: str, npl: int, args) -> dict:
             for step in range(args.ntg):
                 if mode == "greedy" and wait is not None:
                     tokens = argmax(wait())
-                elif mode == "device" and wait is not None:
+                elif mode in ("device", "next", "busy") and wait is not None:
+                    if mode == "busy":
+                        busy(args.busy_ms)
                     wait()
                     tokens = model.sampled_tokens()
                 elif mode == "wait" and wait is not None:
                     wait()
-                chunks = [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
                 c0 = time.perf_counter()
-                wait = model.decode(chunks)
+                if mode in ("next", "busy") and step:
+                    wait = model.decode_next(tokens)
+                else:
+                    chunks = [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
+                    c0 = time.perf_counter()
+                    wait = model.decode(chunks)
                 calls += time.perf_counter() - c0
             wait()
             dt = time.perf_counter() - t0
@@ -99,10 +119,24 @@ def main():
     ap.add_argument("--npl", default="32,64,128")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gpu-layers", type=int, default=-1)
-    ap.add_argument("--modes", default="blind,wait,greedy,device", help="which loops to run (device: patched llama.cpp only)")
+    ap.add_argument("--modes", default="blind,wait,greedy,device",
+                    help="which loops to run (device, next, busy: patched llama.cpp only)")
+    ap.add_argument("--thread-stack-mb", type=int, default=None,
+                    help="run each loop on a thread of its own with this stack (0: the default stack)")
+    ap.add_argument("--busy-ms", type=float, default=0.4, help="the busy loop's host work while a pass runs")
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:
-        print(json.dumps(run(args.model, n, args)), flush=True)
+        if args.thread_stack_mb is None:
+            out = run(args.model, n, args)
+        else:  # on a thread of its own, as the engine's worker (whose stack is 64 MB)
+            result = {}
+            if args.thread_stack_mb:
+                threading.stack_size(args.thread_stack_mb << 20)
+            worker = threading.Thread(target=lambda: result.update(run(args.model, n, args)))
+            worker.start()
+            worker.join()
+            out = {**result, "thread_stack_mb": args.thread_stack_mb}
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

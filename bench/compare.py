@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+from statistics import median
 import subprocess
 import sys
 
@@ -117,9 +117,6 @@ def main():
         rounds.append((bb, bbp, {r["npl"]: r for r in ours if r["case"] == "batched"},
                        next((r for r in ours if r["case"] == "tg"), None)))
     ours_tg = rounds[0][3]
-
-    def median(values):
-        return statistics.median(values)
 
     label = args.label or os.path.basename(args.model)
     mode = " (kinfer's prefix pool vs -kvu)" if args.pool else " (-kvu)" if args.kvu else " (prefix -1 vs no -kvu)"

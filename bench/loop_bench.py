@@ -46,6 +46,8 @@ from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 # An engine never started, for its argmax over a pass's rows (split over threads as it splits it).
 argmax = Engine(lambda progress: None, lambda fn: fn())._argmax
+# The loops whose passes take the argmax in their graph (patched llama.cpp).
+DEVICE_MODES = ("device", "next", "busy")
 
 
 def busy(ms: float) -> None:
@@ -63,13 +65,13 @@ def run(path: str, npl: int, args) -> dict:
     vocab = model.info.n_vocab
     out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
     try:
-        modes = ("blind", "wait", "greedy") + (("device", "next", "busy") if model.device_greedy else ())
+        modes = ("blind", "wait", "greedy") + (DEVICE_MODES if model.device_greedy else ())
         modes = tuple(m for m in modes if m in args.modes.split(","))
         for mode in modes * 2:  # each twice, alternating; the best kept
             for s in range(npl):
                 model.seq_remove(s)
                 if model.device_greedy:
-                    model.set_device_greedy(s, mode in ("device", "next", "busy"))
+                    model.set_device_greedy(s, mode in DEVICE_MODES)
             prompts = [SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
                        for s in range(npl)]
             for i in range(0, npl, max(1, 2048 // args.npp)):
@@ -81,20 +83,19 @@ def run(path: str, npl: int, args) -> dict:
             for step in range(args.ntg):
                 if mode == "greedy" and wait is not None:
                     tokens = argmax(wait())
-                elif mode in ("device", "next", "busy") and wait is not None:
+                elif mode in DEVICE_MODES and wait is not None:
                     if mode == "busy":
                         busy(args.busy_ms)
                     wait()
                     tokens = model.sampled_tokens()
                 elif mode == "wait" and wait is not None:
                     wait()
-                c0 = time.perf_counter()
                 if mode in ("next", "busy") and step:
-                    wait = model.decode_next(tokens)
+                    launch, arg = model.decode_next, tokens
                 else:
-                    chunks = [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
-                    c0 = time.perf_counter()
-                    wait = model.decode(chunks)
+                    launch, arg = model.decode, [SeqChunk(s, args.npp + step, (tokens[s],), 1) for s in range(npl)]
+                c0 = time.perf_counter()
+                wait = launch(arg)
                 calls += time.perf_counter() - c0
             wait()
             dt = time.perf_counter() - t0

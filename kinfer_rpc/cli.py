@@ -388,10 +388,10 @@ def _devices() -> dict:
     import ctypes
 
     try:
-        import llama_cpp
+        import kinfer_llama_native
 
-        libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-        lib = ctypes.CDLL(os.path.join(libdir, "libggml.so"))
+        llama_cpp = kinfer_llama_native.load()
+        lib = ctypes.CDLL(str(kinfer_llama_native.lib_dir() / "libggml.so"))
         lib.ggml_backend_dev_count.restype = ctypes.c_size_t
         lib.ggml_backend_dev_get.restype = ctypes.c_void_p
         lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]

@@ -299,7 +299,10 @@ class Runtime:
         if name is None and "gpuLayers" in given:
             return opts, (None, f"gpuLayers {opts.gpu_layers} set by the load options")
         name = name or "auto"
-        machine = machine_of()
+        try:
+            machine = machine_of()
+        except Exception as exc:  # the backend's library cannot run here: the load fails, nothing else
+            raise errors.KinferError(errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}", {"path": ref.path}) from exc
         try:
             plan = self.plugins.placements[name].plan(facts, machine, opts)
         except ValueError as exc:

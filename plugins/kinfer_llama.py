@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+import kinfer_llama_native
 import kinfer_rpc
 from kinfer_patches import llama_cpp_buft
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
@@ -32,9 +33,10 @@ _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 
 
 def _llama():
-    """Import llama_cpp lazily and once: it loads a native library and may print."""
+    """Import llama_cpp lazily and once: it loads a native library and may print. Through
+    kinfer_llama_native, which refuses a library that would crash this process."""
     global _initialised, _log_callback
-    import llama_cpp as L
+    L = kinfer_llama_native.load()
 
     with _init_lock:
         if not _initialised:

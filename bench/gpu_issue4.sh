@@ -26,14 +26,14 @@ for s in $shapes; do
   fi
 done
 patched=
-if [ "$LLAMA_CPP_LIB_PATH" = /tmp/lcp ]; then  # which libllama llama-batched-bench loads on it
-  patched=1; LD_LIBRARY_PATH=/tmp/lcp:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama | tee -a "$OUT/prefix-off.md" || true
+if [ "$LLAMA_CPP_LIB_PATH" = /tmp/lck ]; then  # which libllama llama-batched-bench loads on it
+  patched=1; LD_LIBRARY_PATH=/tmp/lck:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama | tee -a "$OUT/prefix-off.md" || true
 fi
 common="--tools /tmp/lc ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 --npl 32,64,128"
 for s in $shapes; do
   case $jobs in *" prefix "*)
     python3 bench/compare.py /tmp/m-$s.gguf $common --label "$s-shaped Q4_K_M, H200" --rounds "${ROUNDS:-3}" \
-      ${patched:+--patched-lib /tmp/lcp} | tee -a "$OUT/prefix-off.md";;
+      ${patched:+--patched-lib /tmp/lck} | tee -a "$OUT/prefix-off.md";;
   esac
   case $jobs in *" ab "*)
     for r in 1 2; do for d in auto off; do

@@ -1,6 +1,13 @@
-# Sourced by the bench/gpu_*.sh scripts on the H200: unpack the prebuilt CUDA llama.cpp and
-# llama-cpp-python's Python part from the carried .gpu folder (once per machine), make the
-# kinfer_patches package importable, and export the paths every script runs with.
+# Sourced by the bench/gpu_*.sh scripts on a CUDA machine, from the repo root, with .gpu holding
+# llama.cpp's prebuilt CUDA tools (llama-cuda.tgz.part-*), llama-cpp-python's Python part, the
+# wheels kinfer needs beyond the machine's own, and llama-src.tgz (llama.cpp as llama-cpp-python
+# 0.3.36 vendors it). Sets up, once per machine:
+#   /tmp/lc   the prebuilt llama.cpp tools (llama-bench, llama-batched-bench, llama-server,
+#             llama-quantize): the anchors, run as shipped, through LD_LIBRARY_PATH=/tmp/lc
+#   /tmp/lck  kinfer's llama.cpp: the vendored source with patches/llama-*.patch, built here for
+#             CUDA (sm_90) against the shared libstdc++, as a user's `pip install` builds it
+#             (kinfer refuses the prebuilt libraries: they carry a static C++ runtime, see
+#             plugins/kinfer_llama_native.py). LLAMA_CPP_LIB_PATH names it. PATCHED=0: the prebuilt.
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/lc /tmp/site "$OUT"
 if [ ! -x /tmp/lc/llama-bench ]; then
@@ -10,18 +17,19 @@ if [ ! -x /tmp/lc/llama-bench ]; then
 fi
 ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
 export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
-# kinfer's patches to libllama (patches/README.md), built here from .gpu/llama-src.tgz (llama.cpp
-# as llama-cpp-python 0.3.36 vendors it) and linked to the prebuilt CUDA ggml in /tmp/lc; the
-# llama.cpp tools keep the prebuilt libllama. PATCHED=0 keeps it for kinfer too.
 if [ "${PATCHED:-1}" = 1 ] && [ -f .gpu/llama-src.tgz ]; then
-  if [ ! -f /tmp/lcp/libllama.so ]; then
+  if [ ! -f /tmp/lck/libllama.so ]; then
     t0=$(date +%s)
-    if SRC=.gpu/llama-src.tgz bash patches/build_llama.sh /tmp/lcp-all >/dev/null; then
-      mkdir -p /tmp/lcp && cp -a /tmp/lcp-all/libllama.so* /tmp/lcp/
-      echo "patched libllama built in $(( $(date +%s) - t0 )) s" >&2
+    # The machine's $CC/$CXX (/opt/gcc) link the C++ runtime statically; the system's compilers
+    # link the shared one, as a user's pip install of llama-cpp-python does.
+    if CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ BUILD_DIR=/tmp/lckb SRC=.gpu/llama-src.tgz \
+        CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}" \
+        bash patches/build_llama.sh /tmp/lck >"$OUT/build-llama.log" 2>&1; then
+      echo "kinfer's CUDA llama.cpp built in $(( $(date +%s) - t0 )) s" >&2
     else
-      echo "the patched libllama did not build: kinfer runs on the prebuilt one" >&2
+      echo "kinfer's CUDA llama.cpp did not build (tail of $OUT/build-llama.log):" >&2
+      tail -20 "$OUT/build-llama.log" >&2
     fi
   fi
-  [ -f /tmp/lcp/libllama.so ] && export LLAMA_CPP_LIB_PATH=/tmp/lcp
+  [ -f /tmp/lck/libllama.so ] && export LLAMA_CPP_LIB_PATH=/tmp/lck
 fi

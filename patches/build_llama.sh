@@ -8,11 +8,18 @@
 # CPU only and portable (AVX2), like the wheel in ../shared/wheels; CMAKE_ARGS adds options. On the
 # GPU machine bench/gpu_setup.sh builds only libllama this way and keeps the prebuilt CUDA ggml.
 # SRC: a llama.cpp source tree or .tgz to use instead of downloading the sdist from PyPI.
+# BUILD_DIR: keep the build there, so that building again recompiles only what changed (a tree
+# unpacked from a .tgz keeps its files' times; the patched files are rebuilt).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dest=$(realpath -m "${1:-$here/../.llama/lib}")
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+if [ -n "${BUILD_DIR:-}" ]; then
+  work=$BUILD_DIR
+  mkdir -p "$work" && rm -rf "$work/llama.cpp"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 if [ -n "${SRC:-}" ]; then
   if [ -d "$SRC" ]; then cp -r "$SRC" "$work/llama.cpp"; else mkdir "$work/llama.cpp" && tar xzf "$SRC" -C "$work/llama.cpp"; fi
 else
@@ -33,6 +40,9 @@ cmake -S "$work/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_S
   -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF ${CMAKE_ARGS:-} > "$work/cmake.log" 2>&1 \
   || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
+# A compiler that links the C++ runtime statically (-static-libstdc++) makes libraries that crash
+# in a process that also loads libstdc++.so.6 (plugins/kinfer_llama_native.py): refuse them here.
+"${PYTHON:-python3}" "$here/../plugins/kinfer_llama_native.py" "$work/build/bin" >&2
 mkdir -p "$dest"
 cp -a "$work"/build/bin/lib*.so* "$dest"/
 echo "$dest"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the H200 (the device tool), from the repo root, with .gpu carried (see ../shared/device/README.md):
+# On a CUDA machine (an H200 for docs/performance.md), from the repo root, with .gpu prepared as
+# bench/gpu_setup.sh says; reports go to OUT (default /tmp/out):
 #   bash bench/gpu_compare.sh [shapes...]     default: 1b 7b
 #   CURVE=0 skips the draft-count curve; POOL="7b" adds the prefix-pool runs on those shapes;
 #   THREADS: both sides' CPU threads (unset: kinfer takes its default for the load, 2 with every layer on
@@ -25,7 +26,7 @@ last=$(echo ${@:-1b 7b} | awk '{print $NF}')
 if [ "${CURVE:-1}" = 1 ]; then
   python3 bench/drafts_bench.py --curve /tmp/m-$last.gguf --gpu-layers 99 --threads 8 | tee -a "$OUT/curve.jsonl"
 fi
-# The prefix pool (issue 4): decode at 32/64/128 with the pool vs -kvu and with prefix -1 vs no
+# The prefix pool: decode at 32/64/128 with the pool vs -kvu and with prefix -1 vs no
 # -kvu, and the agent case (32 conversations sharing a 4,000-token system prompt).
 if [ -n "${POOL:-}" ]; then
   for s in ${POOL}; do

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kinfer-rpc end to end on a CUDA machine, the way a client runs it (bench/gpu_e2e.py): spawn
 # `kinfer-rpc`, load with every layer on the GPU, stream 1, 32 and 128 requests at once, cancel
-# some, unload, shut down. From the repo root, with .gpu carried (bench/gpu_setup.sh):
-#   OUT=$OUT bash bench/gpu_e2e.sh [shapes...]        default: 1b 7b
+# some, unload, shut down. From the repo root, with .gpu prepared as bench/gpu_setup.sh says:
+#   [OUT=dir] bash bench/gpu_e2e.sh [shapes...]       default: 1b 7b; reports in OUT (/tmp/out)
+#   E2E_ARGS="--probe 8" adds the reproducibility probe (bench/gpu_e2e.py --help)
 # This checkout is installed as a package (its entry points and the kinfer-rpc script; the
 # machine's packages and .gpu's wheels are the dependencies) into /tmp/kinfer, and each shape's
 # model is made here (random weights, Q4_K_M). Exits non-zero if any shape fails.

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4's benchmarks in one device call, on the H200, from the repo root, with .gpu carried:
-#   OUT=$OUT JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
-# For each shape (synthesised, Q4_K_M), the jobs named (default all), each writing to $OUT as it goes:
+# Decode with many sequences at once against llama-batched-bench, the prefix pool and the agent
+# case, in one run on a CUDA machine (an H200 for docs/performance.md), from the repo root, with
+# .gpu prepared as bench/gpu_setup.sh says:
+#   [OUT=dir] JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
+# For each shape (synthesised, Q4_K_M), the jobs named (default: prefix ab loop pool agent), each
+# writing to OUT (default /tmp/out) as it goes:
 #   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py),
 #           ROUNDS times alternating (default 3; the medians), llama-batched-bench also on the patched
 #           libllama when there is one

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# llama.cpp on the H200: kinfer's engine vs llama-bench / llama-batched-bench, and drafting on a real
-# model. Calls, back to back (the machine keeps /tmp while warm):
-#   STAGE=a bash bench/gpu_llama.sh (carry .gpu2/a)   STAGE=b ... (carry .gpu2/b)
-#       the SmolLM2 GGUF in two parts (split -b 48M), for the drafting runs
-#   STAGE=1b OUT=$OUT bash bench/gpu_llama.sh (carry .gpu): 1b shape at 1/8/32/128 (prefix -1 vs
-#       llama-batched-bench), at 32/64/128 with the pool vs -kvu, and drafting on SmolLM2
-#   STAGE=7b OUT=$OUT bash bench/gpu_llama.sh (carry .gpu): 7b shape, the same without drafting
+# llama.cpp on a CUDA machine (an H200 for docs/performance.md): kinfer's engine vs llama-bench /
+# llama-batched-bench, and drafting on a real model. From the repo root, with .gpu prepared as
+# bench/gpu_setup.sh says; reports go to OUT (default /tmp/out). Runs, in order (they share /tmp):
+#   STAGE=a bash bench/gpu_llama.sh, then STAGE=b: copy the SmolLM2 GGUF, split in parts
+#       (split -b 48M, smol.part-*) under .gpu2/a and .gpu2/b, to /tmp/c for the drafting runs
+#       (or put the parts in /tmp/c yourself and skip these two)
+#   STAGE=1b bash bench/gpu_llama.sh: 1b shape at 1/8/32/128 (prefix -1 vs llama-batched-bench),
+#       at 32/64/128 with the pool vs -kvu, and drafting on SmolLM2
+#   STAGE=7b bash bench/gpu_llama.sh: 7b shape, the same without drafting
 set -euo pipefail
 mkdir -p /tmp/c
 case "${STAGE}" in

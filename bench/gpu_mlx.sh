@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The mlx backend on the H200 (MLX's CUDA build), beside mlx-lm on the same model, in one run.
-# The wheels travel in three carries of under 64 MiB (the device has no internet); made here by:
+# The mlx backend on a CUDA machine (MLX's CUDA build; an H200 for docs/performance.md), beside
+# mlx-lm on the same model, in one run, from the repo root. It installs offline from .gpu2, which
+# is prepared on a machine with internet access:
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_35_x86_64 --no-deps \
 #       mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2  (+ mlx-lm's pure dependencies: transformers,
 #       huggingface_hub, tokenizers, safetensors, sentencepiece, regex, pyyaml, ...)
-#   split -b 44M mlx_cuda_13-*.whl -> .gpu2/m1, .gpu2/m2; the rest and a small GGUF with SmolLM2's
-#   vocabulary (bench/make_draft_model.py --layers 1 --embd 32) in .gpu2/m3.
-# Calls, back to back (the machine keeps /tmp while warm):
-#   STAGE=1 bash bench/gpu_mlx.sh   (carry .gpu2/m1)     STAGE=2 ... (carry .gpu2/m2)
-#   STAGE=3 OUT=$OUT bash bench/gpu_mlx.sh (carry .gpu2/m3): install, model, then JOBS (default: kernels,
-#   probe, curve, compare in both weight forms, defaults, invariance; ablate on request). A call that
-#   finds no machine leaves a bare one for the next: start again from STAGE=1.
+#   split -b 44M mlx_cuda_13-*.whl into parts cuda.part-* in .gpu2/m1 and .gpu2/m2; the other wheels
+#   and a small GGUF with SmolLM2's vocabulary, tok.gguf (bench/make_draft_model.py --layers 1
+#   --embd 32), in .gpu2/m3.
+# Runs, in order (they share /tmp/c):
+#   STAGE=1 bash bench/gpu_mlx.sh, then STAGE=2: copy the parts from .gpu2/m1 and .gpu2/m2
+#   STAGE=3 bash bench/gpu_mlx.sh (the default): install, model, then JOBS (default: kernels, probe,
+#   curve, compare in both weight forms, defaults, invariance; ablate on request). Reports go to
+#   OUT (default /tmp/out). If /tmp is cleared in between, start again from STAGE=1.
 set -euo pipefail
 mkdir -p /tmp/c
 case "${STAGE:-3}" in
@@ -26,7 +28,7 @@ fi
 export PYTHONPATH=/tmp/mlxsite:$PWD:$PWD/plugins
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
 M=/tmp/m7b
-# The 7.4B shape ../shared/device/README.md measured llama.cpp and mlx-lm on (vocabulary 128256).
+# The 7.4B Llama shape of docs/performance.md's MLX figures (vocabulary 128256), random 4-bit weights.
 [ -f $M/config.json ] || python3 bench/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
     --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
 [ -n "${ONLY_SETUP:-}" ] && exit 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On the H200 (the device tool), from the repo root, with .gpu carried (see ../shared/device/README.md):
-#   OUT=$OUT bash bench/gpu_moe.sh            kinfer's engine: experts in host memory at 4096 / 2048, all on GPU
-#   OUT=$OUT ANCHOR=1 bash bench/gpu_moe.sh   then llama-bench on the same file and splits (a second call)
+# On a CUDA machine (an H200 for docs/performance.md), from the repo root, with .gpu prepared as
+# bench/gpu_setup.sh says; reports go to OUT (default /tmp/out):
+#   bash bench/gpu_moe.sh            kinfer's engine: experts in host memory at 4096 / 2048, all on GPU
+#   ANCHOR=1 bash bench/gpu_moe.sh   then llama-bench on the same file and splits (a second run)
 # Writes a Qwen3-30B-A3B-shaped GGUF (random Q4_K weights, ~17 GiB) once per machine to /tmp.
 set -euo pipefail
 . bench/gpu_setup.sh

@@ -1,7 +1,15 @@
-# Sourced by the bench/gpu_*.sh scripts on a CUDA machine, from the repo root, with .gpu holding
-# llama.cpp's prebuilt CUDA tools (llama-cuda.tgz.part-*), llama-cpp-python's Python part, the
-# wheels kinfer needs beyond the machine's own, and llama-src.tgz (llama.cpp as llama-cpp-python
-# 0.3.36 vendors it). Sets up, once per machine:
+# Sourced by the bench/gpu_*.sh scripts on a Linux machine with an NVIDIA GPU (CUDA; nvcc and cmake
+# to build kinfer's patched libllama), from the repo root. It works offline from a folder .gpu in
+# the checkout (ignored by git), prepared beforehand:
+#   .gpu/llama-cuda.tgz.part-*   llama.cpp's prebuilt CUDA tools and libraries (the llama.cpp that
+#                                llama-cpp-python 0.3.36 vendors), a .tgz cut with `split` (one
+#                                part, part-aa, is fine)
+#   .gpu/llama_cpp_python-0.3.36-py.tgz   llama-cpp-python's Python part
+#   .gpu/*.whl                   the wheels kinfer needs beyond the machine's own Python packages
+#                                (jsonrpcserver, jsonschema, ...; py-spy for gpu_issue4.sh's profile)
+#   .gpu/gguf-py                 llama.cpp's gguf Python package (bench/make_model.py uses it)
+#   .gpu/llama-src.tgz           llama.cpp's source as llama-cpp-python 0.3.36 vendors it
+# Reports go to OUT (default /tmp/out). Sets up, once per machine:
 #   /tmp/lc   the prebuilt llama.cpp tools (llama-bench, llama-batched-bench, llama-server,
 #             llama-quantize): the anchors, run as shipped, through LD_LIBRARY_PATH=/tmp/lc
 #   /tmp/lck  kinfer's llama.cpp: the vendored source with patches/llama-*.patch, built here for
@@ -20,7 +28,7 @@ export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$
 if [ "${PATCHED:-1}" = 1 ] && [ -f .gpu/llama-src.tgz ]; then
   if [ ! -f /tmp/lck/libllama.so ]; then
     t0=$(date +%s)
-    # The machine's $CC/$CXX (/opt/gcc) link the C++ runtime statically; the system's compilers
+    # $CC/$CXX may name a toolchain that links the C++ runtime statically; the system's compilers
     # link the shared one, as a user's pip install of llama-cpp-python does.
     if CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ BUILD_DIR=/tmp/lckb SRC=.gpu/llama-src.tgz \
         CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}" \

@@ -1,4 +1,4 @@
-"""Mixture-of-experts placement benchmark (issue 8): experts in host memory, passes of 2048 vs 4096.
+"""Mixture-of-experts placement benchmark: experts in host memory, passes of 2048 vs 4096.
 
     python bench/moe_bench.py MODEL.gguf --prompt 7700 --ntg 64 [--threads 16] [--anchor /tmp/lc]
 

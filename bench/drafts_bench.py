@@ -18,17 +18,16 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
-import llama_cpp  # noqa: E402,F401  (load llama.cpp before numpy: see engine_bench.py)
 
 import attrs  # noqa: E402
 
-from kinfer_drafts import DraftModelPolicy, NgramPolicy  # noqa: E402
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_rpc import chat  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.host import templates as chat  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 CODE = '''import math
@@ -145,7 +144,7 @@ def main():
     args = ap.parse_args()
     args.drafts = [int(x) for x in args.drafts.split(",")]
     if args.model is None and args.curve is None:
-        from kinfer_rpc.store import embedded_default_path
+        from kinfer_rpc.host.store import embedded_default_path
 
         args.model = embedded_default_path()
     if args.model:

@@ -21,16 +21,13 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
-# On the H200 machine, llama.cpp's CUDA build segfaults in model load when numpy was imported
-# before it (seen with numpy 2.x from a torch venv): load llama.cpp's libraries first.
-import llama_cpp  # noqa: E402,F401
 
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_rpc import engine as engine_module  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine import scheduler as engine_module  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 from phases import PhaseTimer  # noqa: E402
 

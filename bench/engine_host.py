@@ -24,8 +24,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import ModelInfo  # noqa: E402
 from phases import PhaseTimer  # noqa: E402
 

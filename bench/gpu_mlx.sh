@@ -25,7 +25,7 @@ if [ ! -d /tmp/mlxsite/mlx ]; then
   cat /tmp/c/cuda.part-* > /tmp/c/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/mlxsite /tmp/c/*.whl
 fi
-export PYTHONPATH=/tmp/mlxsite:$PWD:$PWD/plugins
+export PYTHONPATH=/tmp/mlxsite:$PWD
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
 M=/tmp/m7b
 # The 7.4B Llama shape of docs/performance.md's MLX figures (vocabulary 128256), random 4-bit weights.

@@ -15,7 +15,7 @@
 #   /tmp/lck  kinfer's llama.cpp: the vendored source with patches/llama-*.patch, built here for
 #             CUDA (sm_90) against the shared libstdc++, as a user's `pip install` builds it
 #             (kinfer refuses the prebuilt libraries: they carry a static C++ runtime, see
-#             plugins/kinfer_llama_native.py). LLAMA_CPP_LIB_PATH names it. PATCHED=0: the prebuilt.
+#             kinfer_rpc/default_plugins/llama_native.py). LLAMA_CPP_LIB_PATH names it. PATCHED=0: the prebuilt.
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/lc /tmp/site "$OUT"
 if [ ! -x /tmp/lc/llama-bench ]; then
@@ -23,7 +23,6 @@ if [ ! -x /tmp/lc/llama-bench ]; then
   tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 fi
-ln -sfn "$PWD/patches" /tmp/site/kinfer_patches
 export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
 if [ "${PATCHED:-1}" = 1 ] && [ -f .gpu/llama-src.tgz ]; then
   if [ ! -f /tmp/lck/libllama.so ]; then

@@ -36,12 +36,11 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
-import llama_cpp  # noqa: E402,F401  (before numpy: see engine_bench.py)
 
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine import Engine  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 # An engine never started, for its argmax over a pass's rows (split over threads as it splits it).

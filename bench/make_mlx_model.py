@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.utils import dequantize_model, quantize_model, save_config, save_model  # noqa: E402
 
-import kinfer_mlx  # noqa: E402
-from kinfer_rpc.store import embedded_default_path  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.host.store import embedded_default_path  # noqa: E402
 
 
 def write_tokenizer(out: Path, vocab: "kinfer_mlx.Vocab", size: int) -> None:

@@ -37,13 +37,13 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
 import mlx.core as mx  # noqa: E402
 
-import kinfer_mlx  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 from phases import PhaseTimer  # noqa: E402
 

@@ -22,12 +22,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kinfer_mlx_attention as att  # noqa: E402
+from kinfer_rpc.default_plugins import mlx_attention as att  # noqa: E402
 
 
 def check_attention() -> list[dict]:

@@ -27,12 +27,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins"), os.path.join(ROOT, "bench")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kinfer_mlx  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 from mlx_bench import prompts_for  # noqa: E402
 

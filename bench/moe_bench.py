@@ -22,15 +22,14 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]  # kinfer_patches: installed, or linked (bench/gpu_moe.sh)
+sys.path[:0] = [ROOT]  # kinfer_patches: installed, or linked (bench/gpu_moe.sh)
 
-import llama_cpp  # noqa: E402,F401  (before numpy: see bench/engine_bench.py)
 
-import kinfer_placements  # noqa: E402
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.runtime import model_facts  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.default_plugins import placements as kinfer_placements  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.host.runtime import model_facts  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 
 PLACEMENTS = {p.name: p for p in (kinfer_placements.Auto(), kinfer_placements.Gpu(), kinfer_placements.ExpertsHost())}

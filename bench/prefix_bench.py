@@ -18,13 +18,12 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+sys.path[:0] = [ROOT]
 
-import llama_cpp  # noqa: E402,F401  (load llama.cpp before numpy: see engine_bench.py)
 
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 
 

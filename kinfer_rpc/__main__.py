@@ -1,3 +1,3 @@
-from .server import main
+from kinfer_rpc.protocol.server import main
 
 main()

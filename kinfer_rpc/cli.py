@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from . import PROTOCOL_VERSION, __version__
-from .client import AsyncClient, Client, Progress as WorkProgress, RpcError, server_command
+from kinfer_rpc import PROTOCOL_VERSION, __version__
+from kinfer_rpc.client import AsyncClient, Client, Progress as WorkProgress, RpcError, server_command
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -204,7 +204,7 @@ def _is_server(argv: list[str]) -> bool:
 def _servers() -> list[dict]:
     """kinfer-rpc processes on this machine, from /proc. What a server holds is its own (it
     answers only its client), so the models are read from what it has mapped: the model files."""
-    from .store import ModelStore
+    from kinfer_rpc.host.store import ModelStore
 
     names = {r.path: r.name for r in ModelStore().list()}
     try:
@@ -388,10 +388,9 @@ def _devices() -> dict:
     import ctypes
 
     try:
-        import kinfer_llama_native
-
-        llama_cpp = kinfer_llama_native.load()
-        lib = ctypes.CDLL(str(kinfer_llama_native.lib_dir() / "libggml.so"))
+        from kinfer_rpc.default_plugins import llama_native
+        llama_cpp = llama_native.load()
+        lib = ctypes.CDLL(str(llama_native.lib_dir() / "libggml.so"))
         lib.ggml_backend_dev_count.restype = ctypes.c_size_t
         lib.ggml_backend_dev_get.restype = ctypes.c_void_p
         lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
@@ -433,7 +432,7 @@ def _meminfo() -> dict:
 
 
 def _doctor(args) -> int:
-    from .store import kinfer_dir
+    from kinfer_rpc.host.store import kinfer_dir
 
     problems: list[str] = []
     report: dict = {

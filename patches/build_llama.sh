@@ -41,8 +41,8 @@ cmake -S "$work/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_S
   || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 # A compiler that links the C++ runtime statically (-static-libstdc++) makes libraries that crash
-# in a process that also loads libstdc++.so.6 (plugins/kinfer_llama_native.py): refuse them here.
-"${PYTHON:-python3}" "$here/../plugins/kinfer_llama_native.py" "$work/build/bin" >&2
+# in a process that also loads libstdc++.so.6 (kinfer_rpc/default_plugins/llama_native.py): refuse them here.
+"${PYTHON:-python3}" "$here/../kinfer_rpc/default_plugins/llama_native.py" "$work/build/bin" >&2
 mkdir -p "$dest"
 cp -a "$work"/build/bin/lib*.so* "$dest"/
 echo "$dest"

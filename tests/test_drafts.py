@@ -9,10 +9,10 @@ import attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kinfer_drafts import NgramPolicy
-from kinfer_llama import LlamaBackend
-from kinfer_rpc.engine import Engine, Job
-from kinfer_rpc.store import embedded_default_path
+from kinfer_rpc.default_plugins.drafts import NgramPolicy
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
 from test_engine import CTX, WORDS, _options, alone, run_until_done, tokenize
 
@@ -135,7 +135,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-from kinfer_drafts import DraftModelPolicy  # noqa: E402
+from kinfer_rpc.default_plugins.drafts import DraftModelPolicy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

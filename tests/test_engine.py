@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kinfer_llama import LlamaBackend
+from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc import errors
-from kinfer_rpc.engine import Engine, GenerateOptions, Job
-from kinfer_rpc.sampling import SamplingOptions
-from kinfer_rpc.store import embedded_default_path
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
 CTX = 512
@@ -300,7 +300,7 @@ def test_streamed_text_is_whole_characters(engine4):
 
 def test_end_of_generation_stops(engine4):
     # SmolLM2 ends a chat turn with <|im_end|>: a short answer must stop by itself.
-    from kinfer_rpc import chat
+    from kinfer_rpc.host import templates as chat
 
     info = engine4.model.info
     text = chat.render(engine4.template, [{"role": "user", "content": "Say just: hi"}], bos=info.bos_text, eos=info.eos_text)
@@ -546,8 +546,7 @@ def test_decode_next_is_the_last_pass_one_token_further():
 
 def _patched_llama() -> bool:
     """Whether the loaded libllama has kinfer's argmax patch (patches/build_llama.sh)."""
-    import kinfer_llama
-
+    from kinfer_rpc.default_plugins import llama as kinfer_llama
     kinfer_llama._llama()
     return kinfer_llama._set_output_argmax is not None
 

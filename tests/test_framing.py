@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from kinfer_rpc import errors
-from kinfer_rpc.framing import MAX_FRAME_BYTES, FrameError, FrameReader, encode
+from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameError, FrameReader, encode
 
 PARSE_ERROR = errors.PARSE_ERROR
 INVALID_REQUEST = errors.INVALID_REQUEST

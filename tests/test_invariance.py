@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kinfer_llama import LlamaBackend
-from kinfer_rpc.store import embedded_default_path
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
 

@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
-import kinfer_drafts  # noqa: E402
-import kinfer_mlx  # noqa: E402
-from kinfer_llama import LlamaBackend  # noqa: E402
-from kinfer_mlx import MlxBackend  # noqa: E402
+from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import MlxBackend  # noqa: E402
 from kinfer_rpc import errors  # noqa: E402
-from kinfer_rpc.engine import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.store import ModelStore, embedded_default_path  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.host.store import ModelStore, embedded_default_path  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 from protocol_fixtures import server, spawn  # noqa: E402,F401
 from rpcclient import error_of  # noqa: E402
@@ -328,7 +328,7 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
                                       "options": {"maxTokens": 4, "temperature": 0}}, timeout=120)
     assert reply["usage"]["completionTokens"] == len(reply["tokens"]) > 0
     e = engine(slots=1, path=str(folder))
-    from kinfer_rpc import chat
+    from kinfer_rpc.host import templates as chat
 
     prompt = e.model.tokenize(chat.render(e.template, messages, bos=e.model.info.bos_text, eos=e.model.info.eos_text),
                               False, True)
@@ -361,7 +361,7 @@ def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monke
     leaves the buffers unwritten."""
     import mlx.core as mx
 
-    import kinfer_mlx_attention as att
+    from kinfer_rpc.default_plugins import mlx_attention as att
 
     assert not att.available()  # no CUDA here: loads keep MLX's attention (kernel off)
     m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1), lambda f: None)
@@ -399,7 +399,7 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     kernel-off replies."""
     import sys
 
-    import kinfer_mlx_attention as att
+    from kinfer_rpc.default_plugins import mlx_attention as att
 
     calls = []
     monkeypatch.setattr(att, "attention", lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None:

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-import kinfer_mlx_attention as att
+from kinfer_rpc.default_plugins import mlx_attention as att
 
 nvidia = pytest.importorskip("nvidia", reason="the NVRTC wheels (the test extra, Linux x86-64 only)")
 ROOT = list(nvidia.__path__)[0]

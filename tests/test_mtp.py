@@ -17,10 +17,10 @@ import attrs
 import numpy as np
 import pytest
 
-from kinfer_llama import LlamaBackend, LlamaModel, MtpPolicy
-from kinfer_rpc.engine import Engine, GenerateOptions, Job
-from kinfer_rpc.sampling import SamplingOptions
-from kinfer_rpc.store import embedded_default_path
+from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk
 from test_engine import run_until_done
 

@@ -18,10 +18,10 @@ import sys
 import numpy as np
 import pytest
 
-import kinfer_placements as P
-from kinfer_patches import llama_cpp_buft
-from kinfer_rpc.runtime import model_facts
-from kinfer_rpc.store import ModelStore
+from kinfer_rpc.default_plugins import placements as P
+from kinfer_rpc.default_plugins import llama_buft as llama_cpp_buft
+from kinfer_rpc.host.runtime import model_facts
+from kinfer_rpc.host.store import ModelStore
 from kinfer_rpc.types import LoadOptions, MachineInfo
 from rpcclient import RpcClient, error_of, result_of
 
@@ -181,7 +181,7 @@ def test_overrides_array_is_null_terminated():
 def test_experts_really_stay_in_host_buffers(moe_path, caplog):
     """llama.cpp logs every tensor an override moved; only the expert tensors move, and the
     model computes the same logits either way on the CPU."""
-    import kinfer_llama
+    from kinfer_rpc.default_plugins import llama as kinfer_llama
     from kinfer_rpc.types import SeqChunk
 
     logits = []
@@ -208,8 +208,7 @@ def test_default_threads_follow_where_the_layers_are(smol_path):
     on a GPU and nothing in host memory: then llama.cpp's threads only look up embeddings, and 2
     leave the cores to the engine's host work (measured on the H200, docs/performance.md). This
     machine has no GPU: the model loads on the CPU, and the rule is asked as if it had one."""
-    import kinfer_llama
-
+    from kinfer_rpc.default_plugins import llama as kinfer_llama
     m = kinfer_llama.LlamaBackend().load(smol_path, LoadOptions(context_length=64, slots=1), lambda f: None)
     try:
         cpus = max(1, os.cpu_count() or 1)

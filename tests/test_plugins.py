@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import kinfer_rpc
-from kinfer_rpc.plugins import load_plugins
+from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 HERE = Path(__file__).parent

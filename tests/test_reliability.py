@@ -840,7 +840,7 @@ def gguf_with_string(src: str, dst: str, key: str, value: str) -> None:
 
 
 def embedded_gguf() -> str:
-    from kinfer_rpc.store import embedded_default_path
+    from kinfer_rpc.host.store import embedded_default_path
 
     return embedded_default_path()
 

@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer_rpc.sampling import SamplingOptions, sample, uniform
-from kinfer_rpc.textstream import TextStream
+from kinfer_rpc.engine.sampling import SamplingOptions, sample, uniform
+from kinfer_rpc.engine.text import TextStream
 
 
 def test_greedy_is_argmax():

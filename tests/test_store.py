@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from kinfer_rpc import errors, gguf_meta
-from kinfer_rpc.store import DEFAULT_MODEL, ModelStore, embedded_default_path
+from kinfer_rpc import errors
+
+from kinfer_rpc.host import gguf as gguf_meta
+from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
 
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 MEDIA = "application/vnd.ollama.image."

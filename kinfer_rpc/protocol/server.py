@@ -18,11 +18,11 @@ import threading
 import anyio
 from anyio.streams.file import FileWriteStream
 
-from . import PROTOCOL_VERSION, __version__, errors
-from .framing import MAX_FRAME_BYTES, FrameReader, encode
-from .plugins import load_plugins
-from .rpc import Connection
-from .runtime import Runtime
+from kinfer_rpc import PROTOCOL_VERSION, __version__, errors
+from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameReader, encode
+from kinfer_rpc.host.plugins import load_plugins
+from kinfer_rpc.protocol.connection import Connection
+from kinfer_rpc.host.runtime import Runtime
 
 log = logging.getLogger("kinfer_rpc")
 
@@ -122,7 +122,7 @@ class Server:
         return None
 
     async def initialize(self, ctx, /, **p):
-        from .params import Fields
+        from kinfer_rpc.protocol.params import Fields
 
         f = Fields(p, "params")
         pid = f.int("processId", None, lo=0)
@@ -164,7 +164,7 @@ class Server:
         return None
 
     async def shutdown(self, ctx, /, **p):
-        from .params import Fields
+        from kinfer_rpc.protocol.params import Fields
 
         Fields(p, "params").done()
         self.state = "shutdown"

@@ -14,7 +14,7 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
-from . import errors
+from kinfer_rpc import errors
 
 # Used when a model has no template of its own (ChatML, as llama.cpp falls back to).
 CHATML = (

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import attrs
 
-from . import errors
+from kinfer_rpc import errors
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # default limit of one frame's body
 MAX_HEADER_BYTES = 8192

@@ -5,7 +5,7 @@ arrays we own (no per-token ctypes calls) and makes one llama_decode call; the l
 that asked for them come back in batch order from llama_get_logits.
 
 With `LoadOptions.mtp` the model's multi-token-prediction (NextN) layers load too and a second
-context runs them (kinfer_llama_mtp.Mtp): after every pass of the target it is caught up with the same tokens,
+context runs them (llama_mtp.Mtp): after every pass of the target it is caught up with the same tokens,
 each paired with the target's hidden state of the position before, so its memory mirrors the
 target's; the `mtp` draft policy drafts from it.
 """
@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-import kinfer_llama_native
+from kinfer_rpc.default_plugins import llama_native
 import kinfer_rpc
-from kinfer_patches import llama_cpp_buft
+from kinfer_rpc.default_plugins import llama_buft
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
 
 log = logging.getLogger("kinfer_rpc.llama")
@@ -36,7 +36,7 @@ def _llama():
     """Import llama_cpp lazily and once: it loads a native library and may print. Through
     kinfer_llama_native, which refuses a library that would crash this process."""
     global _initialised, _log_callback
-    L = kinfer_llama_native.load()
+    L = llama_native.load()
 
     with _init_lock:
         if not _initialised:
@@ -52,7 +52,7 @@ def _llama():
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
             # llama-cpp-python 0.3.36 leaves tensor_buft_overrides unbound (patches/README.md).
-            llama_cpp_buft.apply(L)
+            llama_buft.apply(L)
             global _set_output_argmax, _get_output_argmax
             _set_output_argmax, _get_output_argmax = _bind_output_argmax()
             _initialised = True
@@ -122,7 +122,7 @@ class LlamaModel:
             # GPU, big passes still run their matrix products there, copying the weights over
             # once per pass. Reading the file into (pinned) buffers instead of mapping it makes
             # those copies faster, as llama.cpp itself advises for CPU overrides.
-            self._overrides = llama_cpp_buft.Overrides(L, options.host_tensors, llama_cpp_buft.Ggml().cpu_buft())
+            self._overrides = llama_buft.Overrides(L, options.host_tensors, llama_buft.Ggml().cpu_buft())
             mparams.tensor_buft_overrides = self._overrides.pointer
             mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
 
@@ -190,7 +190,7 @@ class LlamaModel:
         self._batch = _Batch(L, options.batch)
         if options.mtp:
             try:
-                from kinfer_llama_mtp import Mtp
+                from kinfer_rpc.default_plugins.llama_mtp import Mtp
 
                 self._mtp = Mtp(self, cparams, options.batch, options.kv_unified)
             except BaseException:
@@ -449,7 +449,7 @@ class LlamaBackend:
     def machine(self) -> MachineInfo:
         """GPU memory as ggml's devices report it, and the host's available memory."""
         L = _llama()
-        gpus = [d for d in llama_cpp_buft.Ggml().devices() if d["type"] == llama_cpp_buft.DEVICE_GPU]
+        gpus = [d for d in llama_buft.Ggml().devices() if d["type"] == llama_buft.DEVICE_GPU]
         has_gpu = bool(gpus) and bool(L.llama_supports_gpu_offload())
         return MachineInfo(
             gpu_free_bytes=sum(d["free"] for d in gpus) if has_gpu else 0,

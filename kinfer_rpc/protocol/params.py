@@ -6,9 +6,9 @@ silently ignored is the bug users hate most).
 
 from __future__ import annotations
 
-from . import errors
-from .engine import GenerateOptions
-from .sampling import SamplingOptions
+from kinfer_rpc import errors
+from kinfer_rpc.engine.scheduler import GenerateOptions
+from kinfer_rpc.engine.sampling import SamplingOptions
 
 INT_MAX = 2**31 - 1
 

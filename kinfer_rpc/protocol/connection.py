@@ -16,8 +16,8 @@ import anyio
 import attrs
 from jsonrpcserver import Error, Success, async_dispatch_to_serializable
 
-from . import errors
-from .framing import FrameError
+from kinfer_rpc import errors
+from kinfer_rpc.protocol.framing import FrameError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from . import errors
+from kinfer_rpc import errors
 
 MAGIC = b"GGUF"
 

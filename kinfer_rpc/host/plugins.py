@@ -1,12 +1,15 @@
-"""Loading plugins: the built-ins and third-party ones, all through the `kinfer_rpc` entry points.
+"""Loading plugins: the built-ins (DEFAULT_PLUGINS) and third-party ones (the `kinfer_rpc` entry points).
 
-`KINFER_RPC_PLUGINS` (comma-separated entry-point names) restricts which load; unset loads all.
+Built-in plugins are ordinary plugins: registered by module path, through the same code path as an
+entry point, so every test exercises what a third-party plugin goes through.
+`KINFER_RPC_PLUGINS` (comma-separated plugin names) restricts which load; unset loads all.
 A plugin that fails to import, to register, or that registers something malformed is recorded
 in `Plugins.broken` and skipped: it never stops the server.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -14,10 +17,34 @@ import os
 import attrs
 import pluggy
 
-from . import hookspecs
+from kinfer_rpc import __version__, hookspecs
 
 log = logging.getLogger(__name__)
 GROUP = "kinfer_rpc"
+DEFAULT_PLUGINS = {  # name -> module
+    "llama": "kinfer_rpc.default_plugins.llama",
+    "drafts": "kinfer_rpc.default_plugins.drafts",
+    "mlx": "kinfer_rpc.default_plugins.mlx",
+    "placements": "kinfer_rpc.default_plugins.placements",
+}
+
+
+@attrs.frozen
+class BuiltinPlugin:
+    """A built-in plugin, looked at as an entry point: .name, .load(), .dist."""
+
+    name: str
+    module: str
+    dist = None
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+def default_entry_points() -> list:
+    """The built-ins, then every installed `kinfer_rpc` entry point."""
+    return [BuiltinPlugin(name, module) for name, module in DEFAULT_PLUGINS.items()] + list(
+        importlib.metadata.entry_points(group=GROUP))
 
 
 @attrs.define
@@ -62,7 +89,7 @@ def load_plugins(entry_points=None) -> Plugins:
     plugins = Plugins()
     wanted = _wanted()
     if entry_points is None:
-        entry_points = importlib.metadata.entry_points(group=GROUP)
+        entry_points = default_entry_points()
     owners = {}
     for ep in entry_points:
         if wanted is not None and ep.name not in wanted:
@@ -78,7 +105,7 @@ def load_plugins(entry_points=None) -> Plugins:
             plugins.broken.append({"name": ep.name, "error": f"{type(exc).__name__}: {exc}"})
             log.error("plugin %s failed to load: %s", ep.name, exc)
             continue
-        version = ep.dist.version if getattr(ep, "dist", None) else None
+        version = ep.dist.version if ep.dist is not None else __version__ if isinstance(ep, BuiltinPlugin) else None
         owners[ep.name] = {"name": ep.name, "version": version}
 
     # Collect each plugin's registrations apart, and keep them only if all of its hooks worked:

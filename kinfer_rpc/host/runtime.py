@@ -14,11 +14,17 @@ import random
 import anyio
 import attrs
 
-from . import chat, errors, gguf_meta, params
-from .engine import Engine, Job
-from .plugins import Plugins
-from .store import ModelStore
-from .types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
+from kinfer_rpc import errors
+
+from kinfer_rpc.host import templates as chat
+
+from kinfer_rpc.host import gguf as gguf_meta
+
+from kinfer_rpc.protocol import params as params
+from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.host.plugins import Plugins
+from kinfer_rpc.host.store import ModelStore
+from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ configuration), so a reply is the same after a hit, a miss or a move.
 
 from __future__ import annotations
 
-from .types import common_prefix
+from kinfer_rpc.types import common_prefix
 
 MIN_SHARED = 8  # shorter shared prefixes are recomputed rather than copied across streams
 

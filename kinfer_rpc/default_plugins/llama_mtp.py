@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kinfer_llama import LlamaModel, _Batch
+from kinfer_rpc.default_plugins.llama import LlamaModel, _Batch
 from kinfer_rpc.types import SeqChunk
 
 log = logging.getLogger("kinfer_rpc.llama")

@@ -47,7 +47,7 @@ def apply(L) -> type:
     fields = list(old._fields_)
     names = [f[0] for f in fields]
     if "tensor_buft_overrides" not in names:
-        raise RuntimeError("llama_model_params has no tensor_buft_overrides field: revisit patches/llama_cpp_buft.py")
+        raise RuntimeError("llama_model_params has no tensor_buft_overrides field: revisit kinfer_rpc/default_plugins/llama_buft.py")
     i = names.index("tensor_buft_overrides")
     if fields[i][1] is not ctypes.c_void_p:
         # Upstream binds it: nothing to patch.

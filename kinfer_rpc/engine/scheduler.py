@@ -22,11 +22,11 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from . import errors
-from .sampling import SamplingOptions, sample
-from .slots import Slots
-from .textstream import TextStream
-from .types import DraftRequest, LoadedModel, SeqChunk
+from kinfer_rpc import errors
+from kinfer_rpc.engine.sampling import SamplingOptions, sample
+from kinfer_rpc.engine.slots import Slots
+from kinfer_rpc.engine.text import TextStream
+from kinfer_rpc.types import DraftRequest, LoadedModel, SeqChunk
 
 _CPUS = os.cpu_count() or 1
 _ARGMAX_PARTS = 4  # at most: the engine's thread and 3 of the pool (see Engine._argmax)

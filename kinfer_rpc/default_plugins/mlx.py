@@ -506,9 +506,8 @@ def _attention_kernel(model, config: dict) -> bool:
     KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison), once the kernel has
     passed its check against MLX's operations here. False when the kernel cannot run here, fails
     the check, or the model's attention cannot be routed (_route_attention)."""
-    import kinfer_mlx_attention
-
-    if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not kinfer_mlx_attention.available():
+    from kinfer_rpc.default_plugins import mlx_attention
+    if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not mlx_attention.available():
         return False
     heads = int(config.get("num_attention_heads") or 0)
     kv = int(config.get("num_key_value_heads") or heads)
@@ -518,7 +517,7 @@ def _attention_kernel(model, config: dict) -> bool:
     try:  # the kernel against plain MLX operations once per load (it is MLX's JIT that builds it)
         dtype = next((v.dtype for _, v in _flat(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
                      mx.float16)
-        diff = kinfer_mlx_attention.self_check(dtype, head_dim, heads // kv)
+        diff = mlx_attention.self_check(dtype, head_dim, heads // kv)
     except Exception as exc:  # noqa: BLE001 - a CUDA build without NVRTC headers, say: MLX's attention
         log.warning("mlx: the decode attention kernel did not run (%s); using MLX's attention", exc)
         return False
@@ -537,8 +536,7 @@ def _route_attention(model) -> bool:
     or uses attention sinks."""
     import sys
 
-    import kinfer_mlx_attention
-
+    from kinfer_rpc.default_plugins import mlx_attention
     layers = getattr(model, "layers", None)
     attn = getattr(layers[0], "self_attn", None) if layers else None
     if attn is None or hasattr(attn, "sinks"):
@@ -554,7 +552,7 @@ def _route_attention(model) -> bool:
             if sinks is not None:
                 raise NotImplementedError("attention sinks are not supported by the decode attention kernel")
             i = cache.layer
-            return kinfer_mlx_attention.attention(queries, keys, values, cache.keys[i], cache.values[i], cache.slots,
+            return mlx_attention.attention(queries, keys, values, cache.keys[i], cache.values[i], cache.slots,
                                                   cache.cols, scale, cache.counter, splits=cache.kernel)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -632,9 +630,8 @@ class MlxModel:
 
     def _use_kernel(self) -> None:
         """Decode passes from now on through kinfer_mlx_attention's kernel (once it is routed)."""
-        import kinfer_mlx_attention
-
-        self.kernel = -(-self.context // kinfer_mlx_attention.CHUNK)
+        from kinfer_rpc.default_plugins import mlx_attention
+        self.kernel = -(-self.context // mlx_attention.CHUNK)
         heads = int(self.config.get("num_attention_heads") or 1)
         self.counter = mx.zeros((self.cells.slots * heads * (self.drafts + 1),), dtype=mx.int32)
         mx.eval(self.counter)

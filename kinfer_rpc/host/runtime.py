@@ -1,36 +1,27 @@
-"""The models a server holds, and the inference methods on them.
-
-Each loaded model is one Engine (one worker thread). Handlers here are the `model/*` and
-`inference/*` methods; they receive a RequestContext for progress and partial results.
+"""The models a server holds: loading (backend, placement, draft policy), unloading, and starting
+jobs on them. Each loaded model is one Engine (one worker thread). The protocol's handlers
+(kinfer_rpc.protocol.handlers) turn params into calls here and what comes back into results.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import random
+from typing import Protocol
 
 import anyio
 import attrs
 
 from kinfer_rpc import errors
 
-from kinfer_rpc.host import templates as chat
-
 from kinfer_rpc.host import gguf as gguf_meta
-
-from kinfer_rpc.protocol import params as params
+from kinfer_rpc.host.options import load_options
 from kinfer_rpc.engine.scheduler import Engine, Job
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelStore
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SLOTS = 4
-DEFAULT_CONTEXT = 4096
-
 
 @attrs.define(eq=False)
 class Loaded:
@@ -46,47 +37,6 @@ class Loaded:
     placement_reason: str = ""
     defaults: dict = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
-
-
-def _with_defaults(defaults: dict, options):
-    """A model's default options under the request's (a null option counts as absent)."""
-    if not defaults or not isinstance(options, (dict, type(None))):
-        return options
-    return {**defaults, **{k: v for k, v in (options or {}).items() if v is not None}}
-
-
-def _load_options(obj, context_default: int | None = None) -> tuple[LoadOptions, dict]:
-    f = params.Fields(obj, "options")
-    slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
-    batch = f.int("batch", 2048, lo=1, hi=1 << 20)
-    opts = LoadOptions(
-        context_length=f.int("contextLength", context_default or DEFAULT_CONTEXT, lo=16, hi=1 << 24),
-        slots=slots,
-        batch=batch,
-        ubatch=f.int("ubatch", min(512, batch), lo=1, hi=1 << 20),
-        threads=f.int("threads", None, lo=1, hi=1024),
-        gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
-        flash_attention=f.bool("flashAttention", True),
-        kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
-        weights=f.str("weights", None, choices={"quantized", "dense"}),
-    )
-    extra = {
-        "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
-        "verify": f.bool("verify", None),
-        "draftPolicy": f.str("draftPolicy", None),
-        "draftModel": f.str("draftModel", None),
-        "drafts": f.int("drafts", None, lo=0, hi=64),
-        # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
-        # kept contiguous by compaction. Default: whatever the free slots hold.
-        "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
-        "placement": f.str("placement", None),
-        # The options a user set: they win over what the placement decides.
-        "given": frozenset(k for k, v in (obj or {}).items() if v is not None) if isinstance(obj, dict) else frozenset(),
-    }
-    f.done()
-    if opts.slots > opts.batch:
-        raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
-    return opts, extra
 
 
 def model_facts(path: str) -> ModelFacts:
@@ -117,6 +67,16 @@ def model_facts(path: str) -> ModelFacts:
     )
 
 
+class LoadProgress(Protocol):
+    """How a load reports its progress (the protocol layer sends it as work-done progress)."""
+
+    async def begin(self, title: str) -> None: ...
+
+    def report(self, percentage: int, message: str) -> None: ...
+
+    def end(self, message: str) -> None: ...
+
+
 class Runtime:
     def __init__(self, plugins: Plugins, store: ModelStore | None = None):
         self.plugins = plugins
@@ -124,59 +84,12 @@ class Runtime:
         self.loaded: dict[str, Loaded] = {}
         self._last: str | None = None
 
-    # -- models ------------------------------------------------------------------------------
-    async def model_list(self, ctx, /, **p):
-        params.Fields(p, "params").done()
-        store = self.store
-        described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
-        return {"models": [{**d, "loaded": d["name"] in self.loaded} for d in described]}
-
-    async def model_load(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        backend = f.str("backend")
-        options = f.raw("options")
-        f.done()
-        entry = await self._load(ctx, name, backend, options)
-        return self._describe(entry)
-
-    def _describe(self, entry: Loaded) -> dict:
-        info = entry.engine.model.info
-        return {
-            "model": entry.name,
-            "backend": entry.backend,
-            "path": info.path,
-            "source": entry.source,
-            "architecture": info.architecture,
-            "parameters": info.parameters,
-            "sizeBytes": info.size_bytes,
-            "contextLength": info.context_length,
-            "contextTrain": info.context_train,
-            "slots": info.slots,
-            "batch": entry.options.batch,
-            "ubatch": entry.options.ubatch,
-            "gpuLayers": entry.options.gpu_layers,
-            "flashAttention": entry.options.flash_attention,
-            "draftPolicy": entry.draft_policy,
-            "prefix": entry.engine.prefix,
-            "drafts": info.drafts,
-            "weights": info.weights,
-            **self._placement_fields(entry),
-        }
-
-    @staticmethod
-    def _placement_fields(entry: Loaded) -> dict:
-        return {
-            "placement": entry.placement,
-            "placementReason": entry.placement_reason,
-            "hostTensors": list(entry.options.host_tensors),
-        }
-
-    async def _load(self, ctx, name, backend_name, options) -> Loaded:
+    async def load(self, name, backend_name, options, progress: "LoadProgress | None" = None) -> Loaded:
+        """Load (or join the load of) a model by name with raw load options; returns once ready."""
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
         if existing is None:
-            opts, extra = _load_options(options, ref.context_length)
+            opts, extra = load_options(options, ref.context_length)
             backend = self._backend_for(ref.format, backend_name)
             # A backend lists the weight forms it can run (`weights`); without the attribute it runs
             # them as stored (llama: llama.cpp computes with the GGUF's own types).
@@ -206,7 +119,7 @@ class Runtime:
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
             if options is not None:
-                _load_options(options)  # still refuse bad options
+                load_options(options)  # still refuse bad options
             await existing.ready.wait()
             if existing.error is not None:
                 raise existing.error
@@ -232,8 +145,8 @@ class Runtime:
                 return
             if pct >= progress_sent[0] + 10 or pct == 100:
                 progress_sent[0] = pct
-                if ctx is not None and ctx.work_done_token is not None:
-                    loop.create_task(ctx.work_done("report", percentage=pct, message=f"loading {ref.name}"))
+                if progress is not None:
+                    progress.report(pct, f"loading {ref.name}")
 
         engine = Engine(
             lambda progress: backend.load(ref.path, opts, progress),
@@ -254,8 +167,8 @@ class Runtime:
         engine.start()  # first: whatever happens to this request, the load itself goes on
         ending = "failed"
         try:
-            if ctx is not None:
-                await ctx.work_done("begin", title=f"Loading {ref.name}", cancellable=False, percentage=0)
+            if progress is not None:
+                await progress.begin(f"Loading {ref.name}")
             await ready.wait()
             ending = "loaded" if entry.error is None else "failed"
         except BaseException:
@@ -265,9 +178,8 @@ class Runtime:
             ending = "cancelled; the load goes on"
             raise
         finally:
-            if ctx is not None:
-                # Without awaiting: a cancelled task's send could be cancelled in turn.
-                ctx.work_done_nowait("end", message=ending)
+            if progress is not None:
+                progress.end(ending)  # never awaits: a cancelled task's send could be cancelled in turn
         if entry.error is not None:
             self.loaded.pop(ref.name, None)
             raise entry.error
@@ -353,113 +265,19 @@ class Runtime:
             return min(readers, key=lambda b: (tuple(b.formats).index(fmt), b.name))
         raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)")
 
-    async def model_unload(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        f.done()
-        if name is None:
-            raise errors.invalid_params("params.model is required")
-        entry = self.loaded.get(name)
-        if entry is None:
-            matches = [n for n in self.loaded if n.startswith(name)]
-            if len(matches) != 1:
-                raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.loaded) or 'none'}")
-            entry = self.loaded[matches[0]]
-        self.loaded.pop(entry.name, None)
-        if self._last == entry.name:
-            self._last = None
-        await anyio.to_thread.run_sync(entry.engine.stop)
-        return None
-
-    async def model_status(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        f.done()
-        out = []
-        for entry in list(self.loaded.values()):
-            if name is not None and entry.name != name:
-                continue
-            if not entry.ready.is_set() or entry.error is not None:
-                out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
-                continue
-            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status(),
-                        "batch": entry.options.batch, "ubatch": entry.options.ubatch,
-                        "gpuLayers": entry.options.gpu_layers, **self._placement_fields(entry)})
-        return {"models": out}
-
     def close(self) -> None:
         for entry in list(self.loaded.values()):
             entry.engine.stop(timeout=2.0)
         self.loaded.clear()
 
     # -- inference ---------------------------------------------------------------------------
-    async def _model_for(self, ctx, name) -> Loaded:
+    async def model_for(self, name) -> Loaded:
+        """The model a request names, else the one used last; loaded with its defaults if need be."""
         if name is None and self._last is not None and self._last in self.loaded:
             name = self._last
-        return await self._load(None, name, None, None)
+        return await self.load(name, None, None)
 
-    async def inference_generate(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        prompt = f.str("prompt")
-        tokens = f.raw("tokens")
-        add_special = f.bool("addSpecial", None)
-        options = f.raw("options")
-        f.done()
-        if (prompt is None) == (tokens is None):
-            raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
-        seed = random.getrandbits(63)
-        opts = params.generate_options(options, seed)
-        entry = await self._model_for(ctx, name)
-        if entry.defaults:
-            opts = params.generate_options(_with_defaults(entry.defaults, options), seed)
-        model = entry.engine.model
-        if tokens is not None:
-            ids = params.tokens(tokens, model.info.n_vocab)
-        else:
-            add = model.info.add_bos if add_special is None else add_special
-            ids = model.tokenize(prompt, add, True)
-        return await self._run(ctx, entry, ids, opts)
-
-    async def inference_chat(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        messages = params.messages(f.raw("messages"))
-        options = f.raw("options")
-        f.done()
-        seed = random.getrandbits(63)
-        opts = params.generate_options(options, seed)
-        entry = await self._model_for(ctx, name)
-        if entry.defaults:
-            opts = params.generate_options(_with_defaults(entry.defaults, options), seed)
-        if entry.system and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": entry.system}, *messages]
-        model = entry.engine.model
-        # Off the event loop: a model file's template is untrusted and may be slow; the server
-        # keeps answering everyone else meanwhile (the sandbox also caps its loops).
-        text = await anyio.to_thread.run_sync(
-            functools.partial(chat.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
-        )
-        add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
-        ids = model.tokenize(text, add_bos, True)
-        return await self._run(ctx, entry, ids, opts)
-
-    async def inference_tokenize(self, ctx, /, **p):
-        f = params.Fields(p, "params")
-        name = f.str("model")
-        text = f.str("text")
-        add_special = f.bool("addSpecial", None)
-        parse_special = f.bool("parseSpecial", True)
-        f.done()
-        if text is None:
-            raise errors.invalid_params("params.text is required")
-        entry = await self._model_for(ctx, name)
-        model = entry.engine.model
-        add = model.info.add_bos if add_special is None else add_special
-        ids = model.tokenize(text, add, parse_special)
-        return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
-
-    def _drafting(self, entry: Loaded, opts):
+    def drafting(self, entry: Loaded, opts):
         """The request's draft policy and count: the load's, unless the request overrides."""
         name = opts.draft_policy if opts.draft_policy is not None else entry.draft_policy
         if name in (None, "none"):
@@ -483,35 +301,21 @@ class Runtime:
             )
         return attrs.evolve(opts, draft_policy=policy, drafts=drafts)
 
-    async def _run(self, ctx, entry: Loaded, ids: list[int], opts) -> dict:
-        opts = self._drafting(entry, opts)
-        done = anyio.Event()
-        pieces: list = []
-        wake = anyio.Event()
-
-        def on_piece(text, toks):
-            pieces.append((text, toks))
-            wake.set()
-
-        job = Job(ids, opts, on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
-                  on_done=lambda j: (done.set(), wake.set()))
-        if ctx is not None:
-            ctx.partial = job.result
+    def start(self, entry: Loaded, ids: list[int], opts, on_piece=None, on_done=None) -> Job:
+        """Submit a job of `ids` with generate options `opts` to the entry's engine."""
+        job = Job(ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done)
         entry.engine.submit(job)
-        try:
-            while not done.is_set() or pieces:
-                if pieces:
-                    batch = pieces[:]
-                    pieces.clear()
-                    text = "".join(t for t, _ in batch)
-                    toks = [x for _, ts in batch for x in ts]
-                    await ctx.report_partial({"text": text, "tokens": toks})
-                    continue
-                await wake.wait()
-                wake = anyio.Event()
-        except BaseException:
-            entry.engine.cancel(job)
-            raise
-        if job.error is not None:
-            raise job.error
-        return {"model": entry.name, **job.result()}
+        return job
+
+    async def unload(self, name: str) -> None:
+        """Stop the model of that name (or the one loaded model it is a prefix of)."""
+        entry = self.loaded.get(name)
+        if entry is None:
+            matches = [n for n in self.loaded if n.startswith(name)]
+            if len(matches) != 1:
+                raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.loaded) or 'none'}")
+            entry = self.loaded[matches[0]]
+        self.loaded.pop(entry.name, None)
+        if self._last == entry.name:
+            self._last = None
+        await anyio.to_thread.run_sync(entry.engine.stop)

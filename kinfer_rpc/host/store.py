@@ -25,6 +25,7 @@ import attrs
 from kinfer_rpc import errors
 
 from kinfer_rpc.host import gguf as gguf_meta
+from kinfer_rpc.host.options import generate_options
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,6 @@ _OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
 
 def _ollama_defaults(raw, where: str) -> tuple[dict, int | None]:
     """Ollama's params layer as kinfer's generate options (each checked as a request's would be)."""
-    from kinfer_rpc.protocol.params import generate_options  # late: params imports the engine
 
     defaults, num_ctx = {}, None
     if not isinstance(raw, dict):

@@ -23,6 +23,7 @@ from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameReader, encode
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.protocol.connection import Connection
 from kinfer_rpc.host.runtime import Runtime
+from kinfer_rpc.protocol.handlers import Handlers
 
 log = logging.getLogger("kinfer_rpc")
 
@@ -63,7 +64,7 @@ class Server:
         self.log_handler = ClientLogHandler(self)
         self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         self._stop = anyio.Event()
-        r = self.runtime
+        r = Handlers(self.runtime)
         self.connection = Connection(
             self.send,
             {
@@ -122,7 +123,7 @@ class Server:
         return None
 
     async def initialize(self, ctx, /, **p):
-        from kinfer_rpc.protocol.params import Fields
+        from kinfer_rpc.host.options import Fields
 
         f = Fields(p, "params")
         pid = f.int("processId", None, lo=0)
@@ -164,7 +165,7 @@ class Server:
         return None
 
     async def shutdown(self, ctx, /, **p):
-        from kinfer_rpc.protocol.params import Fields
+        from kinfer_rpc.host.options import Fields
 
         Fields(p, "params").done()
         self.state = "shutdown"

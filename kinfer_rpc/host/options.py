@@ -1,0 +1,169 @@
+"""Option objects (a load's, a request's) turned into checked values, so the inside never re-checks.
+
+Every error names the field and what was wrong; unknown fields are errors (a misspelt option
+silently ignored is the bug users hate most). The protocol layer reads its params with the same
+Fields; the store checks a model's own default options (Ollama's params) with generate_options.
+"""
+
+from __future__ import annotations
+
+from kinfer_rpc import errors
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import GenerateOptions
+from kinfer_rpc.types import LoadOptions
+
+DEFAULT_SLOTS = 4
+DEFAULT_CONTEXT = 4096
+INT_MAX = 2**31 - 1
+
+
+class Fields:
+    """Reads fields out of one params object, recording which were used."""
+
+    def __init__(self, obj, where: str):
+        if obj is None:
+            obj = {}
+        if not isinstance(obj, dict):
+            raise errors.invalid_params(f"{where} must be an object")
+        self.obj = obj
+        self.where = where
+        self.used: set[str] = set()
+
+    def _get(self, name):
+        self.used.add(name)
+        return self.obj.get(name)
+
+    def _bad(self, name, what):
+        return errors.invalid_params(f"{self.where}.{name} must be {what}", {"field": f"{self.where}.{name}"})
+
+    def int(self, name, default=None, lo=None, hi=INT_MAX):
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(name, "an integer")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise self._bad(name, f"between {lo} and {hi}")
+        return v
+
+    def float(self, name, default=None, lo=None, hi=None):
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise self._bad(name, "a number")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise self._bad(name, f"between {lo} and {hi}")
+        return float(v)
+
+    def bool(self, name, default=None):
+        v = self._get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._bad(name, "true or false")
+        return v
+
+    def str(self, name, default=None, choices=None):
+        v = self._get(name)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self._bad(name, "a string")
+        check_text(v, f"{self.where}.{name}")
+        if choices is not None and v not in choices:
+            raise self._bad(name, "one of " + ", ".join(sorted(choices)))
+        return v
+
+    def raw(self, name):
+        return self._get(name)
+
+    def done(self):
+        extra = sorted(set(self.obj) - self.used)
+        if extra:
+            raise errors.invalid_params(
+                f"unknown field{'s' if len(extra) > 1 else ''} in {self.where}: {', '.join(extra)}",
+                {"unknown": extra},
+            )
+
+
+def check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
+
+
+def generate_options(obj, seed_default: int) -> GenerateOptions:
+    f = Fields(obj, "options")
+    max_tokens = f.int("maxTokens", None, lo=0)
+    stop = f.raw("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        check_text(stop, "options.stop")
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+        for s in stop:
+            check_text(s, "options.stop")
+    else:
+        raise errors.invalid_params("options.stop must be a string or a list of strings")
+    sampling = SamplingOptions(
+        temperature=f.float("temperature", 0.8, lo=0.0, hi=100.0),
+        top_k=f.int("topK", 40, lo=0),
+        top_p=f.float("topP", 0.95, lo=0.0, hi=1.0),
+        min_p=f.float("minP", 0.05, lo=0.0, hi=1.0),
+        repeat_penalty=f.float("repeatPenalty", 1.0, lo=0.01, hi=100.0),
+        repeat_last_n=f.int("repeatLastN", 64, lo=-1),
+        seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
+    )
+    ignore_eos = f.bool("ignoreEos", False)
+    drafts = f.int("drafts", None, lo=0, hi=64)
+    policy = f.str("draftPolicy", None)
+    f.done()
+    return GenerateOptions(
+        max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sampling=sampling,
+        drafts=drafts, draft_policy=policy,
+    )
+
+
+def with_defaults(defaults: dict, options):
+    """A model's default options under the request's (a null option counts as absent)."""
+    if not defaults or not isinstance(options, (dict, type(None))):
+        return options
+    return {**defaults, **{k: v for k, v in (options or {}).items() if v is not None}}
+
+
+def load_options(obj, context_default: int | None = None) -> tuple[LoadOptions, dict]:
+    f = Fields(obj, "options")
+    slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
+    batch = f.int("batch", 2048, lo=1, hi=1 << 20)
+    opts = LoadOptions(
+        context_length=f.int("contextLength", context_default or DEFAULT_CONTEXT, lo=16, hi=1 << 24),
+        slots=slots,
+        batch=batch,
+        ubatch=f.int("ubatch", min(512, batch), lo=1, hi=1 << 20),
+        threads=f.int("threads", None, lo=1, hi=1024),
+        gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
+        flash_attention=f.bool("flashAttention", True),
+        kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
+        weights=f.str("weights", None, choices={"quantized", "dense"}),
+    )
+    extra = {
+        "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
+        "verify": f.bool("verify", None),
+        "draftPolicy": f.str("draftPolicy", None),
+        "draftModel": f.str("draftModel", None),
+        "drafts": f.int("drafts", None, lo=0, hi=64),
+        # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
+        # kept contiguous by compaction. Default: whatever the free slots hold.
+        "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
+        "placement": f.str("placement", None),
+        # The options a user set: they win over what the placement decides.
+        "given": frozenset(k for k, v in (obj or {}).items() if v is not None) if isinstance(obj, dict) else frozenset(),
+    }
+    f.done()
+    if opts.slots > opts.batch:
+        raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
+    return opts, extra

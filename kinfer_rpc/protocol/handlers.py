@@ -1,0 +1,211 @@
+"""The `model/*` and `inference/*` methods: params in, calls on the host's Runtime, results out.
+
+Each handler receives the request's context (kinfer_rpc.protocol.connection.RequestContext) for
+work-done progress and partial results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+import anyio
+
+from kinfer_rpc import errors
+from kinfer_rpc.host import templates
+from kinfer_rpc.host.options import Fields, generate_options, with_defaults
+from kinfer_rpc.host.runtime import Loaded, Runtime
+from kinfer_rpc.protocol import params
+
+
+class _Progress:
+    """A load's progress as the request's work-done progress."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.loop = asyncio.get_running_loop()
+
+    async def begin(self, title: str) -> None:
+        await self.ctx.work_done("begin", title=title, cancellable=False, percentage=0)
+
+    def report(self, percentage: int, message: str) -> None:
+        if self.ctx.work_done_token is not None:
+            self.loop.create_task(self.ctx.work_done("report", percentage=percentage, message=message))
+
+    def end(self, message: str) -> None:
+        self.ctx.work_done_nowait("end", message=message)
+
+
+class Handlers:
+    """The methods the server registers, over one Runtime."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    # -- models ------------------------------------------------------------------------------
+    async def model_list(self, ctx, /, **p):
+        Fields(p, "params").done()
+        store = self.runtime.store
+        described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
+        return {"models": [{**d, "loaded": d["name"] in self.runtime.loaded} for d in described]}
+
+    async def model_load(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        backend = f.str("backend")
+        options = f.raw("options")
+        f.done()
+        entry = await self.runtime.load(name, backend, options, _Progress(ctx) if ctx is not None else None)
+        return self._describe(entry)
+
+    def _describe(self, entry: Loaded) -> dict:
+        info = entry.engine.model.info
+        return {
+            "model": entry.name,
+            "backend": entry.backend,
+            "path": info.path,
+            "source": entry.source,
+            "architecture": info.architecture,
+            "parameters": info.parameters,
+            "sizeBytes": info.size_bytes,
+            "contextLength": info.context_length,
+            "contextTrain": info.context_train,
+            "slots": info.slots,
+            "batch": entry.options.batch,
+            "ubatch": entry.options.ubatch,
+            "gpuLayers": entry.options.gpu_layers,
+            "flashAttention": entry.options.flash_attention,
+            "draftPolicy": entry.draft_policy,
+            "prefix": entry.engine.prefix,
+            "drafts": info.drafts,
+            "weights": info.weights,
+            **self._placement_fields(entry),
+        }
+
+    @staticmethod
+    def _placement_fields(entry: Loaded) -> dict:
+        return {
+            "placement": entry.placement,
+            "placementReason": entry.placement_reason,
+            "hostTensors": list(entry.options.host_tensors),
+        }
+
+    async def model_unload(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        f.done()
+        if name is None:
+            raise errors.invalid_params("params.model is required")
+        await self.runtime.unload(name)
+        return None
+
+    async def model_status(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        f.done()
+        out = []
+        for entry in list(self.runtime.loaded.values()):
+            if name is not None and entry.name != name:
+                continue
+            if not entry.ready.is_set() or entry.error is not None:
+                out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
+                continue
+            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status(),
+                        "batch": entry.options.batch, "ubatch": entry.options.ubatch,
+                        "gpuLayers": entry.options.gpu_layers, **self._placement_fields(entry)})
+        return {"models": out}
+
+
+    async def inference_generate(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        prompt = f.str("prompt")
+        tokens = f.raw("tokens")
+        add_special = f.bool("addSpecial", None)
+        options = f.raw("options")
+        f.done()
+        if (prompt is None) == (tokens is None):
+            raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
+        seed = random.getrandbits(63)
+        opts = generate_options(options, seed)
+        entry = await self.runtime.model_for(name)
+        if entry.defaults:
+            opts = generate_options(with_defaults(entry.defaults, options), seed)
+        model = entry.engine.model
+        if tokens is not None:
+            ids = params.tokens(tokens, model.info.n_vocab)
+        else:
+            add = model.info.add_bos if add_special is None else add_special
+            ids = model.tokenize(prompt, add, True)
+        return await self._stream(ctx, entry, ids, opts)
+
+    async def inference_chat(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        messages = params.messages(f.raw("messages"))
+        options = f.raw("options")
+        f.done()
+        seed = random.getrandbits(63)
+        opts = generate_options(options, seed)
+        entry = await self.runtime.model_for(name)
+        if entry.defaults:
+            opts = generate_options(with_defaults(entry.defaults, options), seed)
+        if entry.system and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": entry.system}, *messages]
+        model = entry.engine.model
+        # Off the event loop: a model file's template is untrusted and may be slow; the server
+        # keeps answering everyone else meanwhile (the sandbox also caps its loops).
+        text = await anyio.to_thread.run_sync(
+            functools.partial(templates.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
+        )
+        add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
+        ids = model.tokenize(text, add_bos, True)
+        return await self._stream(ctx, entry, ids, opts)
+
+    async def inference_tokenize(self, ctx, /, **p):
+        f = Fields(p, "params")
+        name = f.str("model")
+        text = f.str("text")
+        add_special = f.bool("addSpecial", None)
+        parse_special = f.bool("parseSpecial", True)
+        f.done()
+        if text is None:
+            raise errors.invalid_params("params.text is required")
+        entry = await self.runtime.model_for(name)
+        model = entry.engine.model
+        add = model.info.add_bos if add_special is None else add_special
+        ids = model.tokenize(text, add, parse_special)
+        return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
+
+    async def _stream(self, ctx, entry: Loaded, ids: list[int], opts) -> dict:
+        """Run a job, sending its pieces as partial results when the client asked for them."""
+        done = anyio.Event()
+        pieces: list = []
+        wake = anyio.Event()
+
+        def on_piece(text, toks):
+            pieces.append((text, toks))
+            wake.set()
+
+        job = self.runtime.start(entry, ids, opts, on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
+                                 on_done=lambda j: (done.set(), wake.set()))
+        if ctx is not None:
+            ctx.partial = job.result
+        try:
+            while not done.is_set() or pieces:
+                if pieces:
+                    batch = pieces[:]
+                    pieces.clear()
+                    text = "".join(t for t, _ in batch)
+                    toks = [x for _, ts in batch for x in ts]
+                    await ctx.report_partial({"text": text, "tokens": toks})
+                    continue
+                await wake.wait()
+                wake = anyio.Event()
+        except BaseException:
+            entry.engine.cancel(job)
+            raise
+        if job.error is not None:
+            raise job.error
+        return {"model": entry.name, **job.result()}

@@ -1,0 +1,84 @@
+"""The architecture the tree states, checked: dependencies point one way.
+
+    protocol -> host -> engine -> contract <- default_plugins
+
+The contract is what a plugin may use: `kinfer_rpc` itself (hookimpl, the version),
+`kinfer_rpc.types`, `kinfer_rpc.hookspecs` and `kinfer_rpc.errors`. A layer may import the layers
+below it and the contract, never one above; the built-in plugins import only the contract and each
+other, as a third-party plugin would. The client library speaks the protocol from outside and
+imports none of the server; the `kinfer` CLI, a tool on top of everything, may import any of it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kinfer_rpc"
+CONTRACT = {"kinfer_rpc", "kinfer_rpc.types", "kinfer_rpc.hookspecs", "kinfer_rpc.errors"}
+RANK = {"kinfer_rpc.engine": 1, "kinfer_rpc.host": 2, "kinfer_rpc.protocol": 3}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every kinfer_rpc module `path` imports, relative imports resolved."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod where one exists
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.append((node.lineno, sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                              or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else base))
+    return [(line, m) for line, m in found if m == "kinfer_rpc" or m.startswith("kinfer_rpc.")]
+
+
+def _layer(module: str) -> str:
+    for prefix in ("kinfer_rpc.protocol", "kinfer_rpc.host", "kinfer_rpc.engine", "kinfer_rpc.default_plugins"):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix
+    return module if module in CONTRACT else module  # client, cli, __main__: themselves
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    src, dst = _layer(importer), _layer(imported)
+    if dst in CONTRACT or src == dst:
+        return True
+    if src == "kinfer_rpc.cli" or src == "kinfer_rpc.__main__":
+        return True
+    if src in CONTRACT or src in ("kinfer_rpc.client", "kinfer_rpc.default_plugins"):
+        return False
+    return src in RANK and dst in RANK and RANK[dst] < RANK[src]
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _module_name(path)
+        for line, imported in _imports(path):
+            if not _allowed(me, imported):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} {me} imports {imported}")
+    assert wrong == []
+
+
+def test_the_check_catches_an_import_against_the_direction():
+    assert not _allowed("kinfer_rpc.engine.scheduler", "kinfer_rpc.host.store")
+    assert not _allowed("kinfer_rpc.host.store", "kinfer_rpc.protocol.params")
+    assert not _allowed("kinfer_rpc.default_plugins.llama", "kinfer_rpc.engine.scheduler")
+    assert not _allowed("kinfer_rpc.types", "kinfer_rpc.engine.slots")
+    assert not _allowed("kinfer_rpc.client", "kinfer_rpc.host.runtime")
+    assert _allowed("kinfer_rpc.protocol.server", "kinfer_rpc.host.runtime")
+    assert _allowed("kinfer_rpc.host.runtime", "kinfer_rpc.engine.scheduler")
+    assert _allowed("kinfer_rpc.default_plugins.llama_mtp", "kinfer_rpc.default_plugins.llama")

@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from statistics import median
 import subprocess
 import sys
+from statistics import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,14 +56,24 @@ def main():
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", default="1,8,32,128")
     ap.add_argument("--kvu", action="store_true", help="llama-batched-bench -kvu and kinfer's unified buffer")
-    ap.add_argument("--pool", action="store_true",
-                    help="kinfer with its prefix pool (on per-slot streams) against llama-batched-bench -kvu")
+    ap.add_argument(
+        "--pool",
+        action="store_true",
+        help="kinfer with its prefix pool (on per-slot streams) against llama-batched-bench -kvu",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--rounds", type=int, default=1, help="llama-batched-bench and kinfer alternating, this many times")
-    ap.add_argument("--patched-lib", default=None,
-                    help="a folder with kinfer's patched libllama: also run llama-batched-bench on it")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
-                    help="KV cells for both sides (kinfer's CPU default is q8_0, for invariance)")
+    ap.add_argument(
+        "--patched-lib",
+        default=None,
+        help="a folder with kinfer's patched libllama: also run llama-batched-bench on it",
+    )
+    ap.add_argument(
+        "--kv-type",
+        default="f16",
+        choices=["f16", "q8_0"],
+        help="KV cells for both sides (kinfer's CPU default is q8_0, for invariance)",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be 1 or more")
@@ -73,19 +83,68 @@ def main():
     ours_t = args.threads
     anchor_t = (args.anchor_threads or str(args.threads or os.cpu_count())).split(",")
 
-    tg = jsonl([os.path.join(args.tools, "llama-bench"), "-m", args.model, "-p", "0", "-n", str(args.ntg),
-                "-fa", "1", "-t", ",".join(anchor_t), "-ngl", str(args.ngl), "-r", "3", "-o", "jsonl",
-                "-ctk", args.kv_type, "-ctv", args.kv_type])
+    tg = jsonl(
+        [
+            os.path.join(args.tools, "llama-bench"),
+            "-m",
+            args.model,
+            "-p",
+            "0",
+            "-n",
+            str(args.ntg),
+            "-fa",
+            "1",
+            "-t",
+            ",".join(anchor_t),
+            "-ngl",
+            str(args.ngl),
+            "-r",
+            "3",
+            "-o",
+            "jsonl",
+            "-ctk",
+            args.kv_type,
+            "-ctv",
+            args.kv_type,
+        ]
+    )
     llama_tg = max(r["avg_ts"] for r in tg if r.get("n_gen") == args.ntg)
     ctx = max(npl) * (args.npp + args.ntg + 8)
 
     def batched_bench(env=None) -> dict:
         bb: dict = {}
         for t in anchor_t:  # the fastest run of each case, over the thread counts
-            bb_cmd = [os.path.join(args.tools, "llama-batched-bench"), "-m", args.model, "-c", str(ctx), "-b", "2048",
-                      "-ub", "512", "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", args.npl, "-fa", "on",
-                      "-t", t, "-tb", t, "-ngl", str(args.ngl), "--output-format", "jsonl",
-                      "-ctk", args.kv_type, "-ctv", args.kv_type]
+            bb_cmd = [
+                os.path.join(args.tools, "llama-batched-bench"),
+                "-m",
+                args.model,
+                "-c",
+                str(ctx),
+                "-b",
+                "2048",
+                "-ub",
+                "512",
+                "-npp",
+                str(args.npp),
+                "-ntg",
+                str(args.ntg),
+                "-npl",
+                args.npl,
+                "-fa",
+                "on",
+                "-t",
+                t,
+                "-tb",
+                t,
+                "-ngl",
+                str(args.ngl),
+                "--output-format",
+                "jsonl",
+                "-ctk",
+                args.kv_type,
+                "-ctv",
+                args.kv_type,
+            ]
             if args.kvu or args.pool:
                 bb_cmd.append("-kvu")
             for r in jsonl(bb_cmd, env):
@@ -97,9 +156,22 @@ def main():
     if args.patched_lib:
         paths = [args.patched_lib] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         patched_env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
-    ours_cmd = [sys.executable, os.path.join(HERE, "engine_bench.py"), args.model, "--npp", str(args.npp),
-                "--ntg", str(args.ntg), "--npl", args.npl, "--gpu-layers", str(args.ngl),
-                "--kv-type", args.kv_type, "--phases"] + (["--threads", str(ours_t)] if ours_t else [])
+    ours_cmd = [
+        sys.executable,
+        os.path.join(HERE, "engine_bench.py"),
+        args.model,
+        "--npp",
+        str(args.npp),
+        "--ntg",
+        str(args.ntg),
+        "--npl",
+        args.npl,
+        "--gpu-layers",
+        str(args.ngl),
+        "--kv-type",
+        args.kv_type,
+        "--phases",
+    ] + (["--threads", str(ours_t)] if ours_t else [])
     if args.kvu:
         ours_cmd.append("--kvu")
     ours_cmd += ["--prefix", str(1 << 30 if args.pool else -1)]
@@ -114,8 +186,14 @@ def main():
         raw += [{**r, "round": i + 1} for r in bb.values()]
         raw += [{**r, "round": i + 1, "lib": "patched"} for r in bbp.values()]
         raw += ours
-        rounds.append((bb, bbp, {r["npl"]: r for r in ours if r["case"] == "batched"},
-                       next((r for r in ours if r["case"] == "tg"), None)))
+        rounds.append(
+            (
+                bb,
+                bbp,
+                {r["npl"]: r for r in ours if r["case"] == "batched"},
+                next((r for r in ours if r["case"] == "tg"), None),
+            )
+        )
     ours_tg = rounds[0][3]
 
     label = args.label or os.path.basename(args.model)
@@ -129,30 +207,40 @@ def main():
     print(f"| case | llama.cpp tok/s | kinfer tok/s | kinfer / llama.cpp | each round{patched_cols} |")
     print("|---|---:|---:|---:|---|" + ("---:|" if patched_env else ""))
     pad = " |" if patched_env else ""
-    print(f"| single stream, tg{args.ntg} (llama-bench) | {llama_tg:,.1f} | {ours_tg['decode_tps']:,.1f} | "
-          f"{ours_tg['decode_tps'] / llama_tg:.0%} | |{pad}")
+    print(
+        f"| single stream, tg{args.ntg} (llama-bench) | {llama_tg:,.1f} | {ours_tg['decode_tps']:,.1f} | "
+        f"{ours_tg['decode_tps'] / llama_tg:.0%} | |{pad}"
+    )
     for n in npl:
         a = median([r[0][n]["speed_tg"] for r in rounds])
         b = median([r[2][n]["decode_tps"] for r in rounds])
         ratios = [r[2][n]["decode_tps"] / r[0][n]["speed_tg"] for r in rounds]
         each = ", ".join(f"{x:.0%}" for x in ratios)
         extra = f" {median([r[1][n]['speed_tg'] for r in rounds]):,.1f} |" if patched_env else ""
-        print(f"| {n} at once, decode (llama-batched-bench S_TG, pp{args.npp} tg{args.ntg}) | {a:,.1f} | {b:,.1f} |"
-              f" {median(ratios):.0%} | {each} |{extra}")
+        print(
+            f"| {n} at once, decode (llama-batched-bench S_TG, pp{args.npp} tg{args.ntg}) | {a:,.1f} | {b:,.1f} |"
+            f" {median(ratios):.0%} | {each} |{extra}"
+        )
     # Where kinfer's decode step goes (engine_bench --phases), beside llama.cpp's whole step: the
     # medians over the rounds. The gap: from the end of one pass's wait to the next decode() call,
     # the device idle.
-    print("\n| at once | llama.cpp ms a step | kinfer ms a step | in decode() | waiting | engine host | of it argmax"
-          " | of it planning | gap, device idle |")
+    print(
+        "\n| at once | llama.cpp ms a step | kinfer ms a step | in decode() | waiting | engine host | of it argmax"
+        " | of it planning | gap, device idle |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in npl:
         if all("ms_step" in r[2][n] for r in rounds):
-            m = {k: median([r[2][n][k] for r in rounds]) for k in
-                 ("ms_step", "ms_decode_call", "ms_wait", "ms_engine_host", "ms_argmax", "ms_plan", "ms_gap")}
+            m = {
+                k: median([r[2][n][k] for r in rounds])
+                for k in ("ms_step", "ms_decode_call", "ms_wait", "ms_engine_host", "ms_argmax", "ms_plan", "ms_gap")
+            }
             bb_ms = median([1000 * n / r[0][n]["speed_tg"] for r in rounds])
-            print(f"| {n} | {bb_ms:.2f} | {m['ms_step']:.2f} | {m['ms_decode_call']:.2f} |"
-                  f" {m['ms_wait']:.2f} | {m['ms_engine_host']:.2f} | {m['ms_argmax']:.2f} | {m['ms_plan']:.2f} |"
-                  f" {m['ms_gap']:.2f} |")
+            print(
+                f"| {n} | {bb_ms:.2f} | {m['ms_step']:.2f} | {m['ms_decode_call']:.2f} |"
+                f" {m['ms_wait']:.2f} | {m['ms_engine_host']:.2f} | {m['ms_argmax']:.2f} | {m['ms_plan']:.2f} |"
+                f" {m['ms_gap']:.2f} |"
+            )
     print("\n<details><summary>raw</summary>\n")
     for r in raw:
         print("    " + json.dumps(r))

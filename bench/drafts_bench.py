@@ -25,9 +25,9 @@ import attrs  # noqa: E402
 
 from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy  # noqa: E402
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.host import templates as chat  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.host import templates as chat  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 CODE = '''import math
@@ -62,12 +62,24 @@ WORKLOADS = {
 
 
 def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None, draft_model: str | None = None) -> Engine:
-    opts = LoadOptions(context_length=2048, slots=1, batch=2048, ubatch=512, threads=threads,
-                       gpu_layers=gpu_layers, drafts=max_drafts, draft_model=draft_model)
+    opts = LoadOptions(
+        context_length=2048,
+        slots=1,
+        batch=2048,
+        ubatch=512,
+        threads=threads,
+        gpu_layers=gpu_layers,
+        drafts=max_drafts,
+        draft_model=draft_model,
+    )
     ready = threading.Event()
     backend = LlamaBackend()
-    engine = Engine(lambda p: backend.load(model, opts, p), lambda fn: fn(), on_ready=lambda e: ready.set(),
-                    draft_session=lambda policy, target: policy.session(target, backend, opts))
+    engine = Engine(
+        lambda p: backend.load(model, opts, p),
+        lambda fn: fn(),
+        on_ready=lambda e: ready.set(),
+        draft_session=lambda policy, target: policy.session(target, backend, opts),
+    )
     engine.start()
     ready.wait()
     return engine
@@ -87,38 +99,59 @@ def workloads(args):
     info = engine.model.info
     base = GenerateOptions(max_tokens=args.max_tokens, sampling=SamplingOptions(temperature=0.0))
     for name, text in WORKLOADS.items():
-        rendered = chat.render(engine.template, [{"role": "user", "content": text}], bos=info.bos_text, eos=info.eos_text)
+        rendered = chat.render(
+            engine.template, [{"role": "user", "content": text}], bos=info.bos_text, eos=info.eos_text
+        )
         prompt = engine.model.tokenize(rendered, False, True)
         run(engine, prompt[:16], attrs.evolve(base, max_tokens=4))  # warm up
         plain = run(engine, prompt, base)
         plain_tps = plain.result()["timings"]["tokensPerSecond"]
-        print(json.dumps({"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated),
-                          "tps": plain_tps}), flush=True)
+        print(
+            json.dumps(
+                {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps}
+            ),
+            flush=True,
+        )
         for policy, k in [(p, k) for p in policies for k in args.drafts]:
             job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=policy))
             r = job.result()
             u = r["usage"]
-            print(json.dumps({
-                "workload": name, "policy": policy.name, "drafts": k, "tokens": len(job.generated),
-                "tps": r["timings"]["tokensPerSecond"],
-                "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
-                "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
-                "same_reply": job.generated == plain.generated,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "workload": name,
+                        "policy": policy.name,
+                        "drafts": k,
+                        "tokens": len(job.generated),
+                        "tps": r["timings"]["tokensPerSecond"],
+                        "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
+                        "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
+                        "same_reply": job.generated == plain.generated,
+                    }
+                ),
+                flush=True,
+            )
     engine.stop()
 
 
 def curve(args):
     """Step time of one pass over 1 + k positions of one sequence, k = 0..16."""
-    opts = LoadOptions(context_length=4096, slots=1, batch=2048, ubatch=512, threads=args.threads,
-                       gpu_layers=args.gpu_layers, drafts=16)
+    opts = LoadOptions(
+        context_length=4096,
+        slots=1,
+        batch=2048,
+        ubatch=512,
+        threads=args.threads,
+        gpu_layers=args.gpu_layers,
+        drafts=16,
+    )
     model = LlamaBackend().load(args.curve, opts, lambda f: None)
     prompt = [(17 * i) % (model.info.n_vocab - 10) + 5 for i in range(256)]
     model.decode([SeqChunk(0, 0, prompt, 1)])()
     base = None
     for k in range(0, 17):
         times = []
-        for rep in range(args.reps):
+        for _rep in range(args.reps):
             pos = len(prompt)
             t = time.perf_counter()
             model.decode([SeqChunk(0, pos, prompt[: k + 1], k + 1)])()
@@ -126,8 +159,12 @@ def curve(args):
             model.seq_remove(0, pos, -1)
         ms = sorted(times)[len(times) // 2] * 1000
         base = base or ms
-        print(json.dumps({"curve": os.path.basename(args.curve), "k": k, "step_ms": round(ms, 3),
-                          "vs_k0": round(ms / base, 3)}), flush=True)
+        print(
+            json.dumps(
+                {"curve": os.path.basename(args.curve), "k": k, "step_ms": round(ms, 3), "vs_k0": round(ms / base, 3)}
+            ),
+            flush=True,
+        )
     model.close()
 
 

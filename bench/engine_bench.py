@@ -24,12 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 
+from phases import PhaseTimer  # noqa: E402
+
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.engine import scheduler as engine_module  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
-from phases import PhaseTimer  # noqa: E402
 
 
 def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
@@ -45,15 +46,21 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         kv_type=args.kv_type,
     )
     ready = threading.Event()
+
     def load(progress):
         loaded = LlamaBackend().load(model, opts, progress)
         if args.device_argmax == "off":  # every row's logits come back; the engine takes the argmax
             loaded.device_greedy = False
         return loaded
 
-    engine = Engine(load, lambda fn: fn(), batch=args.batch,
-                    on_ready=lambda exc: ready.set(), prefix=args.prefix,
-                    start_ahead=False if args.start_ahead == "off" else None)
+    engine = Engine(
+        load,
+        lambda fn: fn(),
+        batch=args.batch,
+        on_ready=lambda exc: ready.set(),
+        prefix=args.prefix,
+        start_ahead=False if args.start_ahead == "off" else None,
+    )
     engine.start()
     ready.wait()
     if engine.model is None:
@@ -62,7 +69,9 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     # Distinct prompts (so nothing could be shared), the same length for every request.
     prompts = [[(7 + 13 * i + 31 * j) % (vocab - 100) + 50 for j in range(npp)] for i in range(npl)]
     options = GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
-    warm = Job(prompts[0][:8], GenerateOptions(max_tokens=4, ignore_eos=True, sampling=SamplingOptions(temperature=0.0)))
+    warm = Job(
+        prompts[0][:8], GenerateOptions(max_tokens=4, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
+    )
     done = threading.Event()
     warm.on_done = lambda j: done.set()
     engine.submit(warm)
@@ -72,8 +81,12 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
     finished = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in prompts]
     jobs = [
-        Job(p, options, on_done=lambda j: finished.release(),
-            on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)))
+        Job(
+            p,
+            options,
+            on_done=lambda j: finished.release(),
+            on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)),
+        )
         for i, p in enumerate(prompts)
     ]
     t0 = time.perf_counter()
@@ -125,10 +138,18 @@ def main():
     ap.add_argument("--prefix", type=int, default=-1, help="the prefix pool's token budget (-1: off, compaction)")
     ap.add_argument("--tg", action="store_true", help="also the single-stream case shaped like llama-bench tg")
     ap.add_argument("--phases", action="store_true", help="also split each decode step's time (see PhaseTimer)")
-    ap.add_argument("--start-ahead", choices=["auto", "off"], default="auto",
-                    help="off: never start a pass before the last one's tokens are taken (Engine._start_next), to compare")
-    ap.add_argument("--device-argmax", choices=["auto", "off"], default="auto",
-                    help="greedy rows' argmax in llama.cpp's pass where its library has the patch (auto), or on the host (off)")
+    ap.add_argument(
+        "--start-ahead",
+        choices=["auto", "off"],
+        default="auto",
+        help="off: never start a pass before the last one's tokens are taken (Engine._start_next), to compare",
+    )
+    ap.add_argument(
+        "--device-argmax",
+        choices=["auto", "off"],
+        default="auto",
+        help="greedy rows' argmax in llama.cpp's pass where its library has the patch (auto), or on the host (off)",
+    )
     ap.add_argument("--argmax-parts", type=int, default=None, help="the argmax's most threads (engine._ARGMAX_PARTS)")
     args = ap.parse_args()
     if args.argmax_parts:

@@ -24,10 +24,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.types import ModelInfo  # noqa: E402
 from phases import PhaseTimer  # noqa: E402
+
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.types import ModelInfo  # noqa: E402
 
 
 class InstantModel:
@@ -38,8 +39,9 @@ class InstantModel:
     decode_async = True
 
     def __init__(self, slots: int, vocab: int, context: int):
-        self.info = ModelInfo(name="instant", path="", backend="none", n_vocab=vocab, context_length=context,
-                              slots=slots)
+        self.info = ModelInfo(
+            name="instant", path="", backend="none", n_vocab=vocab, context_length=context, slots=slots
+        )
         rng = np.random.default_rng(0)
         self.logits = rng.standard_normal((slots, vocab), dtype=np.float32)
 
@@ -112,9 +114,18 @@ def run(npl: int, vocab: int, steps: int, kind: str = "host") -> dict:
     ms = timer.summary()
     engine.stop()
     host = ms["ms_step"] - ms["ms_text"]
-    return {"model": kind, "npl": npl, "vocab": vocab, "ms_step_host": round(host, 3), "ms_argmax": ms["ms_argmax"],
-            "ms_plan": ms["ms_plan"], "ms_rest": round(host - ms["ms_argmax"] - ms["ms_plan"], 3),
-            "ms_text_overlapped": ms["ms_text"], "ms_gap_device_idle": ms["ms_gap"], "cpus": os.cpu_count()}
+    return {
+        "model": kind,
+        "npl": npl,
+        "vocab": vocab,
+        "ms_step_host": round(host, 3),
+        "ms_argmax": ms["ms_argmax"],
+        "ms_plan": ms["ms_plan"],
+        "ms_rest": round(host - ms["ms_argmax"] - ms["ms_plan"], 3),
+        "ms_text_overlapped": ms["ms_text"],
+        "ms_gap_device_idle": ms["ms_gap"],
+        "cpus": os.cpu_count(),
+    }
 
 
 def main():
@@ -122,9 +133,12 @@ def main():
     ap.add_argument("--npl", default="32,64,128")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--model", default="host,device,device-next",
-                    help="stand-ins: host (the engine takes the argmax), device (the pass takes it), "
-                         "device-next (and the backend has decode_next)")
+    ap.add_argument(
+        "--model",
+        default="host,device,device-next",
+        help="stand-ins: host (the engine takes the argmax), device (the pass takes it), "
+        "device-next (and the backend has decode_next)",
+    )
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:
         for kind in args.model.split(","):

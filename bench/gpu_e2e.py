@@ -45,8 +45,9 @@ async def one_round(kinfer: AsyncClient, model: str, n: int, max_tokens: int, ca
 
     async def _ask(i: int) -> None:
         prompt = f"Request {i} of {n}: " + "the quick brown fox " * (1 + i % 7)
-        stream = kinfer.stream_generate(prompt, model, maxTokens=max_tokens, temperature=0 if i % 2 else 0.8,
-                                        seed=1000 + i, ignoreEos=True)
+        stream = kinfer.stream_generate(
+            prompt, model, maxTokens=max_tokens, temperature=0 if i % 2 else 0.8, seed=1000 + i, ignoreEos=True
+        )
         cancel = cancel_every > 0 and i % cancel_every == cancel_every - 1
         pieces = []
         async for piece in stream:
@@ -61,13 +62,17 @@ async def one_round(kinfer: AsyncClient, model: str, n: int, max_tokens: int, ca
             error = stream.response.get("error") or {}
             partial = error.get("data") or {}
             check(error.get("code") == -32800, f"request {i}: cancelled, yet answered {str(stream.response)[:200]}")
-            check(partial.get("usage", {}).get("completionTokens", max_tokens) < max_tokens,
-                  f"request {i}: the cancellation carried no partial reply shorter than the whole")
+            check(
+                partial.get("usage", {}).get("completionTokens", max_tokens) < max_tokens,
+                f"request {i}: the cancellation carried no partial reply shorter than the whole",
+            )
             done[i] = {"tokens": partial["usage"]["completionTokens"], "cancelled": True}
             return
         result = stream.result
-        check(result.stop_reason == "length" and result.usage.completion_tokens == max_tokens,
-              f"request {i}: stopped with {result.stop_reason} after {result.usage.completion_tokens} tokens")
+        check(
+            result.stop_reason == "length" and result.usage.completion_tokens == max_tokens,
+            f"request {i}: stopped with {result.stop_reason} after {result.usage.completion_tokens} tokens",
+        )
         check("".join(pieces) == result.text, f"request {i}: the streamed pieces differ from the result's text")
         done[i] = {"tokens": result.usage.completion_tokens, "cancelled": False}
 
@@ -79,8 +84,13 @@ async def one_round(kinfer: AsyncClient, model: str, n: int, max_tokens: int, ca
     check(not failures, f"{len(failures)} of {n} requests failed: " + "; ".join(failures[:5]))
     check(len(done) == n, f"{n - len(done)} of {n} requests got no answer")
     tokens = sum(d["tokens"] for d in done.values())
-    return {"atOnce": n, "cancelled": sum(d["cancelled"] for d in done.values()), "tokens": tokens,
-            "seconds": round(wall, 3), "tokPerSecond": round(tokens / wall, 1)}
+    return {
+        "atOnce": n,
+        "cancelled": sum(d["cancelled"] for d in done.values()),
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokPerSecond": round(tokens / wall, 1),
+    }
 
 
 async def probe(kinfer: AsyncClient, model: str, n: int, others: int, max_tokens: int) -> dict:
@@ -119,12 +129,16 @@ async def main_async(args) -> int:
     try:
         async with kinfer:
             t0 = time.perf_counter()
-            loaded = await kinfer.load(args.model, gpuLayers=args.gpu_layers, slots=max(args.at_once),
-                                       contextLength=args.context)
+            loaded = await kinfer.load(
+                args.model, gpuLayers=args.gpu_layers, slots=max(args.at_once), contextLength=args.context
+            )
             report["loadSeconds"] = round(time.perf_counter() - t0, 2)
             status = (await kinfer.request("model/status", {"model": loaded.model}))["models"][0]
-            report["load"] = {"gpuLayers": loaded.gpu_layers, "placement": status.get("placement"),
-                              "memory": status.get("memory")}
+            report["load"] = {
+                "gpuLayers": loaded.gpu_layers,
+                "placement": status.get("placement"),
+                "memory": status.get("memory"),
+            }
             check(loaded.gpu_layers >= args.gpu_layers, f"the load kept {loaded.gpu_layers} layers on the GPU, not all")
             where = "cpu" if args.gpu_layers == 0 else "gpu"  # --gpu-layers 0 checks this script on a CPU
             check((status.get("memory") or {}).get("device") == where, f"the model is not on the {where}: {status}")
@@ -163,12 +177,16 @@ def _markdown(report: dict) -> str:
         lines.append("")
     if report["rounds"]:
         lines += ["| at once | cancelled | tokens | seconds | tok/s |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['atOnce']} | {r['cancelled']} | {r['tokens']} | {r['seconds']} | {r['tokPerSecond']} |"
-                  for r in report["rounds"]]
+        lines += [
+            f"| {r['atOnce']} | {r['cancelled']} | {r['tokens']} | {r['seconds']} | {r['tokPerSecond']} |"
+            for r in report["rounds"]
+        ]
         lines.append("")
     for mode, p in (report.get("probe") or {}).items():
-        lines.append(f"reproducibility probe, {mode}: {p['identical']} of {p['of']} identical alone and among others "
-                     f"(first divergence at tokens {p['firstDivergence']})")
+        lines.append(
+            f"reproducibility probe, {mode}: {p['identical']} of {p['of']} identical alone and among others "
+            f"(first divergence at tokens {p['firstDivergence']})"
+        )
     lines += [f"- {c}" for c in report["checks"]]
     lines.append(f"**FAILED**: {report['failed']}" if "failed" in report else "**passed**")
     return "\n".join(lines)

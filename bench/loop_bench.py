@@ -58,8 +58,16 @@ def busy(ms: float) -> None:
 
 
 def run(path: str, npl: int, args) -> dict:
-    opts = LoadOptions(context_length=args.npp + args.ntg + 8, slots=npl, batch=2048, ubatch=512,
-                       threads=args.threads, gpu_layers=args.gpu_layers, flash_attention=True, kv_type="f16")
+    opts = LoadOptions(
+        context_length=args.npp + args.ntg + 8,
+        slots=npl,
+        batch=2048,
+        ubatch=512,
+        threads=args.threads,
+        gpu_layers=args.gpu_layers,
+        flash_attention=True,
+        kv_type="f16",
+    )
     model = LlamaBackend().load(path, opts, lambda f: None)
     vocab = model.info.n_vocab
     out = {"engine": "loop", "npl": npl, "npp": args.npp, "ntg": args.ntg}
@@ -71,8 +79,10 @@ def run(path: str, npl: int, args) -> dict:
                 model.seq_remove(s)
                 if model.device_greedy:
                     model.set_device_greedy(s, mode in DEVICE_MODES)
-            prompts = [SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
-                       for s in range(npl)]
+            prompts = [
+                SeqChunk(s, 0, tuple((7 + 13 * s + 31 * j) % (vocab - 100) + 50 for j in range(args.npp)), 1)
+                for s in range(npl)
+            ]
             for i in range(0, npl, max(1, 2048 // args.npp)):
                 model.decode(prompts[i : i + max(1, 2048 // args.npp)])()
             tokens = [100] * npl
@@ -119,10 +129,17 @@ def main():
     ap.add_argument("--npl", default="32,64,128")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gpu-layers", type=int, default=-1)
-    ap.add_argument("--modes", default="blind,wait,greedy,device",
-                    help="which loops to run (device, next, busy: patched llama.cpp only)")
-    ap.add_argument("--thread-stack-mb", type=int, default=None,
-                    help="run each loop on a thread of its own with this stack (0: the default stack)")
+    ap.add_argument(
+        "--modes",
+        default="blind,wait,greedy,device",
+        help="which loops to run (device, next, busy: patched llama.cpp only)",
+    )
+    ap.add_argument(
+        "--thread-stack-mb",
+        type=int,
+        default=None,
+        help="run each loop on a thread of its own with this stack (0: the default stack)",
+    )
     ap.add_argument("--busy-ms", type=float, default=0.4, help="the busy loop's host work while a pass runs")
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:

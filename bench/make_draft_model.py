@@ -63,7 +63,7 @@ def main():
     rng = np.random.default_rng(0)
 
     def rand(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.05)
+        return rng.standard_normal(shape, dtype=np.float32) * 0.05
 
     ones = np.ones(e, dtype=np.float32)
     w.add_tensor("token_embd.weight", rand(vocab, e))

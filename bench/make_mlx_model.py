@@ -32,16 +32,31 @@ from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
 from kinfer_rpc.host.store import embedded_default_path  # noqa: E402
 
 
-def write_tokenizer(out: Path, vocab: "kinfer_mlx.Vocab", size: int) -> None:
+def write_tokenizer(out: Path, vocab: kinfer_mlx.Vocab, size: int) -> None:
     spec = json.loads(json.dumps(vocab.spec))
     n = len(spec["model"]["vocab"])
-    spec["added_tokens"] += [{"id": i, "content": f"<|extra_{i}|>", "single_word": False, "lstrip": False,
-                              "rstrip": False, "normalized": False, "special": True} for i in range(n, size)]
+    spec["added_tokens"] += [
+        {
+            "id": i,
+            "content": f"<|extra_{i}|>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i in range(n, size)
+    ]
     (out / "tokenizer.json").write_text(json.dumps(spec))
     text = lambda t: vocab.pieces[t].decode("utf-8", "replace") if t is not None else None  # noqa: E731
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(vocab.bos),
-            "eos_token": text(vocab.eos[0] if vocab.eos else None), "add_bos_token": vocab.add_bos,
-            "chat_template": vocab.template, "model_max_length": 8192}
+    conf = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text(vocab.bos),
+        "eos_token": text(vocab.eos[0] if vocab.eos else None),
+        "add_bos_token": vocab.add_bos,
+        "chat_template": vocab.template,
+        "model_max_length": 8192,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=1))
 
 
@@ -57,10 +72,19 @@ def from_gguf(out: Path, gguf: str, bits: int, group: int) -> None:
 
 
 def random_llama(out: Path, a) -> None:
-    config = {"model_type": "llama", "hidden_size": a.hidden, "num_hidden_layers": a.layers,
-              "intermediate_size": a.intermediate, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
-              "rms_norm_eps": 1e-5, "vocab_size": a.vocab, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-              "tie_word_embeddings": False}
+    config = {
+        "model_type": "llama",
+        "hidden_size": a.hidden,
+        "num_hidden_layers": a.layers,
+        "intermediate_size": a.intermediate,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": a.vocab,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    }
     mx.random.seed(a.seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Layer by layer to float16 and quantized, so a 7B shape never holds all of its float32 copy.
@@ -78,9 +102,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--from-gguf", nargs="?", const="embedded", default=None)
-    ap.add_argument("--tokenizer-gguf", default=None,
-                    help="take the tokenizer from this GGUF (default: the embedded SmolLM2; on a machine "
-                         "without it, e.g. bench/make_draft_model.py's small copy of its vocabulary)")
+    ap.add_argument(
+        "--tokenizer-gguf",
+        default=None,
+        help="take the tokenizer from this GGUF (default: the embedded SmolLM2; on a machine "
+        "without it, e.g. bench/make_draft_model.py's small copy of its vocabulary)",
+    )
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=32)

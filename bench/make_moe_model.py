@@ -15,18 +15,50 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from make_model import add_spm_vocab  # bench/ is the script's folder
 
 SHAPES = {
     # Qwen3-30B-A3B: 48 layers, 128 experts (8 used), expert FFN 768, 32 query / 4 KV heads of 128
-    "30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_kv=4, head_dim=128, n_expert=128, n_used=8,
-                    n_ff_exp=768, n_ff=6144, vocab=151936, quant=True),
+    "30b-a3b": dict(
+        n_embd=2048,
+        n_layer=48,
+        n_head=32,
+        n_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_used=8,
+        n_ff_exp=768,
+        n_ff=6144,
+        vocab=151936,
+        quant=True,
+    ),
     # the big shape's code path (Q4_K blocks) at a size that loads in a second
-    "mini-q4k": dict(n_embd=256, n_layer=2, n_head=2, n_kv=1, head_dim=128, n_expert=4, n_used=2,
-                     n_ff_exp=256, n_ff=512, vocab=512, quant=True),
-    "tiny": dict(n_embd=64, n_layer=2, n_head=4, n_kv=2, head_dim=32, n_expert=8, n_used=2,
-                 n_ff_exp=32, n_ff=128, vocab=512, quant=False),
+    "mini-q4k": dict(
+        n_embd=256,
+        n_layer=2,
+        n_head=2,
+        n_kv=1,
+        head_dim=128,
+        n_expert=4,
+        n_used=2,
+        n_ff_exp=256,
+        n_ff=512,
+        vocab=512,
+        quant=True,
+    ),
+    "tiny": dict(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_kv=2,
+        head_dim=32,
+        n_expert=8,
+        n_used=2,
+        n_ff_exp=32,
+        n_ff=128,
+        vocab=512,
+        quant=False,
+    ),
 }
 QK_K, Q4_K_BYTES = 256, 144
 
@@ -57,7 +89,7 @@ def main():
         n = int(np.prod(shape))
         if not quant:
             return (rng.standard_normal(n, dtype=np.float32) * 0.05).reshape(shape), None
-        rows, cols = int(np.prod(shape[:-1])), shape[-1]
+        cols = shape[-1]
         assert cols % QK_K == 0, (shape, "rows must be whole Q4_K blocks")
         blocks = pool.reshape(-1)[: n // QK_K * Q4_K_BYTES]
         return blocks.reshape(*shape[:-1], cols // QK_K * Q4_K_BYTES), gguf.GGMLQuantizationType.Q4_K

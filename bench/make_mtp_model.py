@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from make_model import add_spm_vocab  # bench/ is the script's folder
-
 import gguf
+import numpy as np
 from gguf import quants
+from make_model import add_spm_vocab  # bench/ is the script's folder
 
 ALIGNED_TOKEN = 300
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -54,9 +52,9 @@ def write(out: str, *, aligned: bool = False, vocab: int = 512, embd: int = 128,
     w.add_name("synthetic-glm4moe-mtp" + ("-aligned" if aligned else ""))
     w.add_context_length(2048)
     w.add_embedding_length(E)
-    w.add_block_count(n_all)                  # includes the NextN block
+    w.add_block_count(n_all)  # includes the NextN block
     w.add_nextn_predict_layers(1)
-    w.add_leading_dense_block_count(trunk)    # the trunk is dense: a plain KV cache
+    w.add_leading_dense_block_count(trunk)  # the trunk is dense: a plain KV cache
     w.add_feed_forward_length(n_ff)
     w.add_expert_feed_forward_length(n_ff_exp)
     w.add_expert_count(n_expert)
@@ -69,7 +67,7 @@ def write(out: str, *, aligned: bool = False, vocab: int = 512, embd: int = 128,
     w.add_head_count_kv(n_kv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd // 2)       # GLM's partial rotary
+    w.add_rope_dimension_count(hd // 2)  # GLM's partial rotary
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -140,8 +138,11 @@ def write(out: str, *, aligned: bool = False, vocab: int = 512, embd: int = 128,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--aligned", action="store_true",
-                    help=f"target and MTP head both always predict token {ALIGNED_TOKEN} (every draft accepted)")
+    ap.add_argument(
+        "--aligned",
+        action="store_true",
+        help=f"target and MTP head both always predict token {ALIGNED_TOKEN} (every draft accepted)",
+    )
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--trunk", type=int, default=2, help="dense blocks before the NextN block")

@@ -40,12 +40,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 import mlx.core as mx  # noqa: E402
+from phases import PhaseTimer  # noqa: E402
 
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
-from phases import PhaseTimer  # noqa: E402
 
 
 def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
@@ -62,8 +62,13 @@ MLX_LM_AS_STORED = False  # --mlx-lm-as-stored: mlx-lm runs the model as stored,
 def start_engine(model: str, slots: int, ctx: int, drafts: int = 0) -> Engine:
     opts = LoadOptions(context_length=ctx, slots=slots, batch=max(512, slots), drafts=drafts, weights=WEIGHTS)
     ready = threading.Event()
-    engine = Engine(lambda p: kinfer_mlx.MlxBackend().load(model, opts, p), lambda fn: fn(), batch=opts.batch,
-                    on_ready=lambda exc: ready.set(), prefix=-1)
+    engine = Engine(
+        lambda p: kinfer_mlx.MlxBackend().load(model, opts, p),
+        lambda fn: fn(),
+        batch=opts.batch,
+        on_ready=lambda exc: ready.set(),
+        prefix=-1,
+    )
     engine.start()
     ready.wait()
     if engine.model is None:
@@ -75,9 +80,15 @@ def run_jobs(engine: Engine, prompts, ntg: int) -> tuple[dict, list]:
     options = GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
     finished = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in prompts]
-    jobs = [Job(list(p), options, on_done=lambda j: finished.release(),
-                on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)))
-            for i, p in enumerate(prompts)]
+    jobs = [
+        Job(
+            list(p),
+            options,
+            on_done=lambda j: finished.release(),
+            on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)),
+        )
+        for i, p in enumerate(prompts)
+    ]
     t0 = time.perf_counter()
     for job in jobs:
         engine.submit(job)
@@ -92,9 +103,13 @@ def timing(t0, t_end, times) -> dict:
     decode_tokens = sum(1 for t in times for x in t if x > t_all_in)
     t_decode = t_end - t_all_in
     total = sum(len(t) for t in times)
-    return {"prompt_s": round(t_all_in - t0, 4), "decode_s": round(t_decode, 4),
-            "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
-            "total_tps": round(total / (t_end - t0), 2), "tokens": total}
+    return {
+        "prompt_s": round(t_all_in - t0, 4),
+        "decode_s": round(t_decode, 4),
+        "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
+        "total_tps": round(total / (t_end - t0), 2),
+        "tokens": total,
+    }
 
 
 def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between=None) -> list[dict]:
@@ -166,8 +181,9 @@ def mlx_lm_case(m, n: int, npp: int, ntg: int) -> dict:
             int(token)
             times[0].append(time.perf_counter())
         return timing(t0, time.perf_counter(), times)
-    gen = BatchGenerator(m, max_tokens=ntg, stop_tokens=[], completion_batch_size=max(32, n),
-                         prefill_batch_size=min(n, 8))
+    gen = BatchGenerator(
+        m, max_tokens=ntg, stop_tokens=[], completion_batch_size=max(32, n), prefill_batch_size=min(n, 8)
+    )
     try:
         gen.insert(prompts, max_tokens=[8] * n)  # warm up at the measured shape, as kinfer does
         while gen.next_generated() or gen._unprocessed_sequences or len(gen._prompt_batch):
@@ -192,25 +208,42 @@ def compare(a) -> dict:
     m = mlx_lm_model(a.model)
     for n in a.npl:
         theirs_runs: list[dict] = []
-        ours = median_run(kinfer_case(a.model, n, a.npp, a.ntg, a.rounds,
-                                      lambda i: theirs_runs.append(mlx_lm_case(m, n, a.npp, a.ntg))))
+        ours = median_run(
+            kinfer_case(
+                a.model, n, a.npp, a.ntg, a.rounds, lambda i: theirs_runs.append(mlx_lm_case(m, n, a.npp, a.ntg))
+            )
+        )
         theirs = median_run(theirs_runs)
-        rows.append({"npl": n, "kinfer": ours, "mlx_lm": theirs,
-                     "decode_ratio": round(ours["decode_tps"] / theirs["decode_tps"], 3) if theirs["decode_tps"] else None,
-                     "total_ratio": round(ours["total_tps"] / theirs["total_tps"], 3) if theirs["total_tps"] else None})
+        rows.append(
+            {
+                "npl": n,
+                "kinfer": ours,
+                "mlx_lm": theirs,
+                "decode_ratio": round(ours["decode_tps"] / theirs["decode_tps"], 3) if theirs["decode_tps"] else None,
+                "total_ratio": round(ours["total_tps"] / theirs["total_tps"], 3) if theirs["total_tps"] else None,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| at once | kinfer decode tok/s | mlx-lm decode tok/s | ratio | kinfer total tok/s | mlx-lm total tok/s | ratio |")
+    print(
+        "| at once | kinfer decode tok/s | mlx-lm decode tok/s | ratio "
+        "| kinfer total tok/s | mlx-lm total tok/s | ratio |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         k, m_ = r["kinfer"], r["mlx_lm"]
-        print(f"| {r['npl']} | {k['decode_tps']} | {m_['decode_tps']} | {r['decode_ratio']} | {k['total_tps']} |"
-              f" {m_['total_tps']} | {r['total_ratio']} |")
+        print(
+            f"| {r['npl']} | {k['decode_tps']} | {m_['decode_tps']} | {r['decode_ratio']} | {k['total_tps']} |"
+            f" {m_['total_tps']} | {r['total_ratio']} |"
+        )
     return {"rows": rows}
 
 
 def curve(a) -> dict:
-    model = kinfer_mlx.MlxBackend().load(a.model, LoadOptions(context_length=a.npp + a.kmax + 64, slots=1, drafts=a.kmax,
-                                                               weights=WEIGHTS), lambda f: None)
+    model = kinfer_mlx.MlxBackend().load(
+        a.model,
+        LoadOptions(context_length=a.npp + a.kmax + 64, slots=1, drafts=a.kmax, weights=WEIGHTS),
+        lambda f: None,
+    )
     costs = kinfer_mlx.step_cost_curve(model, a.kmax, repeats=a.repeats, context=a.npp)
     pick = kinfer_mlx.pick_drafts(costs)
     print("| k (drafts) | rows | ms | x one row |")
@@ -218,8 +251,12 @@ def curve(a) -> dict:
     for k, c in enumerate(costs):
         print(f"| {k} | {k + 1} | {c * 1000:.2f} | {c / costs[0]:.2f} |")
     print(f"\npick_drafts (acceptance 0.7): {pick}")
-    return {"costs_s": costs, "relative": [c / costs[0] for c in costs], "pick_drafts": pick,
-            "device": model.memory()["device"]}
+    return {
+        "costs_s": costs,
+        "relative": [c / costs[0] for c in costs],
+        "pick_drafts": pick,
+        "device": model.memory()["device"],
+    }
 
 
 def invariance(a) -> dict:
@@ -235,8 +272,16 @@ def invariance(a) -> dict:
         engine.stop(timeout=None)  # the worker must leave MLX before the interpreter exits
         first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(alone, together)]
         differ = [f for f in first if f is not None]
-        out.append({"npl": n, "replies": n, "differ": len(differ), "rate": round(len(differ) / n, 4),
-                    "first_divergence": sorted(differ), "tokens_each": a.ntg})
+        out.append(
+            {
+                "npl": n,
+                "replies": n,
+                "differ": len(differ),
+                "rate": round(len(differ) / n, 4),
+                "first_divergence": sorted(differ),
+                "tokens_each": a.ntg,
+            }
+        )
         print(json.dumps(out[-1]), flush=True)
     return {"rows": out}
 
@@ -251,14 +296,25 @@ def main():
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--kmax", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="compare: runs of each side, alternating (kinfer, mlx-lm, kinfer, ...); the median run of"
-                         " each is reported, with every run's decode tok/s")
-    ap.add_argument("--weights", choices=["default", "quantized", "dense"], default="default",
-                    help="LoadOptions.weights for kinfer, and the same form for mlx-lm (default: the backend's choice)")
-    ap.add_argument("--mlx-lm-as-stored", action="store_true",
-                    help="mlx-lm runs the model as stored (its own default) while kinfer takes --weights: each "
-                         "side's defaults in one run")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="compare: runs of each side, alternating (kinfer, mlx-lm, kinfer, ...); the median run of"
+        " each is reported, with every run's decode tok/s",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=["default", "quantized", "dense"],
+        default="default",
+        help="LoadOptions.weights for kinfer, and the same form for mlx-lm (default: the backend's choice)",
+    )
+    ap.add_argument(
+        "--mlx-lm-as-stored",
+        action="store_true",
+        help="mlx-lm runs the model as stored (its own default) while kinfer takes --weights: each "
+        "side's defaults in one run",
+    )
     ap.add_argument("--phases", action="store_true", help="also where kinfer's decode steps go (bench/phases.py)")
     a = ap.parse_args()
     global WEIGHTS, MLX_LM_AS_STORED, PHASES
@@ -269,8 +325,18 @@ def main():
     result = {"compare": compare, "curve": curve, "invariance": invariance}[a.mode](a)
     import mlx_lm
 
-    result.update(mode=a.mode, model=a.model, weights=a.weights, mlx_lm_as_stored=a.mlx_lm_as_stored, npp=a.npp, ntg=a.ntg, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
-                  device=str(mx.default_device()), seconds=round(time.perf_counter() - t, 1))
+    result.update(
+        mode=a.mode,
+        model=a.model,
+        weights=a.weights,
+        mlx_lm_as_stored=a.mlx_lm_as_stored,
+        npp=a.npp,
+        ntg=a.ntg,
+        mlx=mx.__version__,
+        mlx_lm=mlx_lm.__version__,
+        device=str(mx.default_device()),
+        seconds=round(time.perf_counter() - t, 1),
+    )
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)
 

@@ -33,8 +33,14 @@ from kinfer_rpc.default_plugins import mlx_attention as att  # noqa: E402
 def check_attention() -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
-    for B, L, HQ, HKV, D, S, C in ((1, 1, 32, 8, 128, 4, 768), (8, 1, 32, 8, 128, 8, 768), (128, 1, 32, 8, 128, 128, 512),
-                                   (8, 4, 32, 8, 128, 16, 768), (5, 1, 9, 3, 64, 7, 300)):
+    for B, L, HQ, HKV, D, S, C in (
+        (1, 1, 32, 8, 128, 4, 768),
+        (8, 1, 32, 8, 128, 8, 768),
+        (128, 1, 32, 8, 128, 128, 512),
+        (8, 4, 32, 8, 128, 16, 768),
+        (5, 1, 9, 3, 64, 7, 300),
+    ):
+
         def buffers():
             return (mx.array(rng.standard_normal((S, HKV, C, D)).astype(np.float16)) for _ in range(2))
 
@@ -47,7 +53,7 @@ def check_attention() -> list[dict]:
         slots = mx.array(rng.permutation(S)[:B].astype(np.int32))
         start = rng.integers(0, C - L, size=B)
         cols = mx.array((start[:, None] + np.arange(L)[None]).astype(np.int32))
-        scale = D ** -0.5
+        scale = D**-0.5
         got = att.attention(q, nk, nv, k, v, slots, cols, scale, counter)
         mx.eval(got)
         want = att.reference(q, nk, nv, kr, vr, slots, cols, scale)
@@ -58,10 +64,24 @@ def check_attention() -> list[dict]:
         same = bool(mx.array_equal(alone, got[:1]).item())
         one = att.attention(q, nk, nv, k, v, slots, cols, scale, counter, heads=1)
         mx.eval(one)
-        shapes = bool(mx.array_equal(one, att.attention(q, nk, nv, k, v, slots, cols, scale, counter,
-                                                        heads=HQ // HKV)).item())
-        out.append({"B": B, "L": L, "HQ": HQ, "HKV": HKV, "D": D, "cells": C, "max_abs_diff": diff, "writes_equal": writes,
-                    "alone_equal": same, "block_shapes_equal": shapes, "counter_zero": not mx.any(counter).item()})
+        shapes = bool(
+            mx.array_equal(one, att.attention(q, nk, nv, k, v, slots, cols, scale, counter, heads=HQ // HKV)).item()
+        )
+        out.append(
+            {
+                "B": B,
+                "L": L,
+                "HQ": HQ,
+                "HKV": HKV,
+                "D": D,
+                "cells": C,
+                "max_abs_diff": diff,
+                "writes_equal": writes,
+                "alone_equal": same,
+                "block_shapes_equal": shapes,
+                "counter_zero": not mx.any(counter).item(),
+            }
+        )
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -83,14 +103,16 @@ def time_attention() -> list[dict]:
         mask = (mx.arange(span)[None, None] <= cols[:, :, None])[:, None]
         cases = {
             "kernel (with the writes)": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088, counter),
-            "kernel, 8 blocks a row (a 4,096 context)": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088,
-                                                                             counter, splits=8),
-            "kernel, a block per query head": lambda: att.attention(q, nk, nv, k, v, slots, cols, 0.088, counter,
-                                                                   heads=1),
+            "kernel, 8 blocks a row (a 4,096 context)": lambda: att.attention(
+                q, nk, nv, k, v, slots, cols, 0.088, counter, splits=8
+            ),
+            "kernel, a block per query head": lambda: att.attention(
+                q, nk, nv, k, v, slots, cols, 0.088, counter, heads=1
+            ),
             "masked (fallback)": lambda: mx.fast.scaled_dot_product_attention(
-                q, k[:, :, :span], v[:, :, :span], scale=0.088, mask=mask),
-            "fused, no mask": lambda: mx.fast.scaled_dot_product_attention(
-                q, k[:, :, :n], v[:, :, :n], scale=0.088),
+                q, k[:, :, :span], v[:, :, :span], scale=0.088, mask=mask
+            ),
+            "fused, no mask": lambda: mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=0.088),
         }
         row = {"B": B, "cells": C, "attended": n}
         for name, fn in cases.items():

@@ -31,10 +31,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx_bench import prompts_for  # noqa: E402
 
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
-from mlx_bench import prompts_for  # noqa: E402
 
 
 def timed(fn, steps: int) -> tuple[float, float]:
@@ -139,8 +139,10 @@ def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
     """The decode pass (uncompiled, every row greedy on the device, no pass queued ahead) with
     parts of the attention swapped for mlx-lm's, to see which part costs what at B rows."""
     if m.kernel:
-        raise SystemExit("--ablate swaps the decode pass's KV writes, which the attention kernel makes: run it with"
-                         " KINFER_MLX_ATTENTION=0")
+        raise SystemExit(
+            "--ablate swaps the decode pass's KV writes, which the attention kernel makes: run it with"
+            " KINFER_MLX_ATTENTION=0"
+        )
     T = kinfer_mlx._Traced
     init, upd, mask = T.__init__, T.update_and_fetch, T.make_mask
     compile_, ahead = kinfer_mlx.mx.compile, kinfer_mlx.MlxModel._build_ahead
@@ -166,8 +168,11 @@ def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
         "int offset": {"__init__": int_offset},
         "no kv write": {"update_and_fetch": no_write},
         "exact span, mask None": {"update_and_fetch": exact, "make_mask": lambda self, *a, **k: None},
-        "int offset, mask None, no write": {"__init__": int_offset, "update_and_fetch": no_write,
-                                            "make_mask": lambda self, *a, **k: None},
+        "int offset, mask None, no write": {
+            "__init__": int_offset,
+            "update_and_fetch": no_write,
+            "make_mask": lambda self, *a, **k: None,
+        },
     }
     out = {}
     try:
@@ -223,8 +228,15 @@ def graph(m: kinfer_mlx.MlxModel, npp: int) -> dict:
     cells.reserve(npp + 2)
     fn = m._compiled_step([0], npp)
     i32 = mx.int32
-    out, keys, values = fn(mx.array([[1]], dtype=i32), mx.array([0], dtype=i32), mx.array([[npp]], dtype=i32),
-                           mx.array([npp], dtype=i32), mx.array([0], dtype=i32), cells.keys, cells.values)
+    out, keys, values = fn(
+        mx.array([[1]], dtype=i32),
+        mx.array([0], dtype=i32),
+        mx.array([[npp]], dtype=i32),
+        mx.array([npp], dtype=i32),
+        mx.array([0], dtype=i32),
+        cells.keys,
+        cells.values,
+    )
     ours = count(out, *keys, *values)
     mx.eval(out)
     cache = make_prompt_cache(m.model)
@@ -232,8 +244,12 @@ def graph(m: kinfer_mlx.MlxModel, npp: int) -> dict:
     o = m.model(mx.ones((1, 1), dtype=i32), cache=cache)
     theirs = count(o, *[c.keys for c in cache], *[c.values for c in cache])
     mx.eval(o)
-    return {"kinfer": ours, "mlx-lm": theirs, "kinfer total": round(sum(ours.values()), 1),
-            "mlx-lm total": round(sum(theirs.values()), 1)}
+    return {
+        "kinfer": ours,
+        "mlx-lm": theirs,
+        "kinfer total": round(sum(ours.values()), 1),
+        "mlx-lm total": round(sum(theirs.values()), 1),
+    }
 
 
 def main() -> None:
@@ -276,8 +292,10 @@ def main() -> None:
             def no_write(self, k, v):  # read the cells but write nothing (what the scatter costs)
                 K, V = self.keys[self.layer], self.values[self.layer]
                 if self.first is not None:
-                    return (mx.slice(K, self.first, (0,), (k.shape[0], K.shape[1], self.span, K.shape[3])),
-                            mx.slice(V, self.first, (0,), (k.shape[0], V.shape[1], self.span, V.shape[3])))
+                    return (
+                        mx.slice(K, self.first, (0,), (k.shape[0], K.shape[1], self.span, K.shape[3])),
+                        mx.slice(V, self.first, (0,), (k.shape[0], V.shape[1], self.span, V.shape[3])),
+                    )
                 return K[self.slots, :, : self.span], V[self.slots, :, : self.span]
 
             kinfer_mlx._Traced.update_and_fetch = no_write

@@ -27,9 +27,9 @@ sys.path[:0] = [ROOT]  # kinfer_patches: installed, or linked (bench/gpu_moe.sh)
 
 from kinfer_rpc.default_plugins import placements as kinfer_placements  # noqa: E402
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.host.runtime import model_facts  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 
 PLACEMENTS = {p.name: p for p in (kinfer_placements.Auto(), kinfer_placements.Gpu(), kinfer_placements.ExpertsHost())}
@@ -43,12 +43,20 @@ def run_case(path: str, placement: str, pass_size: int | None, args, seed: int) 
     plan = PLACEMENTS[placement].plan(model_facts(path), machine, base)
     batch = pass_size or plan.batch
     ubatch = pass_size or plan.ubatch
-    opts = LoadOptions(context_length=ctx, slots=1, threads=args.threads, batch=batch, ubatch=ubatch,
-                       gpu_layers=plan.gpu_layers, host_tensors=plan.host_tensors)
+    opts = LoadOptions(
+        context_length=ctx,
+        slots=1,
+        threads=args.threads,
+        batch=batch,
+        ubatch=ubatch,
+        gpu_layers=plan.gpu_layers,
+        host_tensors=plan.host_tensors,
+    )
     ready = threading.Event()
     t_load = time.perf_counter()
-    engine = Engine(lambda p: backend.load(path, opts, p), lambda fn: fn(), batch=batch,
-                    on_ready=lambda exc: ready.set(), prefix=0)
+    engine = Engine(
+        lambda p: backend.load(path, opts, p), lambda fn: fn(), batch=batch, on_ready=lambda exc: ready.set(), prefix=0
+    )
     engine.start()
     ready.wait()
     t_load = time.perf_counter() - t_load
@@ -60,8 +68,12 @@ def run_case(path: str, placement: str, pass_size: int | None, args, seed: int) 
     def one(prompt, ntg):
         done = threading.Event()
         times: list[float] = []
-        job = Job(prompt, GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=greedy),
-                  on_done=lambda j: done.set(), on_piece=lambda text, toks: times.extend([time.perf_counter()] * len(toks)))
+        job = Job(
+            prompt,
+            GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=greedy),
+            on_done=lambda j: done.set(),
+            on_piece=lambda text, toks: times.extend([time.perf_counter()] * len(toks)),
+        )
         t0 = time.perf_counter()
         engine.submit(job)
         done.wait()
@@ -72,23 +84,56 @@ def run_case(path: str, placement: str, pass_size: int | None, args, seed: int) 
     for rep in range(args.reps):
         prompt = [(7 * j * j + 31 * j + seed + 1000 * rep) % (vocab - 100) + 50 for j in range(args.prompt)]
         t0, times = one(prompt, args.ntg)
-        results.append({"prompt_tps": args.prompt / (times[0] - t0),
-                        "decode_tps": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0})
+        results.append(
+            {
+                "prompt_tps": args.prompt / (times[0] - t0),
+                "decode_tps": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0,
+            }
+        )
     engine.stop()
     best = lambda key: round(max(r[key] for r in results), 2)  # noqa: E731
     return {
-        "engine": "kinfer", "placement": placement, "batch": batch, "ubatch": ubatch,
-        "gpu_layers": plan.gpu_layers, "host_tensors": list(plan.host_tensors), "reason": plan.reason,
-        "gpu_free_gib": round(machine.gpu_free_bytes / 2**30, 1), "load_s": round(t_load, 1),
-        "prompt": args.prompt, "ntg": args.ntg, "prompt_tps": best("prompt_tps"), "decode_tps": best("decode_tps"),
+        "engine": "kinfer",
+        "placement": placement,
+        "batch": batch,
+        "ubatch": ubatch,
+        "gpu_layers": plan.gpu_layers,
+        "host_tensors": list(plan.host_tensors),
+        "reason": plan.reason,
+        "gpu_free_gib": round(machine.gpu_free_bytes / 2**30, 1),
+        "load_s": round(t_load, 1),
+        "prompt": args.prompt,
+        "ntg": args.ntg,
+        "prompt_tps": best("prompt_tps"),
+        "decode_tps": best("decode_tps"),
         "runs": [{k: round(v, 2) for k, v in r.items()} for r in results],
     }
 
 
 def anchor(path: str, tools: str, host: bool, pass_size: int, args) -> dict:
-    cmd = [os.path.join(tools, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", str(args.prompt),
-           "-n", str(args.ntg), "-b", str(pass_size), "-ub", str(pass_size), "-r", str(args.anchor_reps), "-o", "json",
-           "-t", str(args.threads or os.cpu_count())]
+    cmd = [
+        os.path.join(tools, "llama-bench"),
+        "-m",
+        path,
+        "-ngl",
+        "99",
+        "-fa",
+        "1",
+        "-p",
+        str(args.prompt),
+        "-n",
+        str(args.ntg),
+        "-b",
+        str(pass_size),
+        "-ub",
+        str(pass_size),
+        "-r",
+        str(args.anchor_reps),
+        "-o",
+        "json",
+        "-t",
+        str(args.threads or os.cpu_count()),
+    ]
     if host:
         cmd += ["-ot", kinfer_placements.EXPERTS + "=CPU"]
     proc = subprocess.run(cmd, capture_output=True, text=True)

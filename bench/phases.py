@@ -31,6 +31,7 @@ class PhaseTimer:
                 out = fn(*args)
                 current[name] = current.get(name, 0.0) + time.perf_counter() - t
                 return out
+
             return wrapper
 
         engine._best = timed("argmax", engine._best)
@@ -77,7 +78,14 @@ class PhaseTimer:
         if not rows:
             return {}
         ms = {k: sum(r[1 + i] for r in rows) / len(rows) * 1000 for i, k in enumerate(self.PARTS)}
-        return {"phase_steps": len(rows), "ms_step": round(ms["step"], 3), "ms_decode_call": round(ms["call"], 3),
-                "ms_wait": round(ms["wait"], 3), "ms_engine_host": round(ms["step"] - ms["call"] - ms["wait"], 3),
-                "ms_argmax": round(ms["argmax"], 3), "ms_plan": round(ms["plan"], 3), "ms_text": round(ms["text"], 3),
-                "ms_gap": round(ms["gap"], 3)}
+        return {
+            "phase_steps": len(rows),
+            "ms_step": round(ms["step"], 3),
+            "ms_decode_call": round(ms["call"], 3),
+            "ms_wait": round(ms["wait"], 3),
+            "ms_engine_host": round(ms["step"] - ms["call"] - ms["wait"], 3),
+            "ms_argmax": round(ms["argmax"], 3),
+            "ms_plan": round(ms["plan"], 3),
+            "ms_text": round(ms["text"], 3),
+            "ms_gap": round(ms["gap"], 3),
+        }

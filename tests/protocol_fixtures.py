@@ -9,7 +9,6 @@ match spec/metaModel.json.
 from __future__ import annotations
 
 import pytest
-
 from rpcclient import RpcClient
 
 

@@ -26,13 +26,16 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import metamodel
 
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_HEADER = re.compile(rb"Content-Length: ([0-9]+)\r\n(?:Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n)?\r\n")
+_HEADER = re.compile(
+    rb"Content-Length: ([0-9]+)\r\n(?:Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n)?\r\n"
+)
 
 
 class RpcError(Exception):
@@ -77,15 +80,19 @@ class RpcClient:
         self._reader.start()
 
     @classmethod
-    def spawn(cls, *args: str, env: dict | None = None, executable: str = KINFER_RPC) -> "RpcClient":
+    def spawn(cls, *args: str, env: dict | None = None, executable: str = KINFER_RPC) -> RpcClient:
         stderr_file = tempfile.TemporaryFile()
         full_env = dict(os.environ)
         if env:
             full_env.update(env)
         started = time.monotonic()
         proc = subprocess.Popen(
-            [executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
-            env=full_env, bufsize=0,
+            [executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            env=full_env,
+            bufsize=0,
         )
         return cls(proc, stderr_file, started)
 
@@ -218,8 +225,9 @@ class RpcClient:
     def next_id(self) -> str:
         return f"t{next(self._ids)}"
 
-    def request_async(self, method: str, params: Any = None, *, id: Any = None, omit_params: bool = False,
-                      prefix: bytes = b"") -> Any:
+    def request_async(
+        self, method: str, params: Any = None, *, id: Any = None, omit_params: bool = False, prefix: bytes = b""
+    ) -> Any:
         """Send a request without waiting (after `prefix` bytes, in the same write); return its id."""
         rid = self.next_id() if id is None else id
         message = {"jsonrpc": "2.0", "id": rid, "method": method}
@@ -228,8 +236,9 @@ class RpcClient:
         self.send(message, prefix)
         return rid
 
-    def request(self, method: str, params: Any = None, *, timeout: float = 30.0, id: Any = None,
-                omit_params: bool = False) -> dict:
+    def request(
+        self, method: str, params: Any = None, *, timeout: float = 30.0, id: Any = None, omit_params: bool = False
+    ) -> dict:
         """Send a request and return its response message (result or error)."""
         rid = self.request_async(method, params, id=id, omit_params=omit_params)
         return self.response(rid, timeout=timeout)
@@ -272,11 +281,13 @@ class RpcClient:
 
     def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 10.0, start: int = 0) -> dict:
         """The first message (from index `start`) the predicate accepts; raises Timeout."""
+
         def find():
             for m in self.messages[start:]:
                 if predicate(m):
                     return m
             return None
+
         return self._wait(find, timeout, "a message matching the predicate")
 
     def _wait(self, find, timeout, what):
@@ -288,19 +299,27 @@ class RpcClient:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Timeout(f"no {what} within {timeout} s; last messages: "
-                                  f"{[json.dumps(m)[:200] for m in self.messages[-5:]]}; stderr:\n{self.stderr_tail()}")
+                    raise Timeout(
+                        f"no {what} within {timeout} s; last messages: "
+                        f"{[json.dumps(m)[:200] for m in self.messages[-5:]]}; stderr:\n{self.stderr_tail()}"
+                    )
                 if self.eof:
-                    raise ConnectionError(f"the server closed stdout before {what}; exit code "
-                                          f"{self.proc.poll()}; stderr:\n{self.stderr_tail()}")
+                    raise ConnectionError(
+                        f"the server closed stdout before {what}; exit code "
+                        f"{self.proc.poll()}; stderr:\n{self.stderr_tail()}"
+                    )
                 self._cond.wait(min(left, 0.1))
 
     def progress(self, token) -> list:
         """The values of every $/progress sent so far for a token, in order."""
         with self._cond:
-            return [m["params"]["value"] for m in self.messages
-                    if m.get("method") == "$/progress" and isinstance(m.get("params"), dict)
-                    and m["params"].get("token") == token]
+            return [
+                m["params"]["value"]
+                for m in self.messages
+                if m.get("method") == "$/progress"
+                and isinstance(m.get("params"), dict)
+                and m["params"].get("token") == token
+            ]
 
     def notifications(self, method: str) -> list[dict]:
         with self._cond:
@@ -333,7 +352,9 @@ class RpcClient:
         if code is None:
             self.kill()
             if check:
-                raise Timeout(f"the server did not exit within {timeout} s of stdin closing; stderr:\n{self.stderr_tail()}")
+                raise Timeout(
+                    f"the server did not exit within {timeout} s of stdin closing; stderr:\n{self.stderr_tail()}"
+                )
             return self.proc.returncode
         return code
 

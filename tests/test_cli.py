@@ -27,9 +27,18 @@ def env() -> dict:
 
 
 def kinfer(*args, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run([KINFER, *args], input=stdin, capture_output=True, text=True, env=env(), timeout=timeout,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
-    assert proc.returncode == 0, f"kinfer {' '.join(args)}: {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = subprocess.run(
+        [KINFER, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=timeout,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, (
+        f"kinfer {' '.join(args)}: {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
     assert "\x1b[" not in proc.stdout + proc.stderr, "colours when not on a terminal"
     return proc
 
@@ -47,8 +56,12 @@ def test_chat_with_a_prompt():
 
 
 def test_chat_json_output_parses():
-    (a,) = json_lines(kinfer("--json", "chat", "Name a colour.", "--max-tokens", "6", "--threads", "1", "--seed", "3").stdout)
-    (b,) = json_lines(kinfer("chat", "--json", "Name a colour.", "--max-tokens", "6", "--threads", "1", "--seed", "3").stdout)
+    (a,) = json_lines(
+        kinfer("--json", "chat", "Name a colour.", "--max-tokens", "6", "--threads", "1", "--seed", "3").stdout
+    )
+    (b,) = json_lines(
+        kinfer("chat", "--json", "Name a colour.", "--max-tokens", "6", "--threads", "1", "--seed", "3").stdout
+    )
     assert a["model"] == DEFAULT and a["text"] and a["usage"]["completionTokens"] <= 6
     assert a["seed"] == b["seed"] == 3
     assert a["text"] == b["text"]
@@ -120,7 +133,9 @@ def test_bench_with_tiny_settings():
 def test_colours_on_a_terminal_only():
     master, slave = pty.openpty()
     try:
-        proc = subprocess.run([KINFER, "list"], stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env(), timeout=60)
+        proc = subprocess.run(
+            [KINFER, "list"], stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env(), timeout=60
+        )
         os.close(slave)
         slave = None
         data = b""
@@ -142,5 +157,7 @@ def test_colours_on_a_terminal_only():
 
 @pytest.mark.parametrize("args", [["bench", "-n", "0"], ["chat", "--max-tokens", "x"]])
 def test_bad_arguments_fail(args):
-    proc = subprocess.run([KINFER, *args], capture_output=True, text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [KINFER, *args], capture_output=True, text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 2

@@ -8,13 +8,13 @@ import hashlib
 import attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine import CTX, WORDS, _options, alone, run_until_done, tokenize
 
 from kinfer_rpc.default_plugins.drafts import NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.scheduler import Engine, Job
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
-from test_engine import CTX, WORDS, _options, alone, run_until_done, tokenize
 
 MAX_DRAFTS = 8
 
@@ -55,7 +55,9 @@ class Oracle:
 
 def make_engine(slots, batch=512):
     path = embedded_default_path()
-    opts = LoadOptions(context_length=CTX, slots=slots, batch=batch, ubatch=min(batch, 512), threads=2, drafts=MAX_DRAFTS)
+    opts = LoadOptions(
+        context_length=CTX, slots=slots, batch=batch, ubatch=min(batch, 512), threads=2, drafts=MAX_DRAFTS
+    )
     engine = Engine(lambda progress: LlamaBackend().load(path, opts, progress), lambda fn: fn(), batch=batch)
     engine.load_model()
     return engine
@@ -144,19 +146,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def synthetic_draft() -> str:
     """A 2-layer random model with SmolLM2's vocabulary (bench/make_draft_model.py)."""
     path = os.path.join(tempfile.mkdtemp(prefix="kinfer-draft-"), "draft.gguf")
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_draft_model.py"), embedded_default_path(), path],
-                   check=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "make_draft_model.py"), embedded_default_path(), path], check=True
+    )
     return path
 
 
 def make_drafting_engine(slots, draft_path, batch=512):
     path = embedded_default_path()
-    opts = LoadOptions(context_length=CTX, slots=slots, batch=batch, ubatch=min(batch, 512), threads=2,
-                       drafts=MAX_DRAFTS, draft_model=draft_path)
+    opts = LoadOptions(
+        context_length=CTX,
+        slots=slots,
+        batch=batch,
+        ubatch=min(batch, 512),
+        threads=2,
+        drafts=MAX_DRAFTS,
+        draft_model=draft_path,
+    )
     backend = LlamaBackend()
     policy = DraftModelPolicy()
-    engine = Engine(lambda progress: backend.load(path, opts, progress), lambda fn: fn(), batch=batch,
-                    draft_session=lambda p, model: p.session(model, backend, opts), draft_policy=policy)
+    engine = Engine(
+        lambda progress: backend.load(path, opts, progress),
+        lambda fn: fn(),
+        batch=batch,
+        draft_session=lambda p, model: p.session(model, backend, opts),
+        draft_policy=policy,
+    )
     engine.load_model()
     return engine, policy
 
@@ -205,8 +220,11 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
     import pytest
 
     other = tmp_path / "other.gguf"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_model.py"), str(other), "--shape", "tiny"],
-                   check=True, env={**os.environ, "PYTHONPATH": ""})
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "make_model.py"), str(other), "--shape", "tiny"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     with pytest.raises(ValueError, match="same vocabulary"):
         make_drafting_engine(1, str(other))
 

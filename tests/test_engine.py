@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc import errors
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
@@ -89,8 +89,9 @@ class HostArgmax:
         return getattr(self._model, name)
 
 
-def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True, gpu_layers=-1,
-                device_argmax=True) -> Engine:
+def make_engine(
+    slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=True, gpu_layers=-1, device_argmax=True
+) -> Engine:
     """On the CPU llama_decode waits for its pass, so the engine would not start passes ahead
     of their bookkeeping (Engine._start_next). The tests queue passes as a GPU does (Queued), so
     it does, and check that path's replies against the reference engine's (`alone`), which also
@@ -105,8 +106,9 @@ def make_engine(slots=4, batch=512, ubatch=512, ctx=CTX, prefix=-1, start_ahead=
         return Queued(model) if start_ahead else model
 
     # start_ahead None: the engine follows the model (the CPU's llama_decode: not ahead).
-    engine = Engine(load, lambda fn: fn(), batch=batch, prefix=prefix,
-                    start_ahead=False if start_ahead is False else None)
+    engine = Engine(
+        load, lambda fn: fn(), batch=batch, prefix=prefix, start_ahead=False if start_ahead is False else None
+    )
     engine.load_model()
     return engine
 
@@ -132,7 +134,7 @@ def run_until_done(engine: Engine, jobs, arrivals=None, cancels=None, limit=5000
     return jobs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alone(prompt: tuple, max_tokens: int, temperature: float, seed: int, stop: str | None = None) -> tuple:
     engine = _alone_engine()
     job = Job(list(prompt), _options(max_tokens, temperature, seed, stop))
@@ -153,7 +155,7 @@ def _options(max_tokens, temperature, seed, stop=None):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenize(text: str) -> tuple:
     return tuple(_alone_engine().model.tokenize(text, False, True))
 
@@ -303,7 +305,9 @@ def test_end_of_generation_stops(engine4):
     from kinfer_rpc.host import templates as chat
 
     info = engine4.model.info
-    text = chat.render(engine4.template, [{"role": "user", "content": "Say just: hi"}], bos=info.bos_text, eos=info.eos_text)
+    text = chat.render(
+        engine4.template, [{"role": "user", "content": "Say just: hi"}], bos=info.bos_text, eos=info.eos_text
+    )
     job = Job(engine4.model.tokenize(text, False, True), _options(200, 0.0, 0))
     run_until_done(engine4, [job])
     assert job.stop_reason == "stop"
@@ -423,16 +427,21 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
         prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(4)]
         free = alone(prompts[1], 24, 0.0, 0)
         stop = free[1][4:8]
-        jobs = [Job(list(prompts[0]), _options(40, 0.0, 0)),
-                Job(list(prompts[1]), _options(24, 0.0, 0, stop)),
-                Job(list(prompts[2]), _options(30, 0.0, 0))]
+        jobs = [
+            Job(list(prompts[0]), _options(40, 0.0, 0)),
+            Job(list(prompts[1]), _options(24, 0.0, 0, stop)),
+            Job(list(prompts[2]), _options(30, 0.0, 0)),
+        ]
         fed = []  # (token fed, token the job had taken last) for every row of every pass
         decode = engine.model.decode
 
         def watch(chunks):
             by_slot = {j.slot: j for j in engine._active}
-            fed.extend((c.tokens[0], by_slot[c.seq].generated[-1]) for c in chunks
-                       if len(c.tokens) == 1 and by_slot[c.seq].generated)
+            fed.extend(
+                (c.tokens[0], by_slot[c.seq].generated[-1])
+                for c in chunks
+                if len(c.tokens) == 1 and by_slot[c.seq].generated
+            )
             return decode(chunks)
 
         decode_next = engine.model.decode_next
@@ -508,7 +517,9 @@ def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
         while any(j.stop_reason is None for j in (late, *jobs)):
             engine.step()
         for job in (late, *jobs):
-            assert (tuple(job.generated), job.text, job.stop_reason) == alone(tuple(job.prompt), job.options.max_tokens, 0.0, 0)
+            assert (tuple(job.generated), job.text, job.stop_reason) == alone(
+                tuple(job.prompt), job.options.max_tokens, 0.0, 0
+            )
     finally:
         engine.model.close()
 
@@ -516,7 +527,9 @@ def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
 def test_decode_next_is_the_last_pass_one_token_further():
     """decode_next(tokens) gives the logits decode() gives for the same rows one position on,
     and refuses where the last pass was not one token a row or cells moved since."""
-    m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=CTX, slots=3, threads=2), lambda f: None)
+    m = LlamaBackend().load(
+        embedded_default_path(), LoadOptions(context_length=CTX, slots=3, threads=2), lambda f: None
+    )
     try:
         prompt = tokenize(" ".join(WORDS[:12]))
 
@@ -547,6 +560,7 @@ def test_decode_next_is_the_last_pass_one_token_further():
 def _patched_llama() -> bool:
     """Whether the loaded libllama has kinfer's argmax patch (patches/build_llama.sh)."""
     from kinfer_rpc.default_plugins import llama as kinfer_llama
+
     kinfer_llama._llama()
     return kinfer_llama._set_output_argmax is not None
 
@@ -559,7 +573,9 @@ def test_the_patched_llama_is_loaded_where_it_was_built():
     assert os.environ["LLAMA_CPP_LIB_PATH"] == os.path.join(ROOT, ".llama", "lib") and _patched_llama()
 
 
-needs_patch = pytest.mark.skipif("not _patched_llama()", reason="needs kinfer's patched llama.cpp: bash patches/build_llama.sh")
+needs_patch = pytest.mark.skipif(
+    "not _patched_llama()", reason="needs kinfer's patched llama.cpp: bash patches/build_llama.sh"
+)
 
 
 @needs_patch
@@ -568,11 +584,17 @@ def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
     sequence's rows get it (several rows too: drafts), and it is the host's argmax of the same
     logits; other rows keep their logits. A pass of only greedy rows copies back no logits, and
     turning greedy off brings them back (with no greedy sequence the graph has no argmax)."""
-    m = LlamaBackend().load(embedded_default_path(), LoadOptions(context_length=CTX, slots=4, threads=2), lambda f: None)
+    m = LlamaBackend().load(
+        embedded_default_path(), LoadOptions(context_length=CTX, slots=4, threads=2), lambda f: None
+    )
     try:
         prompt = tokenize(" ".join(WORDS[:20]))
-        chunks = [SeqChunk(0, 0, prompt[:10], 3), SeqChunk(1, 0, prompt[:8], 1),
-                  SeqChunk(2, 0, prompt[:12], 1), SeqChunk(3, 0, prompt[:7], 2)]
+        chunks = [
+            SeqChunk(0, 0, prompt[:10], 3),
+            SeqChunk(1, 0, prompt[:8], 1),
+            SeqChunk(2, 0, prompt[:12], 1),
+            SeqChunk(3, 0, prompt[:7], 2),
+        ]
 
         def run():
             for s in range(4):
@@ -623,9 +645,11 @@ def test_greedy_replies_take_their_argmax_in_the_pass():
     try:
         prompts = [tokenize(f"note {i}: the river and the bridge at night") for i in range(3)]
         drafting = attrs.evolve(_options(16, 0.0, 0), drafts=1, draft_policy=RepeatLast())
-        jobs = [Job(list(prompts[0]), _options(16, 0.0, 0)),
-                Job(list(prompts[1]), _options(16, 0.7, 5)),
-                Job(list(prompts[2]), drafting)]
+        jobs = [
+            Job(list(prompts[0]), _options(16, 0.0, 0)),
+            Job(list(prompts[1]), _options(16, 0.7, 5)),
+            Job(list(prompts[2]), drafting),
+        ]
         run_until_done(engine, jobs)
         assert jobs[2].drafted > 0
         assert len(from_pass) >= len(jobs[0].generated) + len(jobs[2].generated)

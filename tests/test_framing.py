@@ -34,6 +34,7 @@ class Chunks:
 def read_all(chunks, max_frame: int = MAX_FRAME_BYTES, limit: int = 200, **kw) -> list:
     """Everything the reader yields (at most `limit` items, so that a reader stuck in a loop fails a test
     instead of hanging it)."""
+
     async def go():
         out = []
         async for m in FrameReader(Chunks(chunks, **kw), max_frame):
@@ -281,7 +282,7 @@ def test_oversize_frame_cut_short_by_eof_ends_quietly():
         b"\x00\xff\xfe binary \x80",
         b"{}\r\n\r\n",
         b"Content-Length: \r\n\r\n",
-        b"Content-Type: text/plain\r\n\r\n{\"x\": 1}",
+        b'Content-Type: text/plain\r\n\r\n{"x": 1}',
         b"\r\n\r\n\r\n",
     ],
 )

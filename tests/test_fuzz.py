@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import time
 
+import metamodel
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-
-import metamodel
 from rpcclient import DEFAULT_MODEL, RpcClient, Timeout, frame, raw_frame
 
 MAX_FRAME = 4096
@@ -72,16 +71,27 @@ def probe(c: RpcClient, garbage: bytes = b"") -> None:
 # Valid request frames inside garbage: ids g-0..g-9, which the module fixture tells the client about.
 VALID_BODY = st.builds(
     lambda i, t: frame({"jsonrpc": "2.0", "id": f"g-{i}", "method": "model/status", "params": {"model": t}}),
-    st.integers(0, 9), st.text(max_size=20))
+    st.integers(0, 9),
+    st.text(max_size=20),
+)
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda kids: st.one_of(
-    st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)), max_leaves=12)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+    max_leaves=12,
+)
 
 
 def _body_json(value) -> bytes:
     import json
+
     return json.dumps(value).encode()
 
 
@@ -100,25 +110,42 @@ garbage_parts = st.one_of(
     # a valid frame cut short
     st.builds(lambda f, k: f[: max(1, len(f) * k // 100)], VALID_BODY, st.integers(1, 99)),
     # broken headers
-    st.builds(lambda v, body: b"Content-Length: " + v + b"\r\n\r\n" + body,
-              st.sampled_from([b"", b"x", b"-1", b"+5", b"1e3", b"0x20", b"12 3", b"\xff"]), st.binary(max_size=40)),
-    st.builds(lambda cs, f: b"Content-Type: application/vscode-jsonrpc; charset=" + cs + b"\r\n" + f,
-              st.sampled_from([b"latin-1", b"utf-16", b"ascii", b"", b"utf-8"]), VALID_BODY),
+    st.builds(
+        lambda v, body: b"Content-Length: " + v + b"\r\n\r\n" + body,
+        st.sampled_from([b"", b"x", b"-1", b"+5", b"1e3", b"0x20", b"12 3", b"\xff"]),
+        st.binary(max_size=40),
+    ),
+    st.builds(
+        lambda cs, f: b"Content-Type: application/vscode-jsonrpc; charset=" + cs + b"\r\n" + f,
+        st.sampled_from([b"latin-1", b"utf-16", b"ascii", b"", b"utf-8"]),
+        VALID_BODY,
+    ),
     st.builds(lambda f: f.replace(b"\r\n\r\n", b"\n\n", 1), VALID_BODY),
     st.builds(lambda f: b"X-Broken header line\r\n" + f, VALID_BODY),
     st.builds(lambda body: b"Content-Type: text/plain\r\n\r\n" + body, st.binary(max_size=40)),
     # a wrong Content-Length (the body is shorter or longer than it says)
-    st.builds(lambda body, d: b"Content-Length: %d\r\n\r\n" % max(0, len(body) + d) + body,
-              st.builds(_body_json, json_values), st.integers(-30, 300)),
+    st.builds(
+        lambda body, d: b"Content-Length: %d\r\n\r\n" % max(0, len(body) + d) + body,
+        st.builds(_body_json, json_values),
+        st.integers(-30, 300),
+    ),
     # non-UTF-8 bodies
-    st.builds(lambda bad: raw_frame(b'{"jsonrpc":"2.0","id":"g","method":"model/list","params":{"t":"' + bad + b'"}}'),
-              st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80abc", b"\xf8\x88\x80\x80\x80"])),
+    st.builds(
+        lambda bad: raw_frame(b'{"jsonrpc":"2.0","id":"g","method":"model/list","params":{"t":"' + bad + b'"}}'),
+        st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80abc", b"\xf8\x88\x80\x80\x80"]),
+    ),
     # non-JSON and non-object JSON bodies, batches
     st.builds(raw_frame, st.binary(max_size=60)),
-    st.builds(lambda v: raw_frame(_body_json(v)), st.one_of(
-        json_scalars, st.lists(json_values, max_size=3),
-        st.dictionaries(st.sampled_from(["id", "method", "params", "result", "error", "x"]), json_values,
-                        max_size=4).map(_not_a_request))),
+    st.builds(
+        lambda v: raw_frame(_body_json(v)),
+        st.one_of(
+            json_scalars,
+            st.lists(json_values, max_size=3),
+            st.dictionaries(
+                st.sampled_from(["id", "method", "params", "result", "error", "x"]), json_values, max_size=4
+            ).map(_not_a_request),
+        ),
+    ),
     # oversize frames
     st.builds(lambda n: b"Content-Length: %d\r\n\r\n" % n + b"x" * n, st.integers(MAX_FRAME + 1, 2 * MAX_FRAME)),
     # headers over the header limit without a blank line
@@ -134,11 +161,26 @@ def test_garbage_then_a_valid_request_is_answered(srv, parts):
 
 # -- envelopes -------------------------------------------------------------------------------------
 
-SAFE_METHODS = ["model/list", "model/status", "inference/tokenize", "initialize", "$/cancelRequest", "$/progress",
-                "initialized", "window/logMessage", "model/nothing"]
-ids = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
-                st.text(max_size=6).map(lambda s: "e-" + s), st.lists(st.integers(), max_size=2),
-                st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+SAFE_METHODS = [
+    "model/list",
+    "model/status",
+    "inference/tokenize",
+    "initialize",
+    "$/cancelRequest",
+    "$/progress",
+    "initialized",
+    "window/logMessage",
+    "model/nothing",
+]
+ids = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.text(max_size=6).map(lambda s: "e-" + s),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 @st.composite
@@ -149,8 +191,13 @@ def envelopes(draw):
     if draw(st.booleans()):
         message["id"] = draw(ids)
     if draw(st.integers(0, 3)):
-        message["method"] = draw(st.one_of(st.sampled_from(SAFE_METHODS), json_scalars,
-                                           st.text(max_size=10).filter(lambda m: m not in ("exit", "shutdown"))))
+        message["method"] = draw(
+            st.one_of(
+                st.sampled_from(SAFE_METHODS),
+                json_scalars,
+                st.text(max_size=10).filter(lambda m: m not in ("exit", "shutdown")),
+            )
+        )
     if draw(st.booleans()):
         message["params"] = draw(json_values)
     for key in draw(st.lists(st.sampled_from(["result", "error", "extra"]), max_size=2)):
@@ -172,8 +219,20 @@ def test_any_envelope_is_answered_or_dropped_and_the_server_goes_on(srv, message
 # -- params ----------------------------------------------------------------------------------------
 
 names = st.one_of(
-    st.sampled_from([DEFAULT_MODEL, "smollm2", "", "no-such-model", "/nonexistent/model.gguf", "x.gguf", "/", ".",
-                     "../x", "smollm2-135m-instruct-not"]),
+    st.sampled_from(
+        [
+            DEFAULT_MODEL,
+            "smollm2",
+            "",
+            "no-such-model",
+            "/nonexistent/model.gguf",
+            "x.gguf",
+            "/",
+            ".",
+            "../x",
+            "smollm2-135m-instruct-not",
+        ]
+    ),
     st.text(max_size=12).filter(lambda s: not s.startswith("~")),
 )
 
@@ -194,8 +253,12 @@ KNOWN_BAD = {
     "repeatPenalty": lambda v: _number(v) and 0 <= v < 1e-30,
     "temperature": lambda v: _number(v) and 0 < v < 1e-300,
     # test_progress_token_must_be_integer_or_string: any token is echoed in $/progress
-    "partialResultToken": lambda v: not (v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))),
-    "workDoneToken": lambda v: not (v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))),
+    "partialResultToken": lambda v: (
+        not (v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
+    ),
+    "workDoneToken": lambda v: (
+        not (v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
+    ),
 }
 
 
@@ -227,44 +290,95 @@ def fuzzed(draw, fields: dict, required: tuple = (), exclusive: tuple = (), vali
 
 
 model_names = st.one_of(st.just(DEFAULT_MODEL), st.just(DEFAULT_MODEL), names)
-load_options = fuzzed({
-    "contextLength": small_int(16, 512), "slots": small_int(1, 2), "batch": small_int(64, 512),
-    "ubatch": small_int(1, 512), "threads": small_int(1, 2), "gpuLayers": small_int(-1, 4),
-    "flashAttention": st.booleans(), "maxQueue": small_int(1, 100), "verify": st.booleans(),
-})
+load_options = fuzzed(
+    {
+        "contextLength": small_int(16, 512),
+        "slots": small_int(1, 2),
+        "batch": small_int(64, 512),
+        "ubatch": small_int(1, 512),
+        "threads": small_int(1, 2),
+        "gpuLayers": small_int(-1, 4),
+        "flashAttention": st.booleans(),
+        "maxQueue": small_int(1, 100),
+        "verify": st.booleans(),
+    }
+)
 # maxTokens is always there and small when the options are valid; runs without it are cancelled after 0.7 s.
-generate_options = fuzzed({
-    "maxTokens": st.integers(0, 3),
-    "temperature": st.one_of(st.just(0.0), st.floats(0.01, 2)), "topK": st.integers(0, 100), "topP": st.floats(0, 1),
-    "minP": st.floats(0, 1), "repeatPenalty": st.floats(0.01, 3), "repeatLastN": st.integers(-1, 64),
-    "seed": st.integers(0, 2**63 - 1), "ignoreEos": st.booleans(),
-    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
-}, required=("maxTokens",), valid_weight=8)
-chat_messages = st.lists(fuzzed({"role": st.sampled_from(["user", "system", "assistant"]),
-                                 "content": st.text(max_size=30)}, required=("role", "content"), valid_weight=12),
-                         min_size=1, max_size=3)
+generate_options = fuzzed(
+    {
+        "maxTokens": st.integers(0, 3),
+        "temperature": st.one_of(st.just(0.0), st.floats(0.01, 2)),
+        "topK": st.integers(0, 100),
+        "topP": st.floats(0, 1),
+        "minP": st.floats(0, 1),
+        "repeatPenalty": st.floats(0.01, 3),
+        "repeatLastN": st.integers(-1, 64),
+        "seed": st.integers(0, 2**63 - 1),
+        "ignoreEos": st.booleans(),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+    },
+    required=("maxTokens",),
+    valid_weight=8,
+)
+chat_messages = st.lists(
+    fuzzed(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=30)},
+        required=("role", "content"),
+        valid_weight=12,
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 PARAMS = {
     "model/list": fuzzed({}),
     "model/status": fuzzed({"model": model_names}),
-    "model/load": fuzzed({"model": model_names, "backend": st.sampled_from(["llama", "mlx", ""]),
-                          "options": load_options, "workDoneToken": st.sampled_from(["w", 7])}),
+    "model/load": fuzzed(
+        {
+            "model": model_names,
+            "backend": st.sampled_from(["llama", "mlx", ""]),
+            "options": load_options,
+            "workDoneToken": st.sampled_from(["w", 7]),
+        }
+    ),
     "model/unload": fuzzed({"model": model_names}, required=("model",)),
-    "inference/generate": fuzzed({
-        "model": model_names, "prompt": st.text(max_size=30), "tokens": st.lists(st.integers(0, 49151), max_size=8),
-        "addSpecial": st.booleans(), "options": generate_options, "partialResultToken": st.sampled_from(["p", 9]),
-    }, required=("options",), exclusive=("prompt", "tokens"), valid_weight=5),
-    "inference/chat": fuzzed({
-        "model": model_names, "messages": chat_messages, "options": generate_options,
-        "partialResultToken": st.sampled_from(["c", 10]),
-    }, required=("messages", "options"), valid_weight=5),
-    "inference/tokenize": fuzzed({
-        "model": model_names, "text": st.text(max_size=50), "addSpecial": st.booleans(), "parseSpecial": st.booleans(),
-    }, required=("text",)),
+    "inference/generate": fuzzed(
+        {
+            "model": model_names,
+            "prompt": st.text(max_size=30),
+            "tokens": st.lists(st.integers(0, 49151), max_size=8),
+            "addSpecial": st.booleans(),
+            "options": generate_options,
+            "partialResultToken": st.sampled_from(["p", 9]),
+        },
+        required=("options",),
+        exclusive=("prompt", "tokens"),
+        valid_weight=5,
+    ),
+    "inference/chat": fuzzed(
+        {
+            "model": model_names,
+            "messages": chat_messages,
+            "options": generate_options,
+            "partialResultToken": st.sampled_from(["c", 10]),
+        },
+        required=("messages", "options"),
+        valid_weight=5,
+    ),
+    "inference/tokenize": fuzzed(
+        {
+            "model": model_names,
+            "text": st.text(max_size=50),
+            "addSpecial": st.booleans(),
+            "parseSpecial": st.booleans(),
+        },
+        required=("text",),
+    ),
     "initialize": fuzzed({"processId": st.integers(0, 2**22), "initializationOptions": json_values}),
     # Only params shutdown must refuse: an empty object, empty array or null would really shut it down.
-    "shutdown": st.one_of(st.dictionaries(st.text(max_size=5), json_values, min_size=1),
-                          st.lists(json_values, min_size=1)),
+    "shutdown": st.one_of(
+        st.dictionaries(st.text(max_size=5), json_values, min_size=1), st.lists(json_values, min_size=1)
+    ),
 }
 
 

@@ -18,7 +18,9 @@ from kinfer_rpc.types import LoadOptions, SeqChunk
 
 
 def load(kv_type=None, threads=2, batch=1024):
-    opts = LoadOptions(context_length=1024, slots=3, batch=batch, ubatch=512, threads=threads, drafts=8, kv_type=kv_type)
+    opts = LoadOptions(
+        context_length=1024, slots=3, batch=batch, ubatch=512, threads=threads, drafts=8, kv_type=kv_type
+    )
     return LlamaBackend().load(embedded_default_path(), opts, lambda f: None)
 
 

@@ -40,8 +40,15 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             # `from pkg import mod` imports the module pkg.mod where one exists
             for a in node.names:
                 sub = f"{base}.{a.name}"
-                found.append((node.lineno, sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
-                              or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else base))
+                found.append(
+                    (
+                        node.lineno,
+                        sub
+                        if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                        or (PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                        else base,
+                    )
+                )
     return [(line, m) for line, m in found if m == "kinfer_rpc" or m.startswith("kinfer_rpc.")]
 
 

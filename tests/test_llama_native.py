@@ -19,15 +19,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from rpcclient import RpcClient
 
 from kinfer_rpc.default_plugins import llama_native as native
-from rpcclient import RpcClient
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no g++ to build a test library")
 # Uses the locale machinery, as llama.cpp's print_info does through std::ostringstream.
-SOURCE = '#include <sstream>\nextern "C" int kinfer_test(long v) { std::ostringstream s; s << v; return (int)s.str().size(); }\n'
+SOURCE = (
+    '#include <sstream>\nextern "C" int kinfer_test(long v) '
+    "{ std::ostringstream s; s << v; return (int)s.str().size(); }\n"
+)
 
 
 def _build(folder: Path, static_runtime: bool) -> Path:
@@ -62,10 +65,11 @@ def test_loading_a_private_runtime_after_libstdcxx_is_refused_not_crashed(tmp_pa
 @needs_cxx
 def test_before_any_libstdcxx_a_private_runtime_may_load(tmp_path):
     folder = _build(tmp_path / "static", True).parent
-    code = ("import sys; from kinfer_rpc.default_plugins import llama_native as n; from pathlib import Path; "
-            "assert n.loaded_cxx_runtime() is None; print(len(n.check(Path(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, str(folder)],
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from kinfer_rpc.default_plugins import llama_native as n; from pathlib import Path; "
+        "assert n.loaded_cxx_runtime() is None; print(len(n.check(Path(sys.argv[1]))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
 
@@ -91,8 +95,10 @@ def test_the_ggml_beside_libllama_is_loaded_whatever_ld_library_path_says(tmp_pa
     other.mkdir()
     for lib in native._libraries(ours):  # a second copy, as another build's folder would be
         shutil.copy(lib.resolve(), other / lib.name)
-    code = ("import json; from kinfer_rpc.default_plugins import llama_native as n; n.load(); "
-            "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l})))")
+    code = (
+        "import json; from kinfer_rpc.default_plugins import llama_native as n; n.load(); "
+        "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l})))"
+    )
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(ours), "LD_LIBRARY_PATH": str(other)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -108,8 +114,13 @@ def test_only_the_native_loader_imports_llama_cpp_at_module_level():
             if path.name == "llama_native.py":
                 continue
             for node in ast.parse(path.read_text()).body:
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
                 if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []

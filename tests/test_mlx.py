@@ -21,24 +21,25 @@ from hypothesis import strategies as st
 pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
+from protocol_fixtures import server, spawn  # noqa: E402,F401
+from rpcclient import error_of  # noqa: E402
+from test_engine import WORDS, run_until_done  # noqa: E402
+
+from kinfer_rpc import errors  # noqa: E402
 from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.default_plugins.mlx import MlxBackend  # noqa: E402
-from kinfer_rpc import errors  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.host.store import ModelStore, embedded_default_path  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
-from protocol_fixtures import server, spawn  # noqa: E402,F401
-from rpcclient import error_of  # noqa: E402
-from test_engine import WORDS, run_until_done  # noqa: E402
 
 GGUF = embedded_default_path()
 CTX = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mlx_model(slots=4, path=GGUF):
     return MlxBackend().load(path, LoadOptions(context_length=CTX, slots=slots), lambda f: None)
 
@@ -73,11 +74,18 @@ def engine(slots=4, batch=64, drafts=0, path=GGUF) -> Engine:
 
 
 def job(prompt, n=4, temperature=0.0, seed=1, drafts=0):
-    return Job(list(prompt), GenerateOptions(max_tokens=n, drafts=drafts, draft_policy=ngram() if drafts else None,
-                                             sampling=SamplingOptions(temperature=temperature, seed=seed)))
+    return Job(
+        list(prompt),
+        GenerateOptions(
+            max_tokens=n,
+            drafts=drafts,
+            draft_policy=ngram() if drafts else None,
+            sampling=SamplingOptions(temperature=temperature, seed=seed),
+        ),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alone(prompt: tuple, n: int, temperature: float, seed: int) -> tuple:
     e = _alone_engine()
     (j,) = run_until_done(e, [job(prompt, n, temperature, seed)])
@@ -115,10 +123,28 @@ def test_logits_match_llama_cpp():
 
 
 TEXTS = [
-    "", " ", "  ", "\n", "\n\n\t x", "Hello, world!", " leading space", "trailing space ", "12345678901234",
-    "3.14159 and 2,718", "can't won't I'm you'll they'd", "müde café naïve über", "東京タワー 日本語", "🙂👍🏽 emoji",
-    "def f(x):\n    return x ** 2  # square", "<|im_start|>user\nhi<|im_end|>", "a<|im_end|>b<|endoftext|>",
-    "<reponame>kinfer<file_sep>x", "<|im_start", "   multiple   spaces   ", "\u00a0nbsp\u2003em", "ÀÉÎÕÜ ß ẞ",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\n\n\t x",
+    "Hello, world!",
+    " leading space",
+    "trailing space ",
+    "12345678901234",
+    "3.14159 and 2,718",
+    "can't won't I'm you'll they'd",
+    "müde café naïve über",
+    "東京タワー 日本語",
+    "🙂👍🏽 emoji",
+    "def f(x):\n    return x ** 2  # square",
+    "<|im_start|>user\nhi<|im_end|>",
+    "a<|im_end|>b<|endoftext|>",
+    "<reponame>kinfer<file_sep>x",
+    "<|im_start",
+    "   multiple   spaces   ",
+    "\u00a0nbsp\u2003em",
+    "ÀÉÎÕÜ ß ẞ",
 ]
 
 
@@ -128,11 +154,18 @@ def test_tokenizer_matches_llama_cpp():
         for add_special in (False, True):
             for parse_special in (False, True):
                 assert m.tokenize(text, add_special, parse_special) == ref.tokenize(text, add_special, parse_special), (
-                    text, add_special, parse_special)
+                    text,
+                    add_special,
+                    parse_special,
+                )
     assert all(m.token_bytes(t) == ref.token_bytes(t) for t in range(m.info.n_vocab))
     assert set(m.eog_tokens()) == set(ref.eog_tokens())
     assert m.chat_template() == ref.chat_template()
-    assert (m.info.bos_text, m.info.eos_text, m.info.add_bos) == (ref.info.bos_text, ref.info.eos_text, ref.info.add_bos)
+    assert (m.info.bos_text, m.info.eos_text, m.info.add_bos) == (
+        ref.info.bos_text,
+        ref.info.eos_text,
+        ref.info.add_bos,
+    )
 
 
 def test_seq_copy_and_remove_give_the_cells_a_recomputation_would():
@@ -162,8 +195,14 @@ def _prompts(e, texts):
 
 def test_batched_replies_equal_alone_and_drafts_change_nothing():
     e = engine(slots=4, batch=16)
-    prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12",
-                           "Once upon a time, in a land far away, there lived a"])
+    prompts = _prompts(
+        e,
+        [
+            "The capital of France is",
+            "1 2 3 4 5 6 7 8 9 10 11 12",
+            "Once upon a time, in a land far away, there lived a",
+        ],
+    )
     solo = [list(alone(tuple(p), 5, 0.0, 1)) for p in prompts]
     together = run_until_done(e, [job(p, 5) for p in prompts], arrivals=[0, 1, 3])
     assert [j.generated for j in together] == solo
@@ -186,6 +225,7 @@ def test_weights_quantized_and_dense_agree():
     on the CPU is dense when it fits (half the available host memory)."""
     p = mlx_model().tokenize(PROMPT, True, True)
     rows = {}
+    quantized_size = 0
     for form in ("quantized", "dense"):
         m = MlxBackend().load(GGUF, LoadOptions(context_length=64 + len(p), slots=1, weights=form), lambda f: None)
         assert m.info.weights == form
@@ -231,6 +271,7 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
     """Greedy requests on the device with the next pass queued ahead (fed with its own argmax)
     give the replies the host's argmax gives, whether requests join, end or run alone; the
     queued pass is taken while the sequences go on and dropped when they change."""
+
     def host_loader(p):
         m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=0), p)
         m.device_greedy = False  # the engine then takes every argmax on the host
@@ -263,13 +304,14 @@ def test_property_reply_independent_of_neighbours(words, arrivals, temperature, 
     quantized matmul gives a row the same result whatever the rows beside it)."""
     e = _property_engine(batch)
     prompts = _prompts(e, [" ".join(w) for w in words])
-    jobs = run_until_done(e, [job(p, 3, temperature, seed=7 + i) for i, p in enumerate(prompts)],
-                          arrivals=arrivals[: len(prompts)])
+    jobs = run_until_done(
+        e, [job(p, 3, temperature, seed=7 + i) for i, p in enumerate(prompts)], arrivals=arrivals[: len(prompts)]
+    )
     for p, j, i in zip(prompts, jobs, range(len(prompts))):
         assert tuple(j.generated) == alone(tuple(p), 3, temperature, 7 + i)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _property_engine(batch):
     return engine(slots=3, batch=batch)
 
@@ -324,14 +366,18 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
     messages = [{"role": "user", "content": "Name a colour."}]
     loaded = c.call("model/load", {"model": str(folder), "options": {"slots": 2, "contextLength": CTX}}, timeout=120)
     assert loaded["backend"] == "mlx" and loaded["drafts"] == kinfer_mlx.DEFAULT_DRAFTS["cpu", loaded["weights"]]
-    reply = c.call("inference/chat", {"model": str(folder), "messages": messages,
-                                      "options": {"maxTokens": 4, "temperature": 0}}, timeout=120)
+    reply = c.call(
+        "inference/chat",
+        {"model": str(folder), "messages": messages, "options": {"maxTokens": 4, "temperature": 0}},
+        timeout=120,
+    )
     assert reply["usage"]["completionTokens"] == len(reply["tokens"]) > 0
     e = engine(slots=1, path=str(folder))
     from kinfer_rpc.host import templates as chat
 
-    prompt = e.model.tokenize(chat.render(e.template, messages, bos=e.model.info.bos_text, eos=e.model.info.eos_text),
-                              False, True)
+    prompt = e.model.tokenize(
+        chat.render(e.template, messages, bos=e.model.info.bos_text, eos=e.model.info.eos_text), False, True
+    )
     (j,) = run_until_done(e, [job(prompt, 4)])
     assert reply["tokens"] == j.generated and reply["text"] == j.text
     assert loaded["weights"] == "dense"  # the CPU default for a small model
@@ -342,11 +388,15 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
     llama = c.call("model/load", {"model": GGUF, "options": {"contextLength": CTX, "weights": "quantized"}})
     assert llama["backend"] == "llama" and llama["weights"] == "quantized"
     c.call("model/unload", {"model": GGUF})
-    on_mlx = c.call("model/load", {"model": GGUF, "backend": "mlx", "options": {"slots": 1, "contextLength": CTX}},
-                    timeout=120)
+    on_mlx = c.call(
+        "model/load", {"model": GGUF, "backend": "mlx", "options": {"slots": 1, "contextLength": CTX}}, timeout=120
+    )
     assert on_mlx["backend"] == "mlx"
-    g = c.call("inference/generate", {"model": GGUF, "prompt": "The capital of France is",
-                                      "options": {"maxTokens": 3, "temperature": 0}}, timeout=120)
+    g = c.call(
+        "inference/generate",
+        {"model": GGUF, "prompt": "The capital of France is", "options": {"maxTokens": 3, "temperature": 0}},
+        timeout=120,
+    )
     assert g["tokens"] == list(alone(tuple(mlx_model().tokenize("The capital of France is", False, True)), 3, 0.0, 1))
     bare = spawn(env={**os.environ, "KINFER_RPC_PLUGINS": "llama,drafts"})
     bare.initialize()
@@ -375,6 +425,7 @@ def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monke
                 return reference(q, nk, nv, k2, v2, s, c, sc)
             out = reference(q, nk, nv, k, v, s[order], mx.maximum(c - shift, 0), sc)
             return out * (1.0 if heads == 1 else scale_if_group)
+
         return attention
 
     monkeypatch.setattr(att, "attention", fake())
@@ -402,8 +453,13 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     from kinfer_rpc.default_plugins import mlx_attention as att
 
     calls = []
-    monkeypatch.setattr(att, "attention", lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None:
-                        calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc))
+    monkeypatch.setattr(
+        att,
+        "attention",
+        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: (
+            calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc)
+        ),
+    )
 
     def loader(drafts):
         def load(p):
@@ -413,6 +469,7 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
             assert kinfer_mlx._route_attention(m.model)
             m._use_kernel()
             return m
+
         return load
 
     e = Engine(loader(0), lambda fn: fn(), batch=16, prefix=-1)

@@ -33,23 +33,43 @@ struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; }
 
 
 def source(dtype: str, D: int, G: int) -> str:
-    inputs = [("queries", dtype), ("new_keys", dtype), ("new_values", dtype), ("keys", dtype), ("values", dtype),
-              ("slots", "int32_t"), ("cols", "int32_t"), ("scale", "float"), ("counter", "int32_t")]
+    inputs = [
+        ("queries", dtype),
+        ("new_keys", dtype),
+        ("new_values", dtype),
+        ("keys", dtype),
+        ("values", dtype),
+        ("slots", "int32_t"),
+        ("cols", "int32_t"),
+        ("scale", "float"),
+        ("counter", "int32_t"),
+    ]
     params = []
     for name, t in inputs:
         params.append(f"const {t}* {name}")
         if f"{name}_shape" in att._SOURCE:
             params.append(f"const __grid_constant__ Shape {name}_shape")
     params += [f"{dtype}* out", "float* partial", "float* row_max", "float* row_sum"]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in (("D", D), ("G", G), ("NT", att.NT),
-                                                                  ("CHUNK", att.CHUNK)))
-    return (SHIM + "__global__ void custom_kernel_kinfer_decode_attention(" + ",\n".join(params) + ") {\n"
-            + f"  using T = {dtype};\n" + consts + att._SOURCE + "\n}\n}}}\n")
+    consts = "".join(
+        f"  constexpr int {k} = {v};\n" for k, v in (("D", D), ("G", G), ("NT", att.NT), ("CHUNK", att.CHUNK))
+    )
+    return (
+        SHIM
+        + "__global__ void custom_kernel_kinfer_decode_attention("
+        + ",\n".join(params)
+        + ") {\n"
+        + f"  using T = {dtype};\n"
+        + consts
+        + att._SOURCE
+        + "\n}\n}}}\n"
+    )
 
 
 @pytest.mark.skipif(LIB is None, reason="libnvrtc not installed")
-@pytest.mark.parametrize("dtype,D,G", [("__half", 128, 4), ("__half", 128, 1), ("__nv_bfloat16", 64, 8),
-                                       ("float", 128, 4), ("__half", 256, 2)])
+@pytest.mark.parametrize(
+    "dtype,D,G",
+    [("__half", 128, 4), ("__half", 128, 1), ("__nv_bfloat16", 64, 8), ("float", 128, 4), ("__half", 256, 2)],
+)
 def test_kernel_source_compiles_for_sm90(dtype, D, G):
     lib = ctypes.CDLL(LIB)
     prog = ctypes.c_void_p()
@@ -70,6 +90,8 @@ def test_a_broken_source_fails_to_compile(monkeypatch):
     """The check can fail: the same source with an undefined name does not compile."""
     if LIB is None:
         pytest.skip("libnvrtc not installed")
-    monkeypatch.setattr(att, "_SOURCE", att._SOURCE.replace("const float NEG =", "const float NEG = inf_undefined +", 1))
+    monkeypatch.setattr(
+        att, "_SOURCE", att._SOURCE.replace("const float NEG =", "const float NEG = inf_undefined +", 1)
+    )
     with pytest.raises(AssertionError, match="inf_undefined"):
         test_kernel_source_compiles_for_sm90("__half", 128, 4)

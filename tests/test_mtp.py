@@ -1,5 +1,6 @@
 """The `mtp` draft policy: a model's own multi-token-prediction (NextN) layers draft, through
-llama.cpp's MTP context (plugins/kinfer_llama_mtp.py, the policy in plugins/kinfer_llama.py), on the real llama.cpp CPU backend.
+llama.cpp's MTP context (kinfer_rpc/default_plugins/llama_mtp.py, the policy in
+kinfer_rpc/default_plugins/llama.py), on the real llama.cpp CPU backend.
 
 The models are tiny glm4moe GGUFs with one NextN block written by bench/make_mtp_model.py:
 `random` (the MTP head guesses unrelated tokens: drafts are rejected) and `aligned` (target and
@@ -13,16 +14,15 @@ import os
 import subprocess
 import sys
 
-import attrs
 import numpy as np
 import pytest
+from test_engine import run_until_done
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk
-from test_engine import run_until_done
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX = 256
@@ -36,8 +36,11 @@ def models(tmp_path_factory):
     paths = {}
     for name, extra in (("random", []), ("aligned", ["--aligned"])):
         paths[name] = str(folder / f"{name}.gguf")
-        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_mtp_model.py"), paths[name], *extra],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "bench", "make_mtp_model.py"), paths[name], *extra],
+            check=True,
+            capture_output=True,
+        )
     return paths
 
 
@@ -48,16 +51,26 @@ def load_options(slots, mtp=True):
 def make_engine(path, slots=1, mtp=True, prefix=-1):
     opts = load_options(slots, mtp)
     backend, policy = LlamaBackend(), MtpPolicy()
-    engine = Engine(lambda progress: backend.load(path, opts, progress), lambda fn: fn(), batch=BATCH, prefix=prefix,
-                    draft_session=lambda p, model: p.session(model, backend, opts),
-                    draft_policy=policy if mtp else None)
+    engine = Engine(
+        lambda progress: backend.load(path, opts, progress),
+        lambda fn: fn(),
+        batch=BATCH,
+        prefix=prefix,
+        draft_session=lambda p, model: p.session(model, backend, opts),
+        draft_policy=policy if mtp else None,
+    )
     engine.load_model()
     return engine, policy
 
 
 def options(n, temperature=0.0, seed=0, policy=None):
-    return GenerateOptions(max_tokens=n, ignore_eos=True, drafts=DRAFTS if policy else 0, draft_policy=policy,
-                           sampling=SamplingOptions(temperature=temperature, seed=seed))
+    return GenerateOptions(
+        max_tokens=n,
+        ignore_eos=True,
+        drafts=DRAFTS if policy else 0,
+        draft_policy=policy,
+        sampling=SamplingOptions(temperature=temperature, seed=seed),
+    )
 
 
 def reply(job):
@@ -72,8 +85,13 @@ def prompt(i, length=12):
 PROMPTS = [prompt(i, 6 + 5 * i) for i in range(4)]
 # Requests: (prompt, max tokens, temperature, seed); later ones share a start with earlier ones
 # (prefix-pool hits) and arrive late (slot moves when the pool is off).
-REQUESTS = [(PROMPTS[0], 30, 0.0, 0), (PROMPTS[1], 12, 0.8, 7), (PROMPTS[2], 40, 0.0, 0),
-            (PROMPTS[0] + [300, 301, 302], 20, 0.8, 3), (PROMPTS[3], 25, 0.0, 0)]
+REQUESTS = [
+    (PROMPTS[0], 30, 0.0, 0),
+    (PROMPTS[1], 12, 0.8, 7),
+    (PROMPTS[2], 40, 0.0, 0),
+    (PROMPTS[0] + [300, 301, 302], 20, 0.8, 3),
+    (PROMPTS[3], 25, 0.0, 0),
+]
 ARRIVALS = [0, 0, 1, 3, 8]
 
 

@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NVIM = shutil.which("nvim")
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 
-pytestmark = pytest.mark.skipif(NVIM is None, reason="Neovim is not installed (apt-get install neovim); the nvim client is untested here")
+pytestmark = pytest.mark.skipif(
+    NVIM is None, reason="Neovim is not installed (apt-get install neovim); the nvim client is untested here"
+)
 
 SCRIPT = r"""
 local kinfer = require('kinfer')
@@ -65,7 +67,8 @@ report.cancel_pieces = n
 
 -- the server goes on serving
 local after
-client:generate('Hello', { options = { maxTokens = 2, temperature = 0 } }, nil, function(err, result) after = err or result end)
+client:generate('Hello', { options = { maxTokens = 2, temperature = 0 } }, nil,
+  function(err, result) after = err or result end)
 wait(function() return after ~= nil end)
 report.after_tokens = after.usage and after.usage.completionTokens
 
@@ -83,9 +86,24 @@ def test_nvim_streams_into_a_buffer_and_cancels(tmp_path):
     script.write_text(SCRIPT)
     env = {**os.environ, "KINFER_TEST_OUT": str(tmp_path), "KINFER_RPC": KINFER_RPC}
     proc = subprocess.run(
-        [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n",
-         "--cmd", f"set runtimepath^={ROOT / 'clients' / 'nvim'}", "-c", f"luafile {script}"],
-        env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        [
+            NVIM,
+            "--headless",
+            "-u",
+            "NONE",
+            "-i",
+            "NONE",
+            "-n",
+            "--cmd",
+            f"set runtimepath^={ROOT / 'clients' / 'nvim'}",
+            "-c",
+            f"luafile {script}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     report_file = tmp_path / "report.json"
     assert report_file.exists(), f"nvim wrote no report\nstdout: {proc.stdout}\nstderr: {proc.stderr}"

@@ -17,13 +17,13 @@ import sys
 
 import numpy as np
 import pytest
+from rpcclient import RpcClient, error_of, result_of
 
-from kinfer_rpc.default_plugins import placements as P
 from kinfer_rpc.default_plugins import llama_buft as llama_cpp_buft
+from kinfer_rpc.default_plugins import placements as P
 from kinfer_rpc.host.runtime import model_facts
 from kinfer_rpc.host.store import ModelStore
 from kinfer_rpc.types import LoadOptions, MachineInfo
-from rpcclient import RpcClient, error_of, result_of
 
 GiB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,8 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_moe_model.py"), str(path), "--shape", "tiny"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "make_moe_model.py"), str(path), "--shape", "tiny"], check=True
+    )
     return str(path)
 
 
@@ -46,8 +47,13 @@ def scaled(facts, factor):
     """The same model's facts with every byte count scaled (a 30B model from a tiny one's shape)."""
     import attrs
 
-    return attrs.evolve(facts, weight_bytes=facts.weight_bytes * factor, expert_bytes=facts.expert_bytes * factor,
-                        outside_bytes=facts.outside_bytes * factor, size_bytes=facts.size_bytes * factor)
+    return attrs.evolve(
+        facts,
+        weight_bytes=facts.weight_bytes * factor,
+        expert_bytes=facts.expert_bytes * factor,
+        outside_bytes=facts.outside_bytes * factor,
+        size_bytes=facts.size_bytes * factor,
+    )
 
 
 # -- facts from the header ---------------------------------------------------------------------
@@ -75,8 +81,9 @@ def test_auto_without_gpu_is_cpu(moe_path):
 
 def test_auto_prefers_everything_on_the_gpu(moe_path):
     facts = scaled(model_facts(moe_path), 20000)  # ~16 GiB of weights
-    plan = P.Auto().plan(facts, MachineInfo(gpu_free_bytes=80 * GiB, has_gpu=True, host_free_bytes=100 * GiB),
-                         LoadOptions())
+    plan = P.Auto().plan(
+        facts, MachineInfo(gpu_free_bytes=80 * GiB, has_gpu=True, host_free_bytes=100 * GiB), LoadOptions()
+    )
     assert plan.gpu_layers == -1 and plan.host_tensors == () and plan.batch == 2048
 
 
@@ -156,9 +163,11 @@ def test_patch_types_the_overrides_field():
 
 def test_patch_leaves_an_upstream_binding_alone():
     class Bound(ctypes.Structure):
-        _fields_ = [("devices", ctypes.c_void_p),
-                    ("tensor_buft_overrides", ctypes.POINTER(llama_cpp_buft.llama_model_tensor_buft_override)),
-                    ("n_gpu_layers", ctypes.c_int32)]
+        _fields_ = [
+            ("devices", ctypes.c_void_p),
+            ("tensor_buft_overrides", ctypes.POINTER(llama_cpp_buft.llama_model_tensor_buft_override)),
+            ("n_gpu_layers", ctypes.c_int32),
+        ]
 
     class Upstream:  # a llama_cpp module whose struct already binds the field
         llama_model_params = Bound
@@ -189,7 +198,8 @@ def test_experts_really_stay_in_host_buffers(moe_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="kinfer_rpc.llama"):
             m = kinfer_llama.LlamaBackend().load(
-                moe_path, LoadOptions(context_length=256, slots=1, gpu_layers=0, host_tensors=host), lambda f: None)
+                moe_path, LoadOptions(context_length=256, slots=1, gpu_layers=0, host_tensors=host), lambda f: None
+            )
         try:
             toks = m.tokenize("The experts stay in host memory.", True, True)
             logits.append(np.array(m.decode([SeqChunk(0, 0, toks, 1)])()))
@@ -209,6 +219,7 @@ def test_default_threads_follow_where_the_layers_are(smol_path):
     leave the cores to the engine's host work (measured on the H200, docs/performance.md). This
     machine has no GPU: the model loads on the CPU, and the rule is asked as if it had one."""
     from kinfer_rpc.default_plugins import llama as kinfer_llama
+
     m = kinfer_llama.LlamaBackend().load(smol_path, LoadOptions(context_length=64, slots=1), lambda f: None)
     try:
         cpus = max(1, os.cpu_count() or 1)
@@ -243,7 +254,12 @@ def test_default_load_reports_its_placement(server):
     assert r["placement"] == "auto" and "no GPU" in r["placementReason"]
     assert (r["batch"], r["ubatch"], r["gpuLayers"], r["hostTensors"]) == (2048, 512, 0, [])
     st = server.call("model/status", {"model": r["model"]})["models"][0]
-    assert (st["placement"], st["placementReason"], st["batch"], st["ubatch"]) == ("auto", r["placementReason"], 2048, 512)
+    assert (st["placement"], st["placementReason"], st["batch"], st["ubatch"]) == (
+        "auto",
+        r["placementReason"],
+        2048,
+        512,
+    )
     server.call("model/unload", {"model": r["model"]})
 
 

@@ -66,7 +66,9 @@ def _build_wheel(src: Path, out: Path) -> Path:
         f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n"
         f"Summary: {meta.get('description', '')}\n"
     ).encode()
-    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: kinfer-rpc tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: kinfer-rpc tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     groups = meta.get("entry-points", {})
     files[f"{info}/entry_points.txt"] = "".join(
         f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) + "\n"
@@ -94,8 +96,19 @@ def pip_install(src: Path, work: Path) -> Path:
     target = work / "site"
     copy = shutil.copytree(src, work / "src")
     what = str(copy) if _setuptools_builds_wheels() else str(_build_wheel(copy, work))
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-           "--disable-pip-version-check", "--target", str(target), what]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--disable-pip-version-check",
+        "--target",
+        str(target),
+        what,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
     return target
@@ -161,7 +174,9 @@ class Spawned:
         try:
             frame = self.frames.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"no frame within {timeout}s; stderr:\n{self.stderr.decode(errors='replace')}")
+            raise AssertionError(
+                f"no frame within {timeout}s; stderr:\n{self.stderr.decode(errors='replace')}"
+            ) from None
         assert frame is not None, f"the server closed stdout; stderr:\n{self.stderr.decode(errors='replace')}"
         return frame
 
@@ -240,8 +255,7 @@ def test_broken_plugins_are_reported_and_the_server_keeps_serving(example_site, 
     response = server.request("inference/tokenize", {"text": "hello"})
     assert response["result"]["tokens"], response
     logged = [
-        n["params"] for n in server.notifications
-        if n.get("method") == "window/logMessage" and n["params"]["type"] == 1
+        n["params"] for n in server.notifications if n.get("method") == "window/logMessage" and n["params"]["type"] == 1
     ]
     for name in broken:
         assert any(name in entry["message"] for entry in logged), (name, logged)
@@ -369,10 +383,12 @@ def test_a_name_registered_twice_marks_the_second_plugin_broken(no_plugin_filter
 
 
 def test_a_malformed_registration_marks_the_plugin_broken(no_plugin_filter):
-    plugins = load_plugins([
-        FakeEntryPoint("good", DraftPlugin(policy("fine"))),
-        FakeEntryPoint("bad", DraftPlugin(Named("no-propose"))),
-    ])
+    plugins = load_plugins(
+        [
+            FakeEntryPoint("good", DraftPlugin(policy("fine"))),
+            FakeEntryPoint("bad", DraftPlugin(Named("no-propose"))),
+        ]
+    )
     assert [b["name"] for b in plugins.broken] == ["bad"]
     assert "lacks propose" in plugins.broken[0]["error"]
     assert list(plugins.draft_policies) == ["fine"]
@@ -380,10 +396,12 @@ def test_a_malformed_registration_marks_the_plugin_broken(no_plugin_filter):
 
 
 def test_a_plugin_that_fails_to_import_is_reported(no_plugin_filter):
-    plugins = load_plugins([
-        FakeEntryPoint("gone", error=ModuleNotFoundError("No module named 'kinfer_gone'")),
-        FakeEntryPoint("fine", DraftPlugin(policy("fine"))),
-    ])
+    plugins = load_plugins(
+        [
+            FakeEntryPoint("gone", error=ModuleNotFoundError("No module named 'kinfer_gone'")),
+            FakeEntryPoint("fine", DraftPlugin(policy("fine"))),
+        ]
+    )
     assert plugins.broken == [{"name": "gone", "error": "ModuleNotFoundError: No module named 'kinfer_gone'"}]
     assert [p["name"] for p in plugins.loaded] == ["fine"]
 

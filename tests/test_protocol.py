@@ -12,9 +12,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import metamodel
+import pytest
 from protocol_fixtures import loaded, server, spawn  # noqa: F401  (fixtures)
 from rpcclient import DEFAULT_MODEL, RpcClient, error_of, frame, raw_frame, result_of
 
@@ -45,10 +44,6 @@ def shared():
     finally:
         c.close(timeout=3.0, check=False)
     c.assert_clean()
-
-
-
-
 
 
 # -- the meta model itself -------------------------------------------------------------------
@@ -193,8 +188,12 @@ def test_bad_initialize_params_leave_the_server_uninitialized(spawn):
 def test_shutdown_answers_null_then_requests_are_refused(loaded):
     c = loaded
     assert result_of(c.request("shutdown")) is None
-    for method, params in [("model/list", {}), ("inference/generate", {"prompt": "hi"}), ("shutdown", {}),
-                           ("initialize", {})]:
+    for method, params in [
+        ("model/list", {}),
+        ("inference/generate", {"prompt": "hi"}),
+        ("shutdown", {}),
+        ("initialize", {}),
+    ]:
         err = error_of(c.request(method, params))
         assert err["code"] == INVALID_REQUEST, (method, err)
     assert c.close() == 0
@@ -446,8 +445,11 @@ def test_oversize_frame_is_refused_and_the_next_frame_read(spawn):
 
 def test_a_running_id_cannot_be_reused(loaded):
     c = loaded
-    c.request_async("inference/generate", {"prompt": "Once", "options": {"maxTokens": 200, "ignoreEos": True},
-                                           "partialResultToken": "dup"}, id="same")
+    c.request_async(
+        "inference/generate",
+        {"prompt": "Once", "options": {"maxTokens": 200, "ignoreEos": True}, "partialResultToken": "dup"},
+        id="same",
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress")
     c.send({"jsonrpc": "2.0", "id": "same", "method": "model/list"})
     c.wait_for(lambda m: m.get("id") == "same" and "error" in m and m["error"]["code"] == INVALID_REQUEST)
@@ -484,9 +486,11 @@ def test_model_load_status_unload(server):
 
 
 def test_unknown_model_is_31001_listing_the_available_ones(server):
-    for method, params in [("model/load", {"model": "no-such-model"}),
-                           ("inference/generate", {"model": "no-such-model", "prompt": "hi", "options": FAST}),
-                           ("inference/tokenize", {"model": "no-such-model", "text": "hi"})]:
+    for method, params in [
+        ("model/load", {"model": "no-such-model"}),
+        ("inference/generate", {"model": "no-such-model", "prompt": "hi", "options": FAST}),
+        ("inference/tokenize", {"model": "no-such-model", "text": "hi"}),
+    ]:
         err = error_of(server.request(method, params))
         assert err["code"] == MODEL_NOT_FOUND, err
         assert err["data"]["model"] == "no-such-model"
@@ -527,8 +531,13 @@ def minimal_gguf(path, architecture: str) -> None:
         data = s.encode()
         return struct.pack("<Q", len(data)) + data
 
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string("general.architecture")
-                     + struct.pack("<I", 8) + string(architecture))
+    path.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + string("general.architecture")
+        + struct.pack("<I", 8)
+        + string(architecture)
+    )
 
 
 def test_unusable_gguf_is_31003(server, tmp_path):
@@ -552,8 +561,9 @@ def test_backend_load_failure_is_31003(server, tmp_path):
 
 def test_model_load_work_done_progress(server):
     c = server
-    rid = c.request_async("model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 1},
-                                         "workDoneToken": "load-1"})
+    rid = c.request_async(
+        "model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 1}, "workDoneToken": "load-1"}
+    )
     response = c.response(rid, timeout=60)
     assert result_of(response)["model"] == DEFAULT_MODEL
     values = c.progress("load-1")
@@ -573,8 +583,9 @@ def test_model_load_work_done_progress(server):
 
 def test_cancelled_model_load_ends_its_progress(server):
     c = server
-    rid = c.request_async("model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 1},
-                                         "workDoneToken": "w"})
+    rid = c.request_async(
+        "model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 1}, "workDoneToken": "w"}
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress")
     c.cancel(rid)
     response = c.response(rid, timeout=30)
@@ -619,8 +630,9 @@ def test_chat_result(loaded):
 
 
 def test_stop_string_ends_the_text(loaded):
-    r = loaded.call("inference/generate", {"prompt": "1, 2, 3, 4,", "options": {"maxTokens": 20, "temperature": 0,
-                                                                                 "stop": ["7"]}})
+    r = loaded.call(
+        "inference/generate", {"prompt": "1, 2, 3, 4,", "options": {"maxTokens": 20, "temperature": 0, "stop": ["7"]}}
+    )
     assert "7" not in r["text"]
 
 
@@ -640,10 +652,14 @@ def test_degenerate_sampling_options_do_not_break_the_model(loaded, options):
 @pytest.mark.parametrize("method", ["inference/generate", "inference/chat"])
 def test_partial_results_come_before_the_response_and_concatenate(loaded, method):
     c = loaded
-    params = ({"prompt": "Once upon a time"} if method == "inference/generate"
-              else {"messages": [{"role": "user", "content": "Tell me a story"}]})
-    rid = c.request_async(method, {**params, "options": {"maxTokens": 12, "temperature": 0, "ignoreEos": True},
-                                   "partialResultToken": 42})
+    params = (
+        {"prompt": "Once upon a time"}
+        if method == "inference/generate"
+        else {"messages": [{"role": "user", "content": "Tell me a story"}]}
+    )
+    rid = c.request_async(
+        method, {**params, "options": {"maxTokens": 12, "temperature": 0, "ignoreEos": True}, "partialResultToken": 42}
+    )
     response = c.response(rid)
     result = result_of(response)
     values = c.progress(42)
@@ -662,9 +678,14 @@ def test_no_partial_results_without_a_token(loaded):
 
 def test_cancel_a_long_generation_answers_32800_with_the_partial_result(loaded):
     c = loaded
-    rid = c.request_async("inference/generate", {"prompt": "Once upon a time",
-                                                 "options": {"maxTokens": 240, "temperature": 0, "ignoreEos": True},
-                                                 "partialResultToken": "long"})
+    rid = c.request_async(
+        "inference/generate",
+        {
+            "prompt": "Once upon a time",
+            "options": {"maxTokens": 240, "temperature": 0, "ignoreEos": True},
+            "partialResultToken": "long",
+        },
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress" and len(c.progress("long")) >= 3, timeout=30)
     t = time.monotonic()
     c.cancel(rid)
@@ -707,8 +728,10 @@ def test_context_overflow_is_31002_naming_both_numbers(server):
 def test_queue_full_is_31004(server):
     c = server
     c.load_model(maxQueue=1)
-    a = c.request_async("inference/generate", {"prompt": "Once", "options": {"maxTokens": 240, "ignoreEos": True},
-                                               "partialResultToken": "a"})
+    a = c.request_async(
+        "inference/generate",
+        {"prompt": "Once", "options": {"maxTokens": 240, "ignoreEos": True}, "partialResultToken": "a"},
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress")  # a holds the only slot
     b = c.request_async("inference/generate", {"prompt": "Twice", "options": FAST})  # waits in the queue
     deadline = time.monotonic() + 10
@@ -778,15 +801,19 @@ def test_every_message_of_a_full_session_validates(spawn):
     c.request("model/list")  # -32002
     c.initialize({"initializationOptions": {"logLevel": "info"}})
     c.call("model/list")
-    c.request("model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 2},
-                             "workDoneToken": "w"})
+    c.request(
+        "model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 256, "slots": 2}, "workDoneToken": "w"}
+    )
     c.call("model/status")
     c.call("inference/tokenize", {"text": "Hello"})
     c.request("inference/generate", {"prompt": "Hello", "options": FAST, "partialResultToken": "g"})
-    c.request("inference/chat", {"messages": [{"role": "user", "content": "hi"}], "options": FAST,
-                                 "partialResultToken": "c"})
-    rid = c.request_async("inference/generate", {"prompt": "Once", "options": {"maxTokens": 200, "ignoreEos": True},
-                                                 "partialResultToken": "x"})
+    c.request(
+        "inference/chat", {"messages": [{"role": "user", "content": "hi"}], "options": FAST, "partialResultToken": "c"}
+    )
+    rid = c.request_async(
+        "inference/generate",
+        {"prompt": "Once", "options": {"maxTokens": 200, "ignoreEos": True}, "partialResultToken": "x"},
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress" and m["params"]["token"] == "x")
     c.cancel(rid)
     c.response(rid)
@@ -844,6 +871,7 @@ def test_unusable_model_paths_are_31001(server, name):
 
 
 def test_progress_token_must_be_integer_or_string(loaded):
-    err = error_of(loaded.request("inference/generate", {"prompt": "hi", "options": FAST,
-                                                          "partialResultToken": {"a": 1}}))
+    err = error_of(
+        loaded.request("inference/generate", {"prompt": "hi", "options": FAST, "partialResultToken": {"a": 1}})
+    )
     assert err["code"] == INVALID_PARAMS

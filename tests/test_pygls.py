@@ -51,14 +51,16 @@ class KinferClient(JsonRPCClient):
         return self.protocol.send_request_async(method, params, msg_id=msg_id)
 
     async def initialize(self) -> dict:
-        result = await self.request("initialize", {"processId": os.getpid(), "clientInfo": {"name": "pygls"}, "capabilities": {}})
+        result = await self.request(
+            "initialize", {"processId": os.getpid(), "clientInfo": {"name": "pygls"}, "capabilities": {}}
+        )
         self.protocol.notify("initialized", {})
         return result
 
     async def wait_exit(self, timeout: float = EXIT_WAIT) -> bool:
         try:
             await asyncio.wait_for(self.exited.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

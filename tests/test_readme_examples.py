@@ -29,7 +29,7 @@ def blocks(lang: str, section: str | None = None) -> list[str]:
     if section is not None:
         start = text.index(f"\n## {section}\n")
         end = text.find("\n## ", start + 1)
-        text = text[start:end if end != -1 else None]
+        text = text[start : end if end != -1 else None]
     return [code for tag, code in FENCE.findall(text) if tag == lang]
 
 
@@ -43,15 +43,24 @@ def env() -> dict:
 
 
 def test_each_client_has_an_example():
-    assert blocks("python", "Clients") and blocks("js", "Clients") and blocks("lua", "Clients") and blocks("sh", "Clients")
+    assert (
+        blocks("python", "Clients") and blocks("js", "Clients") and blocks("lua", "Clients") and blocks("sh", "Clients")
+    )
 
 
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
 def test_python_example(code, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], env=env(), capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.stdout.strip()
 
@@ -62,7 +71,9 @@ def node_client():
     if node is None or npm is None:
         pytest.skip("node/npm are not installed")
     if not (NODE_CLIENT / "node_modules" / "vscode-jsonrpc").is_dir():
-        proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT, capture_output=True, text=True, timeout=300
+        )
         if proc.returncode != 0:
             pytest.skip(f"npm ci failed in clients/node (no registry?): {proc.stderr[-500:]}")
     return node
@@ -74,8 +85,15 @@ def test_node_example(node_client, tmp_path):
     (tmp_path / "node_modules").mkdir()
     (tmp_path / "node_modules" / "kinfer-rpc-client").symlink_to(NODE_CLIENT, target_is_directory=True)
     (tmp_path / "example.mjs").write_text(code)
-    proc = subprocess.run([node_client, "example.mjs"], env=env(), capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [node_client, "example.mjs"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "cancelled: -32800" in proc.stdout
     assert "exit code 0" in proc.stdout
@@ -100,9 +118,24 @@ def test_nvim_example(tmp_path):
     script = tmp_path / "example.lua"
     script.write_text(code + NVIM_EPILOGUE)
     proc = subprocess.run(
-        [nvim, "--headless", "-u", "NONE", "-i", "NONE", "-n", "--cmd", f"set runtimepath^={ROOT / 'clients' / 'nvim'}",
-         "-c", f"luafile {script}"],
-        env={**env(), "KINFER_TEST_OUT": str(tmp_path)}, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        [
+            nvim,
+            "--headless",
+            "-u",
+            "NONE",
+            "-i",
+            "NONE",
+            "-n",
+            "--cmd",
+            f"set runtimepath^={ROOT / 'clients' / 'nvim'}",
+            "-c",
+            f"luafile {script}",
+        ],
+        env={**env(), "KINFER_TEST_OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert (tmp_path / "exit.txt").exists(), f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert (tmp_path / "exit.txt").read_text().strip() == "0"
@@ -112,10 +145,16 @@ def test_nvim_example(tmp_path):
 
 def test_cli_example(tmp_path):
     (code,) = blocks("sh", "Clients")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], env=env(), capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "\x1b[" not in proc.stdout  # no colours when not on a terminal
     assert "['llama', 'mlx']" in proc.stdout  # kinfer doctor --json: the backends
     assert "tok/s" in proc.stdout
-

@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import pytest
-
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 from rpcclient import DEFAULT_MODEL, KINFER_RPC, RpcClient, error_of, responses_by_id, result_of, send_together
 
@@ -41,14 +40,6 @@ LOAD_FAILED = -31003
 NOT_SUPPORTED = -31006
 
 GREEDY = {"temperature": 0, "seed": 0}  # a fixed seed: results compare whole
-
-
-
-
-
-
-
-
 
 
 def proc_status(pid: int, field: str) -> int:
@@ -107,7 +98,11 @@ def small():
 def bare(tmp_path_factory):
     """One initialized server that never loads a model, with empty model stores."""
     root = tmp_path_factory.mktemp("bare")
-    env = {"KINFER_MODELS": str(root / "kinfer"), "OLLAMA_MODELS": str(root / "ollama"), "KINFER_HOME": str(root / "home")}
+    env = {
+        "KINFER_MODELS": str(root / "kinfer"),
+        "OLLAMA_MODELS": str(root / "ollama"),
+        "KINFER_HOME": str(root / "home"),
+    }
     c = RpcClient.spawn(env=env)
     try:
         c.initialize()
@@ -129,11 +124,17 @@ def tokens_of(c: RpcClient, text: str, **kw) -> list[int]:
 def test_zero_token_prompts_are_32602_through_every_inference_method(small):
     c = small
     assert c.call("inference/tokenize", {"text": ""}) == {"tokens": [], "pieces": []}
-    for params in ({"prompt": ""}, {"prompt": "", "addSpecial": False}, {"tokens": []},
-                   {"tokens": [], "addSpecial": True}):
+    for params in (
+        {"prompt": ""},
+        {"prompt": "", "addSpecial": False},
+        {"tokens": []},
+        {"tokens": [], "addSpecial": True},
+    ):
         err = error_of(c.request("inference/generate", {**params, "options": {"maxTokens": 2}}))
         assert err["code"] == INVALID_PARAMS, (params, err)
-    assert error_of(c.request("inference/chat", {"messages": [], "options": {"maxTokens": 2}}))["code"] == INVALID_PARAMS
+    assert (
+        error_of(c.request("inference/chat", {"messages": [], "options": {"maxTokens": 2}}))["code"] == INVALID_PARAMS
+    )
     # A chat whose messages are all empty still has the template's tokens: it is answered.
     r = result_of(c.request("inference/chat", chat("")))
     assert r["usage"]["promptTokens"] > 0
@@ -170,10 +171,13 @@ def test_prompts_of_the_whole_context_are_31002_through_every_inference_method(s
 def test_a_huge_prompt_is_refused_quickly_and_the_server_goes_on(small):
     c = small
     t = time.monotonic()
-    err = error_of(c.request("inference/generate", {"prompt": "lorem ipsum " * 200_000, "options": {"maxTokens": 1}},
-                             timeout=60))  # 2.4 MB of text, ~400k tokens
+    err = error_of(
+        c.request("inference/generate", {"prompt": "lorem ipsum " * 200_000, "options": {"maxTokens": 1}}, timeout=60)
+    )  # 2.4 MB of text, ~400k tokens
     assert err["code"] == CONTEXT_OVERFLOW and err["data"]["promptTokens"] > 100_000
-    err = error_of(c.request("inference/generate", {"tokens": [504] * 300_000, "options": {"maxTokens": 1}}, timeout=60))
+    err = error_of(
+        c.request("inference/generate", {"tokens": [504] * 300_000, "options": {"maxTokens": 1}}, timeout=60)
+    )
     assert err["code"] == CONTEXT_OVERFLOW and err["data"]["promptTokens"] == 300_000
     err = error_of(c.request("inference/chat", chat("lorem ipsum " * 100_000), timeout=60))
     assert err["code"] == CONTEXT_OVERFLOW
@@ -189,12 +193,32 @@ INT63 = 2**63 - 1
 @pytest.mark.parametrize(
     "option, value",
     [
-        ("maxTokens", -1), ("maxTokens", -(2**63)), ("maxTokens", INT31 + 1), ("maxTokens", 10**30),
-        ("maxTokens", 1e300), ("temperature", -0.0001), ("temperature", 100.0001), ("temperature", 1e308),
-        ("temperature", -1e308), ("topK", -1), ("topK", INT31 + 1), ("topK", 10**100), ("topP", -1e-9),
-        ("topP", 1.0000001), ("minP", 1e30), ("repeatPenalty", -1), ("repeatPenalty", 1e300),
-        ("repeatLastN", -2), ("repeatLastN", INT31 + 1), ("seed", -1), ("seed", INT63 + 1), ("seed", 2**64),
-        ("seed", 10**40), ("drafts", -1), ("drafts", 65), ("drafts", 2**70),
+        ("maxTokens", -1),
+        ("maxTokens", -(2**63)),
+        ("maxTokens", INT31 + 1),
+        ("maxTokens", 10**30),
+        ("maxTokens", 1e300),
+        ("temperature", -0.0001),
+        ("temperature", 100.0001),
+        ("temperature", 1e308),
+        ("temperature", -1e308),
+        ("topK", -1),
+        ("topK", INT31 + 1),
+        ("topK", 10**100),
+        ("topP", -1e-9),
+        ("topP", 1.0000001),
+        ("minP", 1e30),
+        ("repeatPenalty", -1),
+        ("repeatPenalty", 1e300),
+        ("repeatLastN", -2),
+        ("repeatLastN", INT31 + 1),
+        ("seed", -1),
+        ("seed", INT63 + 1),
+        ("seed", 2**64),
+        ("seed", 10**40),
+        ("drafts", -1),
+        ("drafts", 65),
+        ("drafts", 2**70),
     ],
 )
 def test_out_of_range_numbers_are_32602_naming_the_field(small, method, option, value):
@@ -220,7 +244,9 @@ def test_out_of_range_numbers_are_32602_naming_the_field(small, method, option, 
 def test_extreme_but_valid_numbers_are_served(small, options):
     c = small
     prompt = [504] * (c.context - 40)  # the slot holds 40 more tokens, so maxTokens 2^31-1 ends soon
-    r = result_of(c.request("inference/generate", {"tokens": prompt, "options": {"maxTokens": 6, **options}}, timeout=60))
+    r = result_of(
+        c.request("inference/generate", {"tokens": prompt, "options": {"maxTokens": 6, **options}}, timeout=60)
+    )
     assert r["usage"]["completionTokens"] == len(r["tokens"]) <= 40
     if "seed" in options:
         assert r["seed"] == options["seed"]
@@ -231,11 +257,16 @@ def test_extreme_but_valid_numbers_are_served(small, options):
 @pytest.mark.parametrize(
     "options, field",
     [
-        ({"contextLength": 15}, "options.contextLength"), ({"contextLength": 2**24 + 1}, "options.contextLength"),
-        ({"contextLength": 2**64}, "options.contextLength"), ({"slots": 1025}, "options.slots"),
-        ({"batch": 2**20 + 1}, "options.batch"), ({"ubatch": 0}, "options.ubatch"),
-        ({"threads": 0}, "options.threads"), ({"threads": 10**9}, "options.threads"),
-        ({"gpuLayers": -2}, "options.gpuLayers"), ({"maxQueue": 0}, "options.maxQueue"),
+        ({"contextLength": 15}, "options.contextLength"),
+        ({"contextLength": 2**24 + 1}, "options.contextLength"),
+        ({"contextLength": 2**64}, "options.contextLength"),
+        ({"slots": 1025}, "options.slots"),
+        ({"batch": 2**20 + 1}, "options.batch"),
+        ({"ubatch": 0}, "options.ubatch"),
+        ({"threads": 0}, "options.threads"),
+        ({"threads": 10**9}, "options.threads"),
+        ({"gpuLayers": -2}, "options.gpuLayers"),
+        ({"maxQueue": 0}, "options.maxQueue"),
         ({"drafts": 65}, "options.drafts"),
     ],
 )
@@ -266,6 +297,7 @@ LONG = "The history of computing is the story of people who wanted machines to d
 
 def storm_pool() -> list[tuple[str, dict]]:
     """The distinct requests of the storm: small, each method, greedy and seeded sampling."""
+
     def g(prompt, n, **o):
         return "inference/generate", {"prompt": prompt, "options": {"maxTokens": n, **o}}
 
@@ -304,8 +336,9 @@ def outcome(r: dict) -> tuple:
     return (r["text"], tuple(r["tokens"]), r["stopReason"], r["usage"]["promptTokens"], r["seed"])
 
 
-def run_storm(c: RpcClient, n: int, *, seed: int = 0, window: int = 32, cancel_share: float = 0.5,
-              time_limit: float = 900.0) -> dict:
+def run_storm(
+    c: RpcClient, n: int, *, seed: int = 0, window: int = 32, cancel_share: float = 0.5, time_limit: float = 900.0
+) -> dict:
     """`n` requests drawn from storm_pool(), at most `window` in flight; `cancel_share` of them cancelled at a
     random moment: in the same write as the request (before it starts), after a random delay (queued,
     mid-prefill or mid-decode), after its first partial result (mid-decode), or after its response (a no-op).
@@ -314,7 +347,11 @@ def run_storm(c: RpcClient, n: int, *, seed: int = 0, window: int = 32, cancel_s
     requests = storm_pool()
     plan = []
     for i in range(n):
-        mode = rng.choice(["immediate", "delay", "first-partial", "after-response"]) if rng.random() < cancel_share else None
+        mode = (
+            rng.choice(["immediate", "delay", "first-partial", "after-response"])
+            if rng.random() < cancel_share
+            else None
+        )
         plan.append((f"s{i}", rng.randrange(len(requests)), mode, rng.uniform(0.0, 1.0)))
     mode_of = {rid: mode for rid, _, mode, _ in plan}
     todo = collections.deque(plan)
@@ -329,7 +366,9 @@ def run_storm(c: RpcClient, n: int, *, seed: int = 0, window: int = 32, cancel_s
         while todo and len(outstanding) < window:
             rid, k, mode, delay = todo.popleft()
             method, params = requests[k]
-            batch.append({"jsonrpc": "2.0", "id": rid, "method": method, "params": {**params, "partialResultToken": rid}})
+            batch.append(
+                {"jsonrpc": "2.0", "id": rid, "method": method, "params": {**params, "partialResultToken": rid}}
+            )
             if mode == "immediate":
                 batch.append({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": rid}})
                 cancelled[rid] = "immediate"
@@ -367,8 +406,10 @@ def run_storm(c: RpcClient, n: int, *, seed: int = 0, window: int = 32, cancel_s
         if cancels:
             send_together(c, [{"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": r}} for r in cancels])
         if time.monotonic() - t0 > time_limit:
-            raise AssertionError(f"the storm did not finish in {time_limit} s: {len(outstanding)} requests unanswered, "
-                                 f"{len(todo)} not sent; e.g. {sorted(outstanding)[:10]}; stderr:\n{c.stderr_tail()}")
+            raise AssertionError(
+                f"the storm did not finish in {time_limit} s: {len(outstanding)} requests unanswered, "
+                f"{len(todo)} not sent; e.g. {sorted(outstanding)[:10]}; stderr:\n{c.stderr_tail()}"
+            )
     return {"plan": plan, "cancelled": cancelled, "seconds": time.monotonic() - t0, "requests": requests}
 
 
@@ -387,7 +428,7 @@ def check_storm(c: RpcClient, storm: dict, alone: list[tuple]) -> dict:
     extra = {k for k in by_id if isinstance(k, str) and k.startswith("s")} - ids
     assert not extra, f"responses to ids never sent: {sorted(extra)[:10]}"
     counts = collections.Counter()
-    for rid, k, mode, _ in storm["plan"]:
+    for rid, k, _mode, _ in storm["plan"]:
         got = by_id.get(rid, [])
         if len(got) != 1:
             problems.append(f"{rid}: {len(got)} responses")
@@ -445,14 +486,20 @@ def test_cancel_storm(spawn):
     storm = run_storm(c, STORM_REQUESTS)
     counts = check_storm(c, storm, alone)
     time.sleep(0.5)  # a second response to a cancelled-after-finish request would come now
-    assert sum(len(v) for k, v in responses_by_id(c).items() if isinstance(k, str) and k.startswith("s")) == STORM_REQUESTS
+    assert (
+        sum(len(v) for k, v in responses_by_id(c).items() if isinstance(k, str) and k.startswith("s")) == STORM_REQUESTS
+    )
     status = c.call("model/status")["models"][0]
     assert (status["slotsBusy"], status["queueLength"], held_by_requests(status)) == (0, 0, 0), status
     # The slots still give every reply exactly: all distinct requests at once, then each alone again.
     rids = [c.request_async(m, p) for m, p in requests]
     assert [outcome(result_of(c.response(r, timeout=120))) for r in rids] == alone
-    summary = {"requests": STORM_REQUESTS, "seconds": round(storm["seconds"], 1),
-               "outcomes": {f"{a}: {b}": v for (a, b), v in sorted(counts.items())}, "status": status}
+    summary = {
+        "requests": STORM_REQUESTS,
+        "seconds": round(storm["seconds"], 1),
+        "outcomes": {f"{a}: {b}": v for (a, b), v in sorted(counts.items())},
+        "status": status,
+    }
     print("cancel storm:", json.dumps(summary))
     c.assert_clean()
     no_traceback(c)
@@ -491,7 +538,11 @@ def test_cancel_before_start_mid_prefill_mid_decode_and_after_finish_frees_every
     wait_until(lambda s: s["queueLength"] == 1, "b queued")
     c.cancel(b)
     err_b = error_of(c.response(b, timeout=10))
-    assert err_b["code"] == REQUEST_CANCELLED and err_b["data"]["tokens"] == [] and err_b["data"]["stopReason"] == "cancelled"
+    assert (
+        err_b["code"] == REQUEST_CANCELLED
+        and err_b["data"]["tokens"] == []
+        and err_b["data"]["stopReason"] == "cancelled"
+    )
     # the engine drops a cancelled job from its queue at its next pass (a few ms later)
     wait_until(lambda s: s["queueLength"] == 0, "b dropped from the queue", timeout=2)
     assert status()["slotsBusy"] == 1  # a is still prefilling
@@ -502,8 +553,10 @@ def test_cancel_before_start_mid_prefill_mid_decode_and_after_finish_frees_every
     s = wait_until(lambda s: s["slotsBusy"] == 0, "the slot freed", timeout=2)
     assert (s["queueLength"], held_by_requests(s)) == (0, 0), s
     # mid-decode: a long reply, cancelled after some tokens
-    d = c.request_async("inference/generate", {"prompt": "Once", "partialResultToken": "d",
-                                               "options": {"maxTokens": 400, "ignoreEos": True, **GREEDY}})
+    d = c.request_async(
+        "inference/generate",
+        {"prompt": "Once", "partialResultToken": "d", "options": {"maxTokens": 400, "ignoreEos": True, **GREEDY}},
+    )
     c.wait_for(lambda m: len(c.progress("d")) >= 2, timeout=60)
     c.cancel(d)
     err_d = error_of(c.response(d, timeout=10))
@@ -529,16 +582,20 @@ def test_load_generate_cancel_unload_cycles_leak_no_threads_or_files(spawn):
     after_unload = []
     for cycle in range(6):
         c.load_model(slots=2)
-        a = c.request_async("inference/generate", {"prompt": "Once", "partialResultToken": f"p{cycle}",
-                                                   "options": {"maxTokens": 200, "ignoreEos": True}})
+        a = c.request_async(
+            "inference/generate",
+            {"prompt": "Once", "partialResultToken": f"p{cycle}", "options": {"maxTokens": 200, "ignoreEos": True}},
+        )
         b = c.request_async("inference/generate", {"prompt": "Hi", "options": {"maxTokens": 3, **GREEDY}})
         c.wait_for(lambda m, t=f"p{cycle}": m.get("method") == "$/progress" and m["params"]["token"] == t, timeout=30)
         c.cancel(a)
         assert error_of(c.response(a))["code"] == REQUEST_CANCELLED
         result_of(c.response(b, timeout=30))
         # unload while a request runs: it answers -32603, the worker thread ends
-        z = c.request_async("inference/generate", {"prompt": "Once", "partialResultToken": f"z{cycle}",
-                                                   "options": {"maxTokens": 200, "ignoreEos": True}})
+        z = c.request_async(
+            "inference/generate",
+            {"prompt": "Once", "partialResultToken": f"z{cycle}", "options": {"maxTokens": 200, "ignoreEos": True}},
+        )
         c.wait_for(lambda m, t=f"z{cycle}": m.get("method") == "$/progress" and m["params"]["token"] == t, timeout=30)
         assert c.call("model/unload", {"model": DEFAULT_MODEL}) is None
         assert error_of(c.response(z, timeout=10))["code"] == INTERNAL_ERROR
@@ -570,9 +627,17 @@ def _isolated_env(tmp_path) -> tuple[dict, str, str]:
 
 def _start_long_generations(c: RpcClient, n: int, slots: int) -> list:
     c.call("model/load", {"model": DEFAULT_MODEL, "options": {"contextLength": 2048, "slots": slots}}, timeout=60)
-    rids = [c.request_async("inference/generate", {"prompt": f"Story {i}:", "partialResultToken": f"long{i}",
-                                                    "options": {"maxTokens": 2000, "ignoreEos": True}})
-            for i in range(n)]
+    rids = [
+        c.request_async(
+            "inference/generate",
+            {
+                "prompt": f"Story {i}:",
+                "partialResultToken": f"long{i}",
+                "options": {"maxTokens": 2000, "ignoreEos": True},
+            },
+        )
+        for i in range(n)
+    ]
     for i in range(min(n, slots)):
         c.wait_for(lambda m, t=f"long{i}": m.get("method") == "$/progress" and m["params"]["token"] == t, timeout=60)
     return rids
@@ -633,20 +698,42 @@ def test_stdout_closed_mid_generation_exits_promptly(tmp_path):
     write fails (EPIPE) and the server exits instead of generating for nobody."""
     env, tmp, home = _isolated_env(tmp_path)
     stderr_file = tempfile.TemporaryFile()
-    proc = subprocess.Popen([KINFER_RPC], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
-                            env={**os.environ, **env}, bufsize=0)
+    proc = subprocess.Popen(
+        [KINFER_RPC],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr_file,
+        env={**os.environ, **env},
+        bufsize=0,
+    )
     try:
+
         def send(message):
             body = json.dumps(message).encode()
             proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
         send({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"processId": None}})
-        send({"jsonrpc": "2.0", "id": 2, "method": "model/load",
-              "params": {"model": DEFAULT_MODEL, "options": {"contextLength": 2048, "slots": 2}}})
+        send(
+            {
+                "jsonrpc": "2.0",
+                "id": 2,
+                "method": "model/load",
+                "params": {"model": DEFAULT_MODEL, "options": {"contextLength": 2048, "slots": 2}},
+            }
+        )
         for i in range(3):
-            send({"jsonrpc": "2.0", "id": 10 + i, "method": "inference/generate",
-                  "params": {"prompt": "Story:", "partialResultToken": i,
-                             "options": {"maxTokens": 2000, "ignoreEos": True}}})
+            send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 10 + i,
+                    "method": "inference/generate",
+                    "params": {
+                        "prompt": "Story:",
+                        "partialResultToken": i,
+                        "options": {"maxTokens": 2000, "ignoreEos": True},
+                    },
+                }
+            )
         seen = b""
         deadline = time.monotonic() + 60
         while seen.count(b'"$/progress"') < 4:  # the generations are streaming
@@ -736,9 +823,13 @@ def test_parent_death_exits_within_3_seconds(subreaper, tmp_path, how):
     out_r, out_w = os.pipe()
     stderr_file = tempfile.TemporaryFile()
     extra = ["--clientProcessId", "PARENT_PID"] if how == "--clientProcessId" else []
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(in_r), str(out_w), KINFER_RPC, *extra],
-                              pass_fds=(in_r, out_w), stdout=subprocess.PIPE, stderr=stderr_file,
-                              env={**os.environ, **env})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(in_r), str(out_w), KINFER_RPC, *extra],
+        pass_fds=(in_r, out_w),
+        stdout=subprocess.PIPE,
+        stderr=stderr_file,
+        env={**os.environ, **env},
+    )
     os.close(in_r)
     os.close(out_w)
     server_pid = int(parent.stdout.readline())
@@ -879,13 +970,27 @@ PROBES = {
     "huge-string": "{{ 'a' * 4611686018427387904 }}",  # 2^62 bytes: no allocator gives that, whatever overcommit
     "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
 }
-BLOCKED = ["mro", "globals-os", "lipsum", "joiner", "namespace", "self-builtins", "raise-globals", "strftime-globals",
-           "format", "format-globals", "mutate-list", "mutate-dict", "loop-class"]
+BLOCKED = [
+    "mro",
+    "globals-os",
+    "lipsum",
+    "joiner",
+    "namespace",
+    "self-builtins",
+    "raise-globals",
+    "strftime-globals",
+    "format",
+    "format-globals",
+    "mutate-list",
+    "mutate-dict",
+    "loop-class",
+]
 HARMLESS = ["template-context", "attr-filter", "gi-frame", "item-class"]
 _BUG_TEMPLATE_ERRORS = (
     "bug: chat.py render() catches only jinja2.TemplateError and SecurityError; a template that fails with "
     "another exception ({}) is answered -32603 Internal error, where the spec says -32602 (the chat template "
-    "fails on the messages). Reproduce: a GGUF whose tokenizer.chat_template is {!r}, then inference/chat")
+    "fails on the messages). Reproduce: a GGUF whose tokenizer.chat_template is {!r}, then inference/chat"
+)
 FAILING = {  # probe -> the exception it raises inside render()
     "include": "TypeError: no loader for this environment specified",
     "import": "TypeError: no loader for this environment specified",
@@ -900,8 +1005,8 @@ FAILING = {  # probe -> the exception it raises inside render()
 def hostile_template(marker: str, probes: dict = PROBES) -> str:
     out = ""
     for i, (name, src) in enumerate(probes.items()):
-        out += "{%% %s messages[-1]['content'] == '%s' %%}%s" % ("if" if i == 0 else "elif", name,
-                                                                src.replace(MARKER, marker))
+        keyword = "if" if i == 0 else "elif"
+        out += f"{{% {keyword} messages[-1]['content'] == '{name}' %}}{src.replace(MARKER, marker)}"
     return out + "{% endif %}{{ '" + TAIL.replace("\n", "\\n") + "' }}"
 
 
@@ -996,16 +1101,40 @@ def store(tmp_path):
     return {"KINFER_MODELS": str(kinfer), "OLLAMA_MODELS": str(ollama), "KINFER_HOME": str(tmp_path / "home")}
 
 
-@pytest.mark.parametrize("name", [
-    "../../etc/passwd", "../../../../../../etc/passwd", "/etc/passwd", "/etc/shadow", "~/../../etc/passwd",
-    "/proc/self/environ", "/proc/self/mem", "/dev/zero", "/dev/urandom", "/etc", "/", "./", "../",
-    "/etc/passwd.gguf", "x\u0000.gguf", "/etc/passwd\u0000.gguf", "smollm2-135m-instruct/../../../etc/passwd",
-    "etc/passwd", "..", "...", "%2e%2e/%2e%2e/etc/passwd", "file:///etc/passwd", "http://127.0.0.1:1/x.gguf",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../etc/passwd",
+        "../../../../../../etc/passwd",
+        "/etc/passwd",
+        "/etc/shadow",
+        "~/../../etc/passwd",
+        "/proc/self/environ",
+        "/proc/self/mem",
+        "/dev/zero",
+        "/dev/urandom",
+        "/etc",
+        "/",
+        "./",
+        "../",
+        "/etc/passwd.gguf",
+        "x\u0000.gguf",
+        "/etc/passwd\u0000.gguf",
+        "smollm2-135m-instruct/../../../etc/passwd",
+        "etc/passwd",
+        "..",
+        "...",
+        "%2e%2e/%2e%2e/etc/passwd",
+        "file:///etc/passwd",
+        "http://127.0.0.1:1/x.gguf",
+    ],
+)
 def test_model_names_never_open_files_the_user_did_not_name_as_models(bare, name):
     c = bare
     for method in ("model/load", "inference/generate"):
-        params = {"model": name} if method == "model/load" else {"model": name, "prompt": "x", "options": {"maxTokens": 1}}
+        params = (
+            {"model": name} if method == "model/load" else {"model": name, "prompt": "x", "options": {"maxTokens": 1}}
+        )
         r = c.request(method, params, timeout=10)
         err = error_of(r)
         assert err["code"] in (MODEL_NOT_FOUND, LOAD_FAILED), r
@@ -1035,7 +1164,10 @@ def test_store_links_to_files_that_are_not_models_are_refused(spawn, store, tmp_
     for name in ("hostname", "loop", "dangling", "fifo", "dir"):
         assert error_of(c.request("model/load", {"model": name}, timeout=10))["code"] == MODEL_NOT_FOUND
     for name in ("fifo.gguf", "loop.gguf", "dangling.gguf", "dir.gguf"):  # the same files named by path
-        assert error_of(c.request("model/load", {"model": os.path.join(folder, name)}, timeout=10))["code"] == MODEL_NOT_FOUND
+        assert (
+            error_of(c.request("model/load", {"model": os.path.join(folder, name)}, timeout=10))["code"]
+            == MODEL_NOT_FOUND
+        )
     assert c.call("model/status") == {"models": []}
 
 
@@ -1073,8 +1205,19 @@ def _sockets(pid: int) -> dict[int, tuple[str, list[str]]]:
             continue
         if target.startswith("socket:["):
             inodes.add(int(target[8:-1]))
-    inode_column = {"unix": 6, "tcp": 9, "tcp6": 9, "udp": 9, "udp6": 9, "raw": 9, "raw6": 9, "udplite": 9,
-                    "udplite6": 9, "packet": -1, "netlink": -1}
+    inode_column = {
+        "unix": 6,
+        "tcp": 9,
+        "tcp6": 9,
+        "udp": 9,
+        "udp6": 9,
+        "raw": 9,
+        "raw6": 9,
+        "udplite": 9,
+        "udplite6": 9,
+        "packet": -1,
+        "netlink": -1,
+    }
     found: dict[int, tuple[str, list[str]]] = {}
     for table, col in inode_column.items():
         try:
@@ -1094,14 +1237,16 @@ def test_no_network_listener_exists(spawn):
     c = spawn()
     c.initialize({"initializationOptions": {"logLevel": "debug"}})
     c.load_model(slots=2)
-    rid = c.request_async("inference/generate", {"prompt": "Once", "partialResultToken": "n",
-                                                 "options": {"maxTokens": 50, "ignoreEos": True}})
+    rid = c.request_async(
+        "inference/generate",
+        {"prompt": "Once", "partialResultToken": "n", "options": {"maxTokens": 50, "ignoreEos": True}},
+    )
     c.wait_for(lambda m: m.get("method") == "$/progress", timeout=30)
     pids = [c.proc.pid, *children_of(c.proc.pid)]
     assert pids == [c.proc.pid], "the server started processes"
     sockets = _sockets(c.proc.pid)
     print("sockets of the server:", sockets)
-    for inode, (table, cols) in sockets.items():
+    for _inode, (table, cols) in sockets.items():
         # asyncio's self-pipe is a connected, unnamed AF_UNIX socket pair; nothing else is allowed
         assert table == "unix", (table, cols)
         flags, state, path = int(cols[3], 16), cols[5], cols[7:]

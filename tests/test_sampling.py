@@ -62,7 +62,11 @@ def test_stream_never_splits_a_character():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(min_size=0, max_size=40), st.lists(st.integers(1, 5), min_size=1, max_size=20), st.text(min_size=1, max_size=4))
+@given(
+    st.text(min_size=0, max_size=40),
+    st.lists(st.integers(1, 5), min_size=1, max_size=20),
+    st.text(min_size=1, max_size=4),
+)
 def test_stream_pieces_concatenate_to_text_before_stop(text, cuts, stop):
     data = text.encode()
     s = TextStream((stop,))

@@ -21,15 +21,22 @@ from pathlib import Path
 import pytest
 
 from kinfer_rpc import errors
-
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
 
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 MEDIA = "application/vnd.ollama.image."
 SYSTEM = "You are a pirate. Answer like one."
-PARAMS = {"num_predict": 3, "seed": 42, "top_k": 20, "temperature": 0, "stop": ["<|im_end|>"],
-          "num_ctx": 1024, "mirostat": 0, "top_p": 7.5}
+PARAMS = {
+    "num_predict": 3,
+    "seed": 42,
+    "top_k": 20,
+    "temperature": 0,
+    "stop": ["<|im_end|>"],
+    "num_ctx": 1024,
+    "mirostat": 0,
+    "top_p": 7.5,
+}
 TEMPLATE = "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}"
 
 
@@ -69,8 +76,12 @@ class OllamaStore:
     def manifest(self, name: str, layers: list[dict]) -> Path:
         config = self.blob(json.dumps({"model_format": "gguf", "model_family": "llama"}).encode(), "config")
         config["mediaType"] = "application/vnd.docker.container.image.v1+json"
-        doc = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-               "config": config, "layers": layers}
+        doc = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+            "config": config,
+            "layers": layers,
+        }
         path = self.root / "manifests" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc))
@@ -85,17 +96,24 @@ def stores(tmp_path_factory, gguf):
     ollama = OllamaStore(base / "ollama")
     _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
     model = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
-    extras = [ollama.blob(TEMPLATE.encode(), "template"), ollama.blob(SYSTEM.encode(), "system"),
-              ollama.blob(json.dumps(PARAMS).encode(), "params"), ollama.blob(b"Apache 2.0", "license")]
+    extras = [
+        ollama.blob(TEMPLATE.encode(), "template"),
+        ollama.blob(SYSTEM.encode(), "system"),
+        ollama.blob(json.dumps(PARAMS).encode(), "params"),
+        ollama.blob(b"Apache 2.0", "license"),
+    ]
     ollama.manifest("registry.ollama.ai/library/smollm2/135m", [model, *extras])
     ollama.manifest("registry.ollama.ai/library/smollm2/q4", [model])
     ollama.manifest("registry.ollama.ai/someone/smollm2/135m", [model])
     ollama.manifest("example.com:5000/team/smollm2/latest", [model])
     ollama.manifest("registry.ollama.ai/library/llava/7b", [model, ollama.blob(b"\0" * 64, "projector")])
-    ollama.manifest("registry.ollama.ai/library/mlxmodel/latest", [
-        {**ollama.blob(b"\0" * 32, "tensor"), "name": "model.embed_tokens.weight"},
-        {**ollama.blob(b"\1" * 32, "tensor"), "name": "lm_head.weight"},
-    ])
+    ollama.manifest(
+        "registry.ollama.ai/library/mlxmodel/latest",
+        [
+            {**ollama.blob(b"\0" * 32, "tensor"), "name": "model.embed_tokens.weight"},
+            {**ollama.blob(b"\1" * 32, "tensor"), "name": "lm_head.weight"},
+        ],
+    )
     (ollama.root / "manifests/registry.ollama.ai/library/broken").mkdir(parents=True)
     (ollama.root / "manifests/registry.ollama.ai/library/broken/latest").write_text("{not json")
     kinfer = base / "kinfer"
@@ -123,8 +141,10 @@ def _error(fn, *args) -> errors.KinferError:
 
 # -- names ---------------------------------------------------------------------------------------
 def test_three_ollama_name_forms_resolve_to_the_same_blob(store, gguf):
-    refs = [store.resolve(n) for n in ("smollm2:135m", "library/smollm2:135m",
-                                       "registry.ollama.ai/library/smollm2:135m", "SmolLM2:135M")]
+    refs = [
+        store.resolve(n)
+        for n in ("smollm2:135m", "library/smollm2:135m", "registry.ollama.ai/library/smollm2:135m", "SmolLM2:135M")
+    ]
     assert {r.name for r in refs} == {"smollm2:135m"}
     ref = refs[0]
     assert ref.source == "ollama" and ref.format == "gguf" and ref.digest == gguf[1]
@@ -145,8 +165,16 @@ def test_ollama_layers_become_defaults(store):
 def test_names_as_ollama_shows_them_and_other_namespaces_and_hosts(store):
     names = [r.name for r in store.list()]
     assert names[0] == DEFAULT_MODEL
-    for expected in ["smollm2:135m", "smollm2:q4", "someone/smollm2:135m", "example.com:5000/team/smollm2:latest",
-                     "llava:7b", "mlxmodel:latest", "tiny-kinfer", "half"]:
+    for expected in [
+        "smollm2:135m",
+        "smollm2:q4",
+        "someone/smollm2:135m",
+        "example.com:5000/team/smollm2:latest",
+        "llava:7b",
+        "mlxmodel:latest",
+        "tiny-kinfer",
+        "half",
+    ]:
         assert expected in names
     assert not any("broken" in n for n in names)  # an unreadable manifest is skipped
     assert store.resolve("someone/smollm2:135m").name == "someone/smollm2:135m"
@@ -221,7 +249,9 @@ def test_truncated_gguf_is_a_clear_error(store, name):
     assert err.code == errors.LOAD_FAILED and "(truncated?)" in err.message and name in err.message
 
 
-@pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF" + b"\0" * 64, b"GGUF\3\0\0\0" + b"\xff" * 40, b"hello world" * 9])
+@pytest.mark.parametrize(
+    "content", [b"", b"GGUF", b"GGUF" + b"\0" * 64, b"GGUF\3\0\0\0" + b"\xff" * 40, b"hello world" * 9]
+)
 def test_garbage_is_a_clear_error(tmp_path, content):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(content)
@@ -237,8 +267,10 @@ def test_verify_catches_a_corrupt_blob(tmp_path, gguf, monkeypatch):
     data = bytearray(src.read_bytes())
     data[-1000] ^= 0xFF  # inside the tensor data: the header still reads fine
     blob.write_bytes(data)
-    ollama.manifest("registry.ollama.ai/library/damaged/latest",
-                    [{"mediaType": MEDIA + "model", "digest": digest, "size": len(data)}])
+    ollama.manifest(
+        "registry.ollama.ai/library/damaged/latest",
+        [{"mediaType": MEDIA + "model", "digest": digest, "size": len(data)}],
+    )
     monkeypatch.setenv("OLLAMA_MODELS", str(ollama.root))
     monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
     store = ModelStore()
@@ -265,8 +297,10 @@ def test_verified_digests_are_cached(store, stores, monkeypatch):
 
 def test_a_missing_blob_is_a_clear_error(tmp_path, monkeypatch):
     ollama = OllamaStore(tmp_path / "ollama")
-    ollama.manifest("registry.ollama.ai/library/partial/latest",
-                    [{"mediaType": MEDIA + "model", "digest": "sha256:" + "ab" * 32, "size": 1234}])
+    ollama.manifest(
+        "registry.ollama.ai/library/partial/latest",
+        [{"mediaType": MEDIA + "model", "digest": "sha256:" + "ab" * 32, "size": 1234}],
+    )
     monkeypatch.setenv("OLLAMA_MODELS", str(ollama.root))
     store = ModelStore()
     ref = store.resolve("partial")
@@ -287,8 +321,9 @@ class Server:
     """A tiny client: Content-Length frames on the child's stdin, frames read with a timeout."""
 
     def __init__(self, env: dict):
-        self.proc = subprocess.Popen([KINFER_RPC], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(
+            [KINFER_RPC], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
         self.inbox: queue.Queue = queue.Queue()
         self.ids = iter(range(1, 1 << 30))
         threading.Thread(target=self._read, daemon=True).start()
@@ -356,21 +391,38 @@ def test_server_lists_ollama_models(server):
 
 def test_server_chats_with_an_ollama_model_by_name(server):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    r = server.call("inference/chat", {"model": "smollm2:135m", "messages": messages,
-                                       "options": {"maxTokens": 8, "temperature": 0}})
+    r = server.call(
+        "inference/chat", {"model": "smollm2:135m", "messages": messages, "options": {"maxTokens": 8, "temperature": 0}}
+    )
     assert r["model"] == "smollm2:135m" and r["text"].strip()
     assert 3 < r["usage"]["completionTokens"] <= 8  # the request's maxTokens beats num_predict
     # The params layer: num_predict 3 and seed 42 apply when the request does not say.
     d = server.call("inference/chat", {"model": "smollm2:135m", "messages": messages})
     assert d["usage"]["completionTokens"] == 3 and d["stopReason"] == "length" and d["seed"] == 42
-    assert server.call("inference/chat", {"model": "smollm2:135m", "messages": messages,
-                                          "options": {"seed": 7, "maxTokens": None}})["seed"] == 7
+    assert (
+        server.call(
+            "inference/chat", {"model": "smollm2:135m", "messages": messages, "options": {"seed": 7, "maxTokens": None}}
+        )["seed"]
+        == 7
+    )
     # The system layer is the default system message, as if the request had given it.
-    explicit = server.call("inference/chat", {"model": "smollm2:135m", "options": {"maxTokens": 1},
-                                              "messages": [{"role": "system", "content": SYSTEM}, *messages]})
+    explicit = server.call(
+        "inference/chat",
+        {
+            "model": "smollm2:135m",
+            "options": {"maxTokens": 1},
+            "messages": [{"role": "system", "content": SYSTEM}, *messages],
+        },
+    )
     assert explicit["usage"]["promptTokens"] == d["usage"]["promptTokens"]
-    other = server.call("inference/chat", {"model": "smollm2:135m", "options": {"maxTokens": 1},
-                                           "messages": [{"role": "system", "content": "Be brief."}, *messages]})
+    other = server.call(
+        "inference/chat",
+        {
+            "model": "smollm2:135m",
+            "options": {"maxTokens": 1},
+            "messages": [{"role": "system", "content": "Be brief."}, *messages],
+        },
+    )
     assert other["usage"]["promptTokens"] != d["usage"]["promptTokens"]
     # num_ctx is the load's context length; the model now shows as loaded.
     status = server.call("model/status", {"model": "smollm2:135m"})["models"][0]
@@ -400,14 +452,23 @@ def test_mlx_folder_metadata(tmp_path):
 
     folder = tmp_path / "mlx-4bit"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 40960,
-                                                    "quantization": {"bits": 4, "group_size": 64}}))
-    header = {"__metadata__": {"format": "mlx"},
-              "w.weight": {"dtype": "U32", "shape": [256, 8], "data_offsets": [0, 8192]},  # 256 x 64 packed
-              "w.scales": {"dtype": "F16", "shape": [256, 1], "data_offsets": [8192, 8704]},
-              "w.biases": {"dtype": "F16", "shape": [256, 1], "data_offsets": [8704, 9216]},
-              "norm.weight": {"dtype": "F16", "shape": [64], "data_offsets": [9216, 9344]}}
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen3", "max_position_embeddings": 40960, "quantization": {"bits": 4, "group_size": 64}}
+        )
+    )
+    header = {
+        "__metadata__": {"format": "mlx"},
+        "w.weight": {"dtype": "U32", "shape": [256, 8], "data_offsets": [0, 8192]},  # 256 x 64 packed
+        "w.scales": {"dtype": "F16", "shape": [256, 1], "data_offsets": [8192, 8704]},
+        "w.biases": {"dtype": "F16", "shape": [256, 1], "data_offsets": [8704, 9216]},
+        "norm.weight": {"dtype": "F16", "shape": [64], "data_offsets": [9216, 9344]},
+    }
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    assert gguf_meta.read_mlx(folder) == {"architecture": "qwen3", "parameters": 256 * 64 + 64,
-                                          "quantization": "4bit", "contextLength": 40960}
+    assert gguf_meta.read_mlx(folder) == {
+        "architecture": "qwen3",
+        "parameters": 256 * 64 + 64,
+        "quantization": "4bit",
+        "contextLength": 40960,
+    }

@@ -43,8 +43,6 @@ class NgramPolicy:
         return []
 
 
-
-
 class DraftModelPolicy:
     """`draft-model`: a smaller GGUF with the same vocabulary, run by the target's backend in a
     context of its own (`options.draftModel` of model/load), drafting greedily.
@@ -72,9 +70,17 @@ class DraftModelSession:
         info = target.info
         self.draft = backend.load(
             options.draft_model,
-            LoadOptions(context_length=info.context_length, slots=info.slots, batch=options.batch,
-                        ubatch=options.ubatch, threads=options.threads, gpu_layers=options.gpu_layers,
-                        flash_attention=options.flash_attention, drafts=0, kv_type=options.kv_type),
+            LoadOptions(
+                context_length=info.context_length,
+                slots=info.slots,
+                batch=options.batch,
+                ubatch=options.ubatch,
+                threads=options.threads,
+                gpu_layers=options.gpu_layers,
+                flash_attention=options.flash_attention,
+                drafts=0,
+                kv_type=options.kv_type,
+            ),
             lambda fraction: None,
         )
         try:
@@ -88,13 +94,17 @@ class DraftModelSession:
     def _check_vocabulary(self, target) -> None:
         n = target.info.n_vocab
         if self.draft.info.n_vocab != n:
-            raise ValueError(f"the draft model has {self.draft.info.n_vocab} tokens and the model {n}: "
-                             "a draft model needs the same vocabulary")
+            raise ValueError(
+                f"the draft model has {self.draft.info.n_vocab} tokens and the model {n}: "
+                "a draft model needs the same vocabulary"
+            )
         probe = sorted(set(range(0, n, max(1, n // 997))) | {n - 1} | set(target.eog_tokens()))
         for t in probe:
             if self.draft.token_bytes(t) != target.token_bytes(t):
-                raise ValueError(f"token {t} is {target.token_bytes(t)!r} in the model and "
-                                 f"{self.draft.token_bytes(t)!r} in the draft model: a draft model needs the same vocabulary")
+                raise ValueError(
+                    f"token {t} is {target.token_bytes(t)!r} in the model and "
+                    f"{self.draft.token_bytes(t)!r} in the draft model: a draft model needs the same vocabulary"
+                )
 
     def propose_many(self, requests):
         from kinfer_rpc.types import SeqChunk
@@ -123,7 +133,7 @@ class DraftModelSession:
                     rows.append(t[0])
                 self.cached[t[1]].extend(take)
                 t[2] += len(take)
-                t[3] = t[3][len(take):]
+                t[3] = t[3][len(take) :]
                 room -= len(take)
             logits = self.draft.decode(chunks)()
             for row, i in enumerate(rows):
@@ -133,8 +143,9 @@ class DraftModelSession:
             out[i].append(tok)
         live = [i for i, r in enumerate(requests) if r.k > 1]
         while live:
-            chunks = [SeqChunk(requests[i].seq, len(requests[i].history) + len(out[i]) - 1, (out[i][-1],), 1)
-                      for i in live]
+            chunks = [
+                SeqChunk(requests[i].seq, len(requests[i].history) + len(out[i]) - 1, (out[i][-1],), 1) for i in live
+            ]
             logits = self.draft.decode(chunks)()
             for row, i in enumerate(live):
                 self.cached[requests[i].seq].append(out[i][-1])

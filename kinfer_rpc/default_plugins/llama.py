@@ -16,13 +16,12 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kinfer_rpc.default_plugins import llama_native
 import kinfer_rpc
-from kinfer_rpc.default_plugins import llama_buft
+from kinfer_rpc.default_plugins import llama_buft, llama_native
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
 
 log = logging.getLogger("kinfer_rpc.llama")
@@ -40,6 +39,7 @@ def _llama():
 
     with _init_lock:
         if not _initialised:
+
             @L.llama_log_callback
             def forward(level, text, _user):
                 # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Loads log a lot:
@@ -183,9 +183,7 @@ class LlamaModel:
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
-            raise RuntimeError(
-                f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots"
-            )
+            raise RuntimeError(f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots")
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = _Batch(L, options.batch)
         if options.mtp:
@@ -481,8 +479,10 @@ class MtpSession:
         if not isinstance(target, LlamaModel):
             raise ValueError("draftPolicy mtp needs the llama backend (llama.cpp's multi-token-prediction API)")
         if target._mtp is None:
-            raise ValueError("draftPolicy mtp needs the model loaded with its multi-token-prediction layers "
-                             "(model/load with draftPolicy \"mtp\")")
+            raise ValueError(
+                "draftPolicy mtp needs the model loaded with its multi-token-prediction layers "
+                '(model/load with draftPolicy "mtp")'
+            )
         self.target = target
 
     def propose_many(self, requests):

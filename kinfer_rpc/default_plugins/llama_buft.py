@@ -47,7 +47,9 @@ def apply(L) -> type:
     fields = list(old._fields_)
     names = [f[0] for f in fields]
     if "tensor_buft_overrides" not in names:
-        raise RuntimeError("llama_model_params has no tensor_buft_overrides field: revisit kinfer_rpc/default_plugins/llama_buft.py")
+        raise RuntimeError(
+            "llama_model_params has no tensor_buft_overrides field: revisit kinfer_rpc/default_plugins/llama_buft.py"
+        )
     i = names.index("tensor_buft_overrides")
     if fields[i][1] is not ctypes.c_void_p:
         # Upstream binds it: nothing to patch.
@@ -55,9 +57,7 @@ def apply(L) -> type:
         return old
     fields[i] = ("tensor_buft_overrides", ctypes.POINTER(llama_model_tensor_buft_override))
     new = type("llama_model_params", (ctypes.Structure,), {"_fields_": fields, "__doc__": old.__doc__})
-    if ctypes.sizeof(new) != ctypes.sizeof(old) or any(
-        getattr(new, n).offset != getattr(old, n).offset for n in names
-    ):
+    if ctypes.sizeof(new) != ctypes.sizeof(old) or any(getattr(new, n).offset != getattr(old, n).offset for n in names):
         raise RuntimeError("the patched llama_model_params does not match upstream's layout")
     # Every bound C function that takes or returns the struct by value now uses the new class.
     for name in dir(L):
@@ -95,9 +95,15 @@ def _loaded_libraries() -> list[str]:
 
 
 class _DevProps(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
-                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
-                ("caps", ctypes.c_bool * 5)]
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("description", ctypes.c_char_p),
+        ("memory_free", ctypes.c_size_t),
+        ("memory_total", ctypes.c_size_t),
+        ("type", ctypes.c_int),
+        ("device_id", ctypes.c_char_p),
+        ("caps", ctypes.c_bool * 5),
+    ]
 
 
 DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU = 0, 1, 2
@@ -122,7 +128,9 @@ class Ggml:
         self.dev_name = self._fn("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p)
         self.dev_memory = self._fn(
             "ggml_backend_dev_memory",
-            [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None)
+            [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+            None,
+        )
         self.buft_name = self._fn("ggml_backend_buft_name", [ctypes.c_void_p], ctypes.c_char_p)
 
     def _fn(self, name, argtypes, restype):
@@ -151,8 +159,14 @@ class Ggml:
             free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
             self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             name = self.dev_name(dev) if self.dev_name else b""
-            out.append({"name": (name or b"").decode("utf-8", "replace"), "type": int(self.dev_type(dev)),
-                        "free": int(free.value), "total": int(total.value)})
+            out.append(
+                {
+                    "name": (name or b"").decode("utf-8", "replace"),
+                    "type": int(self.dev_type(dev)),
+                    "free": int(free.value),
+                    "total": int(total.value),
+                }
+            )
         return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,8 +60,10 @@ class Mtp:
         n_out = int(L.llama_model_n_embd_out(target.model))
         n_inp = int(L.llama_model_n_embd_inp(target.model))
         if n_out != n_inp:
-            raise ValueError(f"this model's hidden state has {n_out} values and its MTP input {n_inp}: "
-                             "draftPolicy mtp supports MTP heads that take the hidden state as it is")
+            raise ValueError(
+                f"this model's hidden state has {n_out} values and its MTP input {n_inp}: "
+                "draftPolicy mtp supports MTP heads that take the hidden state as it is"
+            )
         self.n_embd = n_out
         cparams.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         cparams.n_outputs_max_per_seq = 1  # a draft pass asks one row of each sequence
@@ -130,7 +132,7 @@ class Mtp:
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)
         start = max(0, start)
         end = _INF if end < 0 else end
-        for s in (list(self.tokens) if seq < 0 else [seq]):
+        for s in list(self.tokens) if seq < 0 else [seq]:
             have = self.tokens.get(s)
             if start == 0 and end == _INF:
                 self.tokens[s] = []

@@ -56,7 +56,7 @@ def _elf_dynamic(path: Path) -> tuple[list[str], set[bytes]]:
     data = path.read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         return [], set()
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     needed: list[str] = []
@@ -64,7 +64,7 @@ def _elf_dynamic(path: Path) -> tuple[list[str], set[bytes]]:
 
     def cstr(table: int, offset: int) -> bytes:
         start = sections[table][4] + offset
-        return data[start:data.index(b"\0", start)]
+        return data[start : data.index(b"\0", start)]
 
     for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
         if kind == 6:  # SHT_DYNAMIC
@@ -128,7 +128,8 @@ def check(folder: Path | None = None) -> list[Path]:
     if private and runtime:
         raise NativeLoadError(
             f"llama.cpp in {folder} carries its own copy of the C++ runtime "
-            f"({', '.join(p.name for p in private)} linked with -static-libstdc++), and this process has already loaded {runtime} (numpy, torch and "
+            f"({', '.join(p.name for p in private)} linked with -static-libstdc++), "
+            f"and this process has already loaded {runtime} (numpy, torch and "
             f"other C++ extensions load it). Two C++ runtimes in one process crash llama.cpp. Use a "
             f"llama.cpp linked with the shared libstdc++ (llama-cpp-python's own build, or "
             f"patches/build_llama.sh), or load llama.cpp before anything that loads libstdc++.so.6."
@@ -155,8 +156,11 @@ def main(argv: list[str]) -> int:
     private = [p.name for p in libs if private_cxx_runtime(p.resolve())]
     print(f"{folder}: {', '.join(p.name for p in libs) or 'no libllama.so'}")
     if private:
-        print(f"these carry their own C++ runtime (linked with -static-libstdc++): {', '.join(private)}; "
-              "build with a compiler that links the shared libstdc++", file=sys.stderr)
+        print(
+            f"these carry their own C++ runtime (linked with -static-libstdc++): {', '.join(private)}; "
+            "build with a compiler that links the shared libstdc++",
+            file=sys.stderr,
+        )
         return 1
     return 0 if libs else 2
 

@@ -25,8 +25,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,13 +36,13 @@ from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
 log = logging.getLogger("kinfer_rpc.mlx")
 
 try:
-    import mlx.core as mx
-    import mlx.nn as nn
-    from tokenizers import Tokenizer
-
     # mlx_lm.utils imports transformers (about a second): it is imported when a model loads,
     # so the server still answers `initialize` at once; here only whether it is installed.
     import importlib.util
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from tokenizers import Tokenizer
 
     if importlib.util.find_spec("mlx_lm") is None:
         raise ImportError("mlx-lm is not installed")
@@ -61,25 +61,64 @@ STEP = 256  # KV buffers grow by this many cells, and a batched pass reads keys 
 # - CPU (SmolLM2, 2 cores): 2 rows 1.49x, 3 rows 1.44x, then about +0.4x a row: 2.
 DEFAULT_DRAFTS = {("gpu", "dense"): 13, ("gpu", "quantized"): 14, ("cpu", "dense"): 2, ("cpu", "quantized"): 2}
 # Texts llama.cpp also treats as end of generation when they are control tokens.
-_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-              "<EOT>", "_<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>", "<end_of_utterance>",
-              # fill-in-the-middle pad and repo tokens end a generation in llama.cpp too
-              "<|fim_pad|>", "<fim-pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"}
+_EOG_TEXTS = {
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_utterance>",
+    # fill-in-the-middle pad and repo tokens end a generation in llama.cpp too
+    "<|fim_pad|>",
+    "<fim-pad>",
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+}
 # llama.cpp pre-tokenizer names -> the regexes it splits with before byte-level BPE.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE = {"smollm": ["digits", _GPT2], "starcoder": ["digits", _GPT2], "refact": ["digits", _GPT2],
-        "gpt2": [_GPT2], "default": [_GPT2], "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3],
-        "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2]}
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE = {
+    "smollm": ["digits", _GPT2],
+    "starcoder": ["digits", _GPT2],
+    "refact": ["digits", _GPT2],
+    "gpt2": [_GPT2],
+    "default": [_GPT2],
+    "llama-bpe": [_LLAMA3],
+    "llama3": [_LLAMA3],
+    "qwen2": [_QWEN2],
+    "deepseek-r1-qwen": [_QWEN2],
+}
 # GGUF tensor names -> mlx-lm's llama module paths.
-_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-               "ffn_norm": "post_attention_layernorm"}
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 # Architectures whose Model.__call__ is exactly `head(model.model(x))`: the head then runs only on
 # the rows that asked for logits (not on every prompt token).
 _SPLIT_HEAD = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite"}
@@ -106,8 +145,18 @@ class Vocab:
     them.
     """
 
-    def __init__(self, spec: dict, pieces: list[bytes], *, bos: int | None, eos: list[int], add_bos: bool,
-                 add_eos: bool, template: str | None, manual_specials: bool):
+    def __init__(
+        self,
+        spec: dict,
+        pieces: list[bytes],
+        *,
+        bos: int | None,
+        eos: list[int],
+        add_bos: bool,
+        add_eos: bool,
+        template: str | None,
+        manual_specials: bool,
+    ):
         self.spec = spec
         self.parse = Tokenizer.from_str(json.dumps(spec))
         self.plain = Tokenizer.from_str(json.dumps(spec))
@@ -118,7 +167,9 @@ class Vocab:
         self.template = template
         self.manual_specials = manual_specials  # GGUF: BOS/EOS added here, not by a post-processor
         specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-        self.eog = frozenset(eos) | {i for i in specials if i < len(pieces) and pieces[i].decode("utf-8", "replace") in _EOG_TEXTS}
+        self.eog = frozenset(eos) | {
+            i for i in specials if i < len(pieces) and pieces[i].decode("utf-8", "replace") in _EOG_TEXTS
+        }
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         tok = self.parse if parse_special else self.plain
@@ -131,48 +182,96 @@ class Vocab:
         return ids
 
     @classmethod
-    def from_gguf(cls, meta: dict) -> "Vocab":
+    def from_gguf(cls, meta: dict) -> Vocab:
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise ValueError(f"the mlx backend reads GGUF tokenizers of the byte-level BPE kind (gpt2), not {model!r};"
-                             " load this model with the llama backend")
+            raise ValueError(
+                f"the mlx backend reads GGUF tokenizers of the byte-level BPE kind (gpt2), not {model!r};"
+                " load this model with the llama backend"
+            )
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in _PRE:
-            raise ValueError(f"the GGUF pre-tokenizer {pre!r} is not known to the mlx backend"
-                             f" (known: {', '.join(sorted(_PRE))}); load this model with the llama backend")
+            raise ValueError(
+                f"the GGUF pre-tokenizer {pre!r} is not known to the mlx backend"
+                f" (known: {', '.join(sorted(_PRE))}); load this model with the llama backend"
+            )
         tokens = list(meta["tokenizer.ggml.tokens"])
         types = _ints(meta.get("tokenizer.ggml.token_type"), [1] * len(tokens))
         merges = list(meta.get("tokenizer.ggml.merges", []))
         # Control (3) tokens are split out only when specials are parsed; user-defined (4) ones
         # always are (llama.cpp does the same).
-        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                  "normalized": False, "special": ty == 3}
-                 for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)]
+        added = [
+            {
+                "id": i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": ty == 3,
+            }
+            for i, (t, ty) in enumerate(zip(tokens, types))
+            if ty in (3, 4)
+        ]
         splits = []
         for part in _PRE[pre]:
-            splits.append({"type": "Digits", "individual_digits": True} if part == "digits" else
-                          {"type": "Split", "pattern": {"Regex": part}, "behavior": "Isolated", "invert": False})
+            splits.append(
+                {"type": "Digits", "individual_digits": True}
+                if part == "digits"
+                else {"type": "Split", "pattern": {"Regex": part}, "behavior": "Isolated", "invert": False}
+            )
         spec = {
-            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                *splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": {
+                "type": "Sequence",
+                "pretokenizers": [
+                    *splits,
+                    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+                ],
+            },
             "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                      "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges},
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {t: i for i, t in enumerate(tokens)},
+                "merges": merges,
+            },
         }
         dec = _byte_decoder()
         pieces = [t.encode() if ty in (3, 4) else bytes(dec.get(c, 0) for c in t) for t, ty in zip(tokens, types)]
-        eos = [x for x in (_int(meta.get("tokenizer.ggml.eos_token_id")), _int(meta.get("tokenizer.ggml.eot_token_id")),
-                           _int(meta.get("tokenizer.ggml.eom_token_id"))) if x is not None]
-        return cls(spec, pieces, bos=_int(meta.get("tokenizer.ggml.bos_token_id")), eos=eos,
-                   add_bos=bool(_int(meta.get("tokenizer.ggml.add_bos_token")) or 0),
-                   add_eos=bool(_int(meta.get("tokenizer.ggml.add_eos_token")) or 0),
-                   template=meta.get("tokenizer.chat_template"), manual_specials=True)
+        eos = [
+            x
+            for x in (
+                _int(meta.get("tokenizer.ggml.eos_token_id")),
+                _int(meta.get("tokenizer.ggml.eot_token_id")),
+                _int(meta.get("tokenizer.ggml.eom_token_id")),
+            )
+            if x is not None
+        ]
+        return cls(
+            spec,
+            pieces,
+            bos=_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos=eos,
+            add_bos=bool(_int(meta.get("tokenizer.ggml.add_bos_token")) or 0),
+            add_eos=bool(_int(meta.get("tokenizer.ggml.add_eos_token")) or 0),
+            template=meta.get("tokenizer.chat_template"),
+            manual_specials=True,
+        )
 
     @classmethod
-    def from_files(cls, files: dict[str, bytes], config: dict) -> "Vocab":
+    def from_files(cls, files: dict[str, bytes], config: dict) -> Vocab:
         """From a Hugging Face tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
         if "tokenizer.json" not in files:
             raise ValueError("the model has no tokenizer.json (the mlx backend reads only fast tokenizers)")
@@ -208,8 +307,16 @@ class Vocab:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         template = files.get("chat_template.jinja", b"").decode() or template
         bos_text = _token_text(tconf.get("bos_token"))
-        vocab_obj = cls(spec, pieces, bos=vocab.get(bos_text) if bos_text else None, eos=list(dict.fromkeys(eos)),
-                        add_bos=False, add_eos=False, template=template, manual_specials=False)
+        vocab_obj = cls(
+            spec,
+            pieces,
+            bos=vocab.get(bos_text) if bos_text else None,
+            eos=list(dict.fromkeys(eos)),
+            add_bos=False,
+            add_eos=False,
+            template=template,
+            manual_specials=False,
+        )
         probe = vocab_obj.parse.encode("a", add_special_tokens=True).ids
         vocab_obj.add_bos = bool(probe) and vocab_obj.bos is not None and probe[0] == vocab_obj.bos
         return vocab_obj
@@ -277,7 +384,8 @@ def _dense_bytes(model, on_gpu: bool) -> int:
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             total += m.scales.size * m.group_size * per + sum(
-                v.nbytes for k, v in m.parameters().items() if k not in ("weight", "scales", "biases"))
+                v.nbytes for k, v in m.parameters().items() if k not in ("weight", "scales", "biases")
+            )
         elif not m.children():
             total += sum(v.size * per for v in _leaves(m.parameters()))
     return total
@@ -303,7 +411,7 @@ def _gpu_free() -> int | None:
 
 
 def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
-    """"dense" or "quantized", and why. A model stored without quantized weights is dense
+    """ "dense" or "quantized", and why. A model stored without quantized weights is dense
     whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
     a GPU, float32 on the CPU) take at most half the device's free memory (what is left holds the
     KV cells and the passes), quantized otherwise or when the free memory is unknown. On a GPU
@@ -331,8 +439,10 @@ def _load_gguf(path: str):
     weights, meta = mx.load(path, return_metadata=True)
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"the mlx backend maps GGUF files of the llama architecture only, not {arch!r};"
-                         " load this model with the llama backend")
+        raise ValueError(
+            f"the mlx backend maps GGUF files of the llama architecture only, not {arch!r};"
+            " load this model with the llama backend"
+        )
 
     def num(key, default=None):
         v = meta.get(f"llama.{key}")
@@ -352,12 +462,16 @@ def _load_gguf(path: str):
             continue  # rope_freqs and the like: computed by mlx-lm's rope
         mapped[f"{base}.{suffix}"] = w
     config = {
-        "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": int(num("block_count")),
-        "intermediate_size": int(num("feed_forward_length")), "num_attention_heads": heads,
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(num("block_count")),
+        "intermediate_size": int(num("feed_forward_length")),
+        "num_attention_heads": heads,
         "num_key_value_heads": int(num("attention.head_count_kv", heads)),
         "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon", 1e-5)),
         "vocab_size": int(num("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
-        "rope_theta": float(num("rope.freq_base", 10000.0)), "rope_traditional": True,
+        "rope_theta": float(num("rope.freq_base", 10000.0)),
+        "rope_traditional": True,
         "head_dim": int(num("attention.key_length", hidden // heads)),
         "max_position_embeddings": int(num("context_length", 4096)),
         "tie_word_embeddings": "lm_head.weight" not in mapped,
@@ -465,8 +579,20 @@ class _Traced:
     the layer's buffers passed in (and returned) as arrays, positions and mask built on the device
     from `cols`, so that a step hands the graph only small index arrays."""
 
-    def __init__(self, keys: list, values: list, layer: int, slots, cols, pos, mask, span: int, first,
-                 kernel: int = 0, counter=None):
+    def __init__(
+        self,
+        keys: list,
+        values: list,
+        layer: int,
+        slots,
+        cols,
+        pos,
+        mask,
+        span: int,
+        first,
+        kernel: int = 0,
+        counter=None,
+    ):
         self.keys, self.values, self.layer = keys, values, layer
         self.slots, self.cols, self.offset, self.mask, self.span, self.first = slots, cols, pos, mask, span, first
         # On CUDA (kernel: thread blocks a row, see MlxModel.kernel): the attention is
@@ -490,8 +616,10 @@ class _Traced:
             V[self.slots[:, None], :, self.cols] = v.transpose(0, 2, 1, 3)
         self.keys[i], self.values[i] = K, V
         if self.first is not None:  # rows are consecutive slots: a slice at a device-side start
-            return (mx.slice(K, self.first, (0,), (B, K.shape[1], self.span, K.shape[3])),
-                    mx.slice(V, self.first, (0,), (B, V.shape[1], self.span, V.shape[3])))
+            return (
+                mx.slice(K, self.first, (0,), (B, K.shape[1], self.span, K.shape[3])),
+                mx.slice(V, self.first, (0,), (B, V.shape[1], self.span, V.shape[3])),
+            )
         return K[self.slots, :, : self.span], V[self.slots, :, : self.span]
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -507,6 +635,7 @@ def _attention_kernel(model, config: dict) -> bool:
     passed its check against MLX's operations here. False when the kernel cannot run here, fails
     the check, or the model's attention cannot be routed (_route_attention)."""
     from kinfer_rpc.default_plugins import mlx_attention
+
     if os.environ.get("KINFER_MLX_ATTENTION", "1") == "0" or not mlx_attention.available():
         return False
     heads = int(config.get("num_attention_heads") or 0)
@@ -515,8 +644,10 @@ def _attention_kernel(model, config: dict) -> bool:
     if not heads or heads % kv or head_dim % 32:
         return False
     try:  # the kernel against plain MLX operations once per load (it is MLX's JIT that builds it)
-        dtype = next((v.dtype for _, v in _flat(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
-                     mx.float16)
+        dtype = next(
+            (v.dtype for _, v in _flat(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)),
+            mx.float16,
+        )
         diff = mlx_attention.self_check(dtype, head_dim, heads // kv)
     except Exception as exc:  # noqa: BLE001 - a CUDA build without NVRTC headers, say: MLX's attention
         log.warning("mlx: the decode attention kernel did not run (%s); using MLX's attention", exc)
@@ -537,6 +668,7 @@ def _route_attention(model) -> bool:
     import sys
 
     from kinfer_rpc.default_plugins import mlx_attention
+
     layers = getattr(model, "layers", None)
     attn = getattr(layers[0], "self_attn", None) if layers else None
     if attn is None or hasattr(attn, "sinks"):
@@ -552,8 +684,18 @@ def _route_attention(model) -> bool:
             if sinks is not None:
                 raise NotImplementedError("attention sinks are not supported by the decode attention kernel")
             i = cache.layer
-            return mlx_attention.attention(queries, keys, values, cache.keys[i], cache.values[i], cache.slots,
-                                                  cache.cols, scale, cache.counter, splits=cache.kernel)
+            return mlx_attention.attention(
+                queries,
+                keys,
+                values,
+                cache.keys[i],
+                cache.values[i],
+                cache.slots,
+                cache.cols,
+                scale,
+                cache.counter,
+                splits=cache.kernel,
+            )
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.kinfer_original = original
@@ -569,8 +711,9 @@ class MlxModel:
         if options.host_tensors:
             raise NotImplementedError("keeping tensors in host memory is not supported by the mlx backend")
         if options.kv_type not in (None, "f16"):
-            raise ValueError(f"the mlx backend keeps KV cells in the model's float type; kvType {options.kv_type!r}"
-                             " is not supported")
+            raise ValueError(
+                f"the mlx backend keeps KV cells in the model's float type; kvType {options.kv_type!r} is not supported"
+            )
         on_gpu = options.gpu_layers != 0 and mx.default_device() == mx.gpu
         self.device = mx.gpu if on_gpu else mx.cpu
         progress(0.0)
@@ -602,7 +745,9 @@ class MlxModel:
         self._sampled: tuple = (None, [])  # the last pass's token ids (device) and greedy rows
         self._ahead = None  # the next pass, queued (see _build_ahead)
         self.context = options.context_length
-        drafts = options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
+        drafts = (
+            options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
+        )
         self.drafts = drafts
         # With the attention kernel: the thread blocks a row (chunks of cells), enough for the
         # context length, and the kernel's counter; 0: MLX's attention.
@@ -612,18 +757,30 @@ class MlxModel:
         self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
         flat = dict(_flat(self.model.parameters()))
         group = (self.config.get("quantization") or {}).get("group_size", 32)
-        params = sum(flat[f"{k[:-7]}.scales"].size * group if f"{k[:-7]}.scales" in flat else v.size
-                     for k, v in flat.items() if not k.endswith((".scales", ".biases")))
+        params = sum(
+            flat[f"{k[:-7]}.scales"].size * group if f"{k[:-7]}.scales" in flat else v.size
+            for k, v in flat.items()
+            if not k.endswith((".scales", ".biases"))
+        )
         size = sum(v.nbytes for v in flat.values())
         v = self.vocab
         self.info = ModelInfo(
-            name=p.name, path=path, backend="mlx", n_vocab=self.n_vocab, context_length=options.context_length,
-            slots=options.slots, architecture=str(self.config.get("model_type", "")), parameters=int(params),
-            size_bytes=int(size), context_train=int(self.config.get("max_position_embeddings") or 0),
+            name=p.name,
+            path=path,
+            backend="mlx",
+            n_vocab=self.n_vocab,
+            context_length=options.context_length,
+            slots=options.slots,
+            architecture=str(self.config.get("model_type", "")),
+            parameters=int(params),
+            size_bytes=int(size),
+            context_train=int(self.config.get("max_position_embeddings") or 0),
             description=f"{self.config.get('model_type', '')} on MLX {mx.__version__} ({'gpu' if on_gpu else 'cpu'})",
             bos_text=v.pieces[v.bos].decode("utf-8", "replace") if v.bos is not None else "",
             eos_text=v.pieces[v.eos[0]].decode("utf-8", "replace") if v.eos else "",
-            add_bos=v.add_bos, drafts=drafts, weights=self.weights,
+            add_bos=v.add_bos,
+            drafts=drafts,
+            weights=self.weights,
         )
         log.info("mlx: %s weights (%s)", self.weights, self.weights_reason)
         progress(1.0)
@@ -631,6 +788,7 @@ class MlxModel:
     def _use_kernel(self) -> None:
         """Decode passes from now on through kinfer_mlx_attention's kernel (once it is routed)."""
         from kinfer_rpc.default_plugins import mlx_attention
+
         self.kernel = -(-self.context // mlx_attention.CHUNK)
         heads = int(self.config.get("num_attention_heads") or 1)
         self.counter = mx.zeros((self.cells.slots * heads * (self.drafts + 1),), dtype=mx.int32)
@@ -689,8 +847,10 @@ class MlxModel:
             keys, values = list(keys), list(values)
             mask = None if self.kernel else (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
             first = slots[:1] if consecutive else None
-            cache = [_Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel, self.counter)
-                     for i in range(layers)]
+            cache = [
+                _Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel, self.counter)
+                for i in range(layers)
+            ]
             logits = self._logits(tokens, cache, rows)
             if self.kernel:
                 # The kernel wrote the cells into the buffers in place, which MLX does not see:
@@ -740,8 +900,9 @@ class MlxModel:
             fn = self._compiled_step(seqs, int(cols.max()))
             want_a = mx.array(np.array(want or [0], dtype=np.int32))
             seq_a = mx.array(seqs, dtype=mx.int32)
-            out, cells.keys, cells.values = fn(mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a,
-                                               cells.keys, cells.values)
+            out, cells.keys, cells.values = fn(
+                mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a, cells.keys, cells.values
+            )
             return out if want else None
         span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
         first = seqs[0] if seqs == list(range(seqs[0], seqs[0] + B)) else None
@@ -844,8 +1005,15 @@ class MlxModel:
         B = len(seqs)
         fn = self._compiled_step(seqs, int(pos.max()))
         tokens = ids[mx.array(order)].reshape(B, 1).astype(mx.int32)
-        out, cells.keys, cells.values = fn(tokens, mx.array(seqs, dtype=mx.int32), mx.array(pos[:, None]),
-                                           mx.array(pos), mx.arange(B, dtype=mx.int32), cells.keys, cells.values)
+        out, cells.keys, cells.values = fn(
+            tokens,
+            mx.array(seqs, dtype=mx.int32),
+            mx.array(pos[:, None]),
+            mx.array(pos),
+            mx.arange(B, dtype=mx.int32),
+            cells.keys,
+            cells.values,
+        )
         nxt = mx.argmax(out, axis=1)
         if order != list(range(B)):
             nxt = nxt[mx.array(np.argsort(order))]
@@ -946,6 +1114,7 @@ def step_cost_curve(model: MlxModel, k_max: int = 16, repeats: int = 3, context:
 def pick_drafts(costs: list[float], acceptance: float = 0.7) -> int:
     """The draft count that gives the most expected tokens per second of pass, at an acceptance
     rate typical of edits (each draft accepted with `acceptance` given the ones before it)."""
+
     def gain(k):
         return sum(acceptance**i for i in range(k + 1)) / costs[k]
 

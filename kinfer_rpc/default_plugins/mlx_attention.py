@@ -259,12 +259,24 @@ _kernel = None
 def available() -> bool:
     """Whether this MLX can run the kernel: a CUDA build, on the GPU."""
     cuda = getattr(mx, "cuda", None)
-    return hasattr(mx.fast, "cuda_kernel") and cuda is not None and cuda.is_available() \
-        and mx.default_device() == mx.gpu
+    return (
+        hasattr(mx.fast, "cuda_kernel") and cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+    )
 
 
-def attention(queries, new_keys, new_values, keys, values, slots, cols, scale: float, counter,
-              heads: int | None = None, splits: int | None = None):
+def attention(
+    queries,
+    new_keys,
+    new_values,
+    keys,
+    values,
+    slots,
+    cols,
+    scale: float,
+    counter,
+    heads: int | None = None,
+    splits: int | None = None,
+):
     """One decode pass's attention for one layer, and its KV writes.
 
     queries (B, Hq, L, D); new_keys and new_values (B, Hkv, L, D): the pass's own cells, row b's
@@ -287,17 +299,25 @@ def attention(queries, new_keys, new_values, keys, values, slots, cols, scale: f
         )
     B, HQ, L, D = queries.shape
     S, HKV, C, Dk = keys.shape
-    if D != Dk or values.shape[-1] != D or HQ % HKV or new_keys.shape != (B, HKV, L, D) \
-            or new_values.shape != (B, HKV, L, D):
-        raise ValueError(f"the decode attention kernel needs equal key/value/query dims and whole head groups"
-                         f" (queries {queries.shape}, new keys {new_keys.shape}, keys {keys.shape})")
+    if (
+        D != Dk
+        or values.shape[-1] != D
+        or HQ % HKV
+        or new_keys.shape != (B, HKV, L, D)
+        or new_values.shape != (B, HKV, L, D)
+    ):
+        raise ValueError(
+            f"the decode attention kernel needs equal key/value/query dims and whole head groups"
+            f" (queries {queries.shape}, new keys {new_keys.shape}, keys {keys.shape})"
+        )
     if not queries.dtype == new_keys.dtype == new_values.dtype == keys.dtype == values.dtype:
         raise ValueError("the decode attention kernel needs one float type for queries, keys and values")
     group = HQ // HKV
     splits = max(splits or 0, -(-C // CHUNK))
     if B * splits > 65535:  # CUDA's grid limit in z
-        raise ValueError(f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots"
-                         " or a shorter context")
+        raise ValueError(
+            f"{B} rows over {C} cells exceed the decode attention kernel's grid; use fewer slots or a shorter context"
+        )
     if heads is None:
         # A block per kv head: its group's query heads together, a key row read once for them.
         # (A block per query head gives more blocks for one row, but each reads every key row
@@ -310,8 +330,7 @@ def attention(queries, new_keys, new_values, keys, values, slots, cols, scale: f
     # Scratch for rows over several chunks (none can be when the buffers fit one chunk).
     part = (B, HQ, L, splits) if splits > 1 else (1,)
     out, _, _, _ = _kernel(
-        inputs=[queries, new_keys, new_values, keys, values, slots, cols, mx.array([scale], dtype=mx.float32),
-                counter],
+        inputs=[queries, new_keys, new_values, keys, values, slots, cols, mx.array([scale], dtype=mx.float32), counter],
         template=[("T", queries.dtype), ("D", D), ("G", heads), ("NT", NT), ("CHUNK", CHUNK)],
         grid=(HQ // heads * NT, L, B * splits),
         threadgroup=(NT, 1, 1),
@@ -362,7 +381,7 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     mx.eval(k, v, kr, vr, counter)
     slots = mx.array(order, dtype=mx.int32)
     cols = mx.array([[e - 1] for e in ends], dtype=mx.int32)
-    scale = D ** -0.5
+    scale = D**-0.5
     got = attention(q, nk, nv, k, v, slots, cols, scale, counter, heads=group).astype(mx.float32)
     mx.eval(got)
     alone = attention(q, nk, nv, k, v, slots, cols, scale, counter, heads=1).astype(mx.float32)
@@ -392,7 +411,6 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     for b, (slot, n) in enumerate(rows3):
         for i in range(3):
             worst = mx.maximum(worst, mx.max(mx.abs(got3[b, :, i] - plain(slot, n + i, q3[b, :, i]))))
-    if not (mx.array_equal(k, kr).item() and mx.array_equal(v, vr).item()
-            and not mx.any(counter).item()):
+    if not (mx.array_equal(k, kr).item() and mx.array_equal(v, vr).item() and not mx.any(counter).item()):
         return float("inf")
     return float(worst.item())

@@ -73,8 +73,10 @@ class Budget:
         return max(0, ctx // 256 * 256)
 
     def describe(self, gpu_need: int, weights: int, ubatch: int) -> str:
-        return (f"{gib(gpu_need)} of GPU memory (weights {gib(weights)}, KV cache {gib(self.kv)} for "
-                f"{self.o.slots} slots x {self.o.context_length}, pass buffers {gib(self.compute(ubatch))})")
+        return (
+            f"{gib(gpu_need)} of GPU memory (weights {gib(weights)}, KV cache {gib(self.kv)} for "
+            f"{self.o.slots} slots x {self.o.context_length}, pass buffers {gib(self.compute(ubatch))})"
+        )
 
     def check_host(self, host_bytes: int, what: str) -> None:
         free = self.machine.host_free_bytes
@@ -125,8 +127,12 @@ class Gpu:
                 f"everything on the GPU needs {b.describe(need, model.weight_bytes, PASS_PLAIN[1])} but "
                 f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
             )
-        return PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
-                             reason=f"placement gpu: every layer on the GPU ({gib(need)} of {gib(machine.gpu_free_bytes)} free)")
+        return PlacementPlan(
+            gpu_layers=-1,
+            batch=PASS_PLAIN[0],
+            ubatch=PASS_PLAIN[1],
+            reason=f"placement gpu: every layer on the GPU ({gib(need)} of {gib(machine.gpu_free_bytes)} free)",
+        )
 
 
 class ExpertsHost:
@@ -142,8 +148,12 @@ class ExpertsHost:
         b.check_host(model.expert_bytes, "keeping the experts in host memory")
         if not machine.has_gpu:
             return PlacementPlan(
-                gpu_layers=0, host_tensors=(EXPERTS,), batch=PASS_EXPERTS[0], ubatch=PASS_EXPERTS[1],
-                reason="placement experts-host: no GPU, so every tensor is in host memory anyway; passes of 4096")
+                gpu_layers=0,
+                host_tensors=(EXPERTS,),
+                batch=PASS_EXPERTS[0],
+                ubatch=PASS_EXPERTS[1],
+                reason="placement experts-host: no GPU, so every tensor is in host memory anyway; passes of 4096",
+            )
         need = b.gpu_experts_host(PASS_EXPERTS[1])
         if need > machine.gpu_free_bytes:
             raise ValueError(
@@ -152,10 +162,16 @@ class ExpertsHost:
                 f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
             )
         return PlacementPlan(
-            gpu_layers=-1, host_tensors=(EXPERTS,), batch=PASS_EXPERTS[0], ubatch=PASS_EXPERTS[1],
-            reason=(f"placement experts-host: {model.experts} experts x {model.layers} layers "
-                    f"({gib(model.expert_bytes)}) in host memory, the rest on the GPU ({gib(need)}); "
-                    "prompt passes of 4096 tokens, each rereading the experts once"))
+            gpu_layers=-1,
+            host_tensors=(EXPERTS,),
+            batch=PASS_EXPERTS[0],
+            ubatch=PASS_EXPERTS[1],
+            reason=(
+                f"placement experts-host: {model.experts} experts x {model.layers} layers "
+                f"({gib(model.expert_bytes)}) in host memory, the rest on the GPU ({gib(need)}); "
+                "prompt passes of 4096 tokens, each rereading the experts once"
+            ),
+        )
 
 
 class Auto:
@@ -168,21 +184,36 @@ class Auto:
         free = machine.gpu_free_bytes
         need = b.gpu_all(PASS_PLAIN[1])
         if need <= free:
-            return PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
-                                 reason=f"placement auto: everything fits on the GPU ({gib(need)} of {gib(free)} free)")
+            return PlacementPlan(
+                gpu_layers=-1,
+                batch=PASS_PLAIN[0],
+                ubatch=PASS_PLAIN[1],
+                reason=f"placement auto: everything fits on the GPU ({gib(need)} of {gib(free)} free)",
+            )
         if model.experts and model.expert_bytes and b.gpu_experts_host(PASS_EXPERTS[1]) <= free:
             plan = ExpertsHost().plan(model, machine, options)
             return PlacementPlan(
-                gpu_layers=plan.gpu_layers, host_tensors=plan.host_tensors, batch=plan.batch, ubatch=plan.ubatch,
-                reason=f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; " + plan.reason)
+                gpu_layers=plan.gpu_layers,
+                host_tensors=plan.host_tensors,
+                batch=plan.batch,
+                ubatch=plan.ubatch,
+                reason=f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; " + plan.reason,
+            )
         n = b.max_layers(PASS_PLAIN[1])
         if n > 0:
             b.check_host(int(b.per_layer * (model.layers - n)) + model.outside_bytes, "the layers left in host memory")
             return PlacementPlan(
-                gpu_layers=n, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1],
-                reason=(f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; "
-                        f"{n} of {model.layers} layers on the GPU, the rest in host memory"))
-        return _cpu_plan(b, f"placement auto: not even one layer fits in {gib(free)} of GPU memory; every tensor in host memory")
+                gpu_layers=n,
+                batch=PASS_PLAIN[0],
+                ubatch=PASS_PLAIN[1],
+                reason=(
+                    f"placement auto: the whole model needs {gib(need)} but {gib(free)} is free; "
+                    f"{n} of {model.layers} layers on the GPU, the rest in host memory"
+                ),
+            )
+        return _cpu_plan(
+            b, f"placement auto: not even one layer fits in {gib(free)} of GPU memory; every tensor in host memory"
+        )
 
 
 @kinfer_rpc.hookimpl

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import logging
+import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -52,7 +52,7 @@ class Job:
     prompt: list
     options: GenerateOptions
     on_piece: Callable[[str, list], None] | None = None  # runs on the host loop
-    on_done: Callable[["Job"], None] | None = None  # runs on the host loop
+    on_done: Callable[[Job], None] | None = None  # runs on the host loop
     slot: int = -1
     n_past: int = 0  # tokens of this job already in its slot's KV cache
     generated: list = attrs.field(factory=list)
@@ -194,9 +194,7 @@ class Engine:
             return
         with self._cond:
             if len(self._queue) >= self.max_queue:
-                raise errors.KinferError(
-                    errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)"
-                )
+                raise errors.KinferError(errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)")
             self._queue.append(job)
             self._cond.notify()
 
@@ -230,7 +228,9 @@ class Engine:
             "tokensPerSecond": round(tps, 2),
             "steps": self.steps,
             "draftTokens": self._drafts_total[0],
-            "draftAcceptance": round(self._drafts_total[1] / self._drafts_total[0], 4) if self._drafts_total[0] else 0.0,
+            "draftAcceptance": round(self._drafts_total[1] / self._drafts_total[0], 4)
+            if self._drafts_total[0]
+            else 0.0,
             "memory": self.model.memory() if self.model else {},
         }
 
@@ -386,8 +386,9 @@ class Engine:
             budget -= len(decoding)
         # Every job decoding one greedy token: the next pass can start before this one's
         # bookkeeping (see _start_next).
-        self._steady = (self._ahead and not drafting and len(decoding) == len(self._active)
-                        and all(j.plain for j in decoding))
+        self._steady = (
+            self._ahead and not drafting and len(decoding) == len(self._active) and all(j.plain for j in decoding)
+        )
         owners = decoding[:]
         for job in self._active:
             left = len(job.prompt) - job.n_past
@@ -443,7 +444,9 @@ class Engine:
                         token = sample(logits[r + i], history, len(history), job.options.sampling)
                     except Exception as exc:  # one request's options must not stop the engine
                         log.exception("sampling failed")
-                        job.error = errors.KinferError(errors.INVALID_PARAMS, f"sampling failed with these options: {exc}")
+                        job.error = errors.KinferError(
+                            errors.INVALID_PARAMS, f"sampling failed with these options: {exc}"
+                        )
                         self._finish(job, None, events)
                         break
                 produced += 1
@@ -486,8 +489,12 @@ class Engine:
         ends, full = self._ends, self._full
         for chunk, job, token in zip(chunks, owners, best):
             # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
-            if (job.cancelled or job.stop_reason is not None or ends(job, token)
-                    or full(job, len(job.generated) + 1, chunk.pos + 1)):
+            if (
+                job.cancelled
+                or job.stop_reason is not None
+                or ends(job, token)
+                or full(job, len(job.generated) + 1, chunk.pos + 1)
+            ):
                 return
         # The device waits from the last pass's end until this call: a backend that can repeat
         # the last pass one token further (decode_next) is spared reading chunks, which are
@@ -553,7 +560,8 @@ class Engine:
             try:
                 session = self._session(items[0][0].options.draft_policy)
                 proposals = session.propose_many(
-                    [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items])
+                    [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items]
+                )
             except Exception:
                 # A drafter's failure costs speed, never a reply: this step goes undrafted.
                 log.exception("draft policy %s failed", name)
@@ -698,6 +706,7 @@ class Engine:
 
     def _flush(self, events) -> None:
         if events:
+
             def deliver(events=events):
                 for fn, *args in events:
                     try:

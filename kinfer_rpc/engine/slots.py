@@ -54,8 +54,11 @@ class Slots:
                 best_free, best_free_len = slot, n
         best_busy, best_busy_len = None, 0
         for other in active:
-            n = min(common_prefix(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
-                    other.n_past, limit)
+            n = min(
+                common_prefix(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
+                other.n_past,
+                limit,
+            )
             if n > best_busy_len:
                 best_busy, best_busy_len = other.slot, n
         if best_free is not None and best_free_len >= best_busy_len:

@@ -27,31 +27,93 @@ MAGIC = b"GGUF"
 
 # llama.cpp's LLAMA_FTYPE numbering (general.file_type).
 FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
-    30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
+    38: "MXFP4_MOE",
 }
 
 # ggml tensor types: id -> (name, elements per block, bytes per block).
 TENSOR_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
-    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
 
 # Mixture-of-experts tensors (llama.cpp's LLM_FFN_EXPS_REGEX, what --cpu-moe keeps in host memory).
 EXPERT_TENSORS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 # Integer hyperparameters kept for placements, after the architecture's prefix.
-_HPARAMS = ("block_count", "embedding_length", "feed_forward_length", "expert_count", "expert_used_count",
-            "expert_feed_forward_length", "attention.head_count", "attention.head_count_kv",
-            "attention.key_length", "attention.value_length", "vocab_size")
+_HPARAMS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "vocab_size",
+)
 
 # GGUF value types: id -> struct format of a scalar (8 string, 9 array are handled apart).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -107,7 +169,7 @@ class _Reader:
     def string(self) -> str:
         n = self.count()
         start = self.take(n)
-        return bytes(self.buf[start:start + n]).decode("utf-8", "replace")
+        return bytes(self.buf[start : start + n]).decode("utf-8", "replace")
 
     def skip_string(self) -> None:
         self.take(self.count())
@@ -136,7 +198,7 @@ class _Reader:
 
 def _parse(buf, size: int) -> GGUFInfo:
     r = _Reader(buf, size)
-    if bytes(buf[r.take(4):4]) != MAGIC:
+    if bytes(buf[r.take(4) : 4]) != MAGIC:
         raise _Corrupt("not a GGUF file (bad magic)")
     version = r.unpack("I")
     if version not in (1, 2, 3):
@@ -146,8 +208,13 @@ def _parse(buf, size: int) -> GGUFInfo:
     n_tensors, n_kv = r.count(), r.count()
     if n_tensors > size or n_kv > size:
         raise _Corrupt("impossible tensor or key counts")
-    wanted = {"general.architecture", "general.name", "general.file_type", "general.alignment",
-              "tokenizer.chat_template"}
+    wanted = {
+        "general.architecture",
+        "general.name",
+        "general.file_type",
+        "general.alignment",
+        "tokenizer.chat_template",
+    }
     kv: dict = {}
     for _ in range(n_kv):
         key = r.string()
@@ -244,11 +311,13 @@ def read(path: str | os.PathLike) -> GGUFInfo:
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 info = _parse(buf, len(buf))
     except _Corrupt as exc:
-        raise errors.KinferError(errors.LOAD_FAILED, f"{path} is not a usable GGUF file: {exc}",
-                                 {"path": path}) from None
+        raise errors.KinferError(
+            errors.LOAD_FAILED, f"{path} is not a usable GGUF file: {exc}", {"path": path}
+        ) from None
     except (OSError, ValueError, struct.error, OverflowError, MemoryError) as exc:
-        raise errors.KinferError(errors.LOAD_FAILED, f"cannot read the GGUF header of {path}: {exc}",
-                                 {"path": path}) from exc
+        raise errors.KinferError(
+            errors.LOAD_FAILED, f"cannot read the GGUF header of {path}: {exc}", {"path": path}
+        ) from exc
     with _lock:
         _cache[key] = info
     return info
@@ -263,6 +332,7 @@ def read_mlx(folder: str | os.PathLike) -> dict:
         raise errors.KinferError(errors.LOAD_FAILED, f"cannot read {folder / 'config.json'}: {exc}") from exc
     if not isinstance(config, dict):
         config = {}
+
     def number(v):
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 

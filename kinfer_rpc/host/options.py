@@ -123,8 +123,12 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
     policy = f.str("draftPolicy", None)
     f.done()
     return GenerateOptions(
-        max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sampling=sampling,
-        drafts=drafts, draft_policy=policy,
+        max_tokens=max_tokens,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        sampling=sampling,
+        drafts=drafts,
+        draft_policy=policy,
     )
 
 
@@ -161,7 +165,9 @@ def load_options(obj, context_default: int | None = None) -> tuple[LoadOptions, 
         "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
         "placement": f.str("placement", None),
         # The options a user set: they win over what the placement decides.
-        "given": frozenset(k for k, v in (obj or {}).items() if v is not None) if isinstance(obj, dict) else frozenset(),
+        "given": frozenset(k for k, v in (obj or {}).items() if v is not None)
+        if isinstance(obj, dict)
+        else frozenset(),
     }
     f.done()
     if opts.slots > opts.batch:

@@ -44,7 +44,8 @@ class BuiltinPlugin:
 def default_entry_points() -> list:
     """The built-ins, then every installed `kinfer_rpc` entry point."""
     return [BuiltinPlugin(name, module) for name, module in DEFAULT_PLUGINS.items()] + list(
-        importlib.metadata.entry_points(group=GROUP))
+        importlib.metadata.entry_points(group=GROUP)
+    )
 
 
 @attrs.define

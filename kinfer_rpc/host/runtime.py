@@ -13,15 +13,15 @@ import anyio
 import attrs
 
 from kinfer_rpc import errors
-
+from kinfer_rpc.engine.scheduler import Engine, Job
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import load_options
-from kinfer_rpc.engine.scheduler import Engine, Job
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelStore
-from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
+from kinfer_rpc.types import LoadOptions, ModelFacts, PlacementPlan
 
 log = logging.getLogger(__name__)
+
 
 @attrs.define(eq=False)
 class Loaded:
@@ -84,7 +84,7 @@ class Runtime:
         self.loaded: dict[str, Loaded] = {}
         self._last: str | None = None
 
-    async def load(self, name, backend_name, options, progress: "LoadProgress | None" = None) -> Loaded:
+    async def load(self, name, backend_name, options, progress: LoadProgress | None = None) -> Loaded:
         """Load (or join the load of) a model by name with raw load options; returns once ready."""
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
@@ -97,7 +97,8 @@ class Runtime:
                 raise errors.KinferError(
                     errors.NOT_SUPPORTED,
                     f"the {backend.name} backend runs the weights as the model stores them; weights "
-                    f"{opts.weights!r} needs a backend that can expand them at load (mlx)")
+                    f"{opts.weights!r} needs a backend that can expand them at load (mlx)",
+                )
             policy = extra["draftPolicy"]
             if policy is not None and policy != "none" and policy not in self.plugins.draft_policies:
                 raise errors.invalid_params(
@@ -111,7 +112,8 @@ class Runtime:
             placement = extra["placement"]
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
-                    f"unknown placement {placement!r}; available: {', '.join(sorted(self.plugins.placements)) or 'none'}"
+                    f"unknown placement {placement!r}; "
+                    f"available: {', '.join(sorted(self.plugins.placements)) or 'none'}"
                 )
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
             await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
@@ -131,9 +133,11 @@ class Runtime:
 
         def on_ready(exc):
             entry.error = (
-                None if exc is None else
-                exc if isinstance(exc, errors.KinferError) else
-                errors.KinferError(errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}")
+                None
+                if exc is None
+                else exc
+                if isinstance(exc, errors.KinferError)
+                else errors.KinferError(errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}")
             )
             ready.set()
 
@@ -159,10 +163,19 @@ class Runtime:
             draft_session=lambda policy, model: policy.session(model, backend, opts),
             draft_policy=self.plugins.draft_policies.get(policy) if policy else None,
         )
-        entry = Loaded(ref.name, backend.name, opts, engine, ready, source=ref.source,
-                       defaults=dict(ref.defaults), system=ref.system,
-                       draft_policy=None if policy == "none" else policy,
-                       placement=placed[0], placement_reason=placed[1])
+        entry = Loaded(
+            ref.name,
+            backend.name,
+            opts,
+            engine,
+            ready,
+            source=ref.source,
+            defaults=dict(ref.defaults),
+            system=ref.system,
+            draft_policy=None if policy == "none" else policy,
+            placement=placed[0],
+            placement_reason=placed[1],
+        )
         self.loaded[ref.name] = entry
         engine.start()  # first: whatever happens to this request, the load itself goes on
         ending = "failed"
@@ -192,7 +205,8 @@ class Runtime:
         if name is None:
             if policy == "draft-model":
                 raise errors.invalid_params(
-                    "draftPolicy draft-model needs options.draftModel: a GGUF model with the same vocabulary")
+                    "draftPolicy draft-model needs options.draftModel: a GGUF model with the same vocabulary"
+                )
             return None
         if policy != "draft-model":
             raise errors.invalid_params("options.draftModel is only used with draftPolicy draft-model")
@@ -212,7 +226,8 @@ class Runtime:
                 raise errors.KinferError(
                     errors.NOT_SUPPORTED,
                     f"the {backend.name} backend places {ref.format} models itself; placements apply to "
-                    "GGUF models on backends that report their machine (llama)")
+                    "GGUF models on backends that report their machine (llama)",
+                )
             return opts, (None, f"the {backend.name} backend places the model itself")
         if name is None and "gpuLayers" in given:
             return opts, (None, f"gpuLayers {opts.gpu_layers} set by the load options")
@@ -220,17 +235,25 @@ class Runtime:
         try:
             machine = machine_of()
         except Exception as exc:  # the backend's library cannot run here: the load fails, nothing else
-            raise errors.KinferError(errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}", {"path": ref.path}) from exc
+            raise errors.KinferError(
+                errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}", {"path": ref.path}
+            ) from exc
         try:
             plan = self.plugins.placements[name].plan(facts, machine, opts)
         except ValueError as exc:
-            raise errors.KinferError(errors.LOAD_FAILED, f"{ref.name} does not fit: {exc}", {"path": ref.path}) from None
+            raise errors.KinferError(
+                errors.LOAD_FAILED, f"{ref.name} does not fit: {exc}", {"path": ref.path}
+            ) from None
         except Exception as exc:  # a third-party placement's bug: this load fails, nothing else
-            raise errors.KinferError(errors.LOAD_FAILED, f"placement {name!r} failed: {type(exc).__name__}: {exc}",
-                                     {"path": ref.path}) from None
+            raise errors.KinferError(
+                errors.LOAD_FAILED, f"placement {name!r} failed: {type(exc).__name__}: {exc}", {"path": ref.path}
+            ) from None
         if not isinstance(plan, PlacementPlan):
-            raise errors.KinferError(errors.LOAD_FAILED, f"placement {name!r} returned {type(plan).__name__}, not a PlacementPlan",
-                                     {"path": ref.path})
+            raise errors.KinferError(
+                errors.LOAD_FAILED,
+                f"placement {name!r} returned {type(plan).__name__}, not a PlacementPlan",
+                {"path": ref.path},
+            )
         changes = {"host_tensors": tuple(plan.host_tensors)}
         notes = []
         if "gpuLayers" in given:
@@ -263,7 +286,9 @@ class Runtime:
         readers = [b for b in backends.values() if fmt in b.formats]
         if readers:
             return min(readers, key=lambda b: (tuple(b.formats).index(fmt), b.name))
-        raise errors.KinferError(errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)")
+        raise errors.KinferError(
+            errors.BACKEND_UNAVAILABLE, f"no loaded backend reads {fmt} models (needs the mlx backend?)"
+        )
 
     def close(self) -> None:
         for entry in list(self.loaded.values()):
@@ -313,7 +338,9 @@ class Runtime:
         if entry is None:
             matches = [n for n in self.loaded if n.startswith(name)]
             if len(matches) != 1:
-                raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.loaded) or 'none'}")
+                raise errors.KinferError(
+                    errors.MODEL_NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.loaded) or 'none'}"
+                )
             entry = self.loaded[matches[0]]
         self.loaded.pop(entry.name, None)
         if self._last == entry.name:

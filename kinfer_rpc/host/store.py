@@ -23,7 +23,6 @@ from pathlib import Path
 import attrs
 
 from kinfer_rpc import errors
-
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import generate_options
 
@@ -120,9 +119,15 @@ def _ollama_display(host: str, namespace: str, model: str, tag: str) -> str:
 
 
 _OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
-    "temperature": "temperature", "top_k": "topK", "top_p": "topP", "min_p": "minP",
-    "repeat_penalty": "repeatPenalty", "repeat_last_n": "repeatLastN", "seed": "seed",
-    "stop": "stop", "num_predict": "maxTokens",
+    "temperature": "temperature",
+    "top_k": "topK",
+    "top_p": "topP",
+    "min_p": "minP",
+    "repeat_penalty": "repeatPenalty",
+    "repeat_last_n": "repeatLastN",
+    "seed": "seed",
+    "stop": "stop",
+    "num_predict": "maxTokens",
 }
 
 
@@ -218,7 +223,9 @@ class ModelStore:
         host, namespace, model, tag = manifest.parts[-4:]
         display = _ollama_display(host, namespace, model, tag)
         layers = json.loads(manifest.read_bytes())["layers"]
-        if not isinstance(layers, list) or not all(isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers):
+        if not isinstance(layers, list) or not all(
+            isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers
+        ):
             raise ValueError("its layers are not a list of {mediaType, digest, size}")
         blobs = ollama_dir() / "blobs"
 
@@ -256,7 +263,10 @@ class ModelStore:
         defaults, num_ctx = _ollama_defaults(raw, display)
         aliases = (f"{host}/{namespace}/{model}:{tag}", f"{namespace}/{model}:{tag}")
         return ModelRef(
-            display, path, fmt, "ollama",
+            display,
+            path,
+            fmt,
+            "ollama",
             size_bytes=sum(int(x.get("size") or 0) for x in layers),
             aliases=aliases,
             digest=digest if isinstance(digest, str) and digest.startswith("sha256:") else None,
@@ -271,17 +281,27 @@ class ModelStore:
     def describe(self, ref: ModelRef) -> dict:
         """A model/list entry: what the store knows and what the file's header says."""
         out = {
-            "name": ref.name, "source": ref.source, "format": ref.format, "path": ref.path,
-            "sizeBytes": ref.size_bytes, "architecture": None, "parameters": None,
-            "quantization": None, "contextLength": None,
+            "name": ref.name,
+            "source": ref.source,
+            "format": ref.format,
+            "path": ref.path,
+            "sizeBytes": ref.size_bytes,
+            "architecture": None,
+            "parameters": None,
+            "quantization": None,
+            "contextLength": None,
         }
         try:
             if ref.unsupported:
                 raise errors.KinferError(errors.NOT_SUPPORTED, ref.unsupported)
             if ref.format == "gguf":
                 meta = gguf_meta.read(ref.path)
-                out.update(architecture=meta.architecture, parameters=meta.parameters,
-                           quantization=meta.quantization, contextLength=meta.context_length)
+                out.update(
+                    architecture=meta.architecture,
+                    parameters=meta.parameters,
+                    quantization=meta.quantization,
+                    contextLength=meta.context_length,
+                )
             elif Path(ref.path).is_dir():
                 out.update(gguf_meta.read_mlx(ref.path))
         except errors.KinferError as exc:
@@ -304,8 +324,12 @@ class ModelStore:
         def names(r):
             return (r.name, *r.aliases)
 
-        exact = [r for r in refs if r.name == name or (r.source == "ollama" and full is not None and
-                                                         full in (a.casefold() for a in names(r)))]
+        exact = [
+            r
+            for r in refs
+            if r.name == name
+            or (r.source == "ollama" and full is not None and full in (a.casefold() for a in names(r)))
+        ]
         matches = exact or [r for r in refs if any(a.casefold().startswith(folded) for a in names(r))]
         if len(matches) > 1:
             raise errors.KinferError(
@@ -342,8 +366,11 @@ class ModelStore:
         if ref.format != "gguf":
             return
         if not os.path.isfile(ref.path):
-            raise errors.KinferError(errors.LOAD_FAILED, f"{ref.name}: its model file {ref.path} is missing"
-                                     + (" (an interrupted pull? pull it again)" if ref.source == "ollama" else ""))
+            raise errors.KinferError(
+                errors.LOAD_FAILED,
+                f"{ref.name}: its model file {ref.path} is missing"
+                + (" (an interrupted pull? pull it again)" if ref.source == "ollama" else ""),
+            )
         if verify is None:
             verify = ref.digest is not None and os.path.getsize(ref.path) < VERIFY_LIMIT
         if verify and ref.digest:

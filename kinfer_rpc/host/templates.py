@@ -73,7 +73,16 @@ def render(template: str | None, messages: list[dict], *, bos: str = "", eos: st
         raise errors.KinferError(
             errors.NOT_SUPPORTED, f"the model's chat template tried an unsafe operation: {exc}"
         ) from exc
-    except (jinja2.TemplateError, TypeError, ValueError, OverflowError, MemoryError, RecursionError,
-            LookupError, ArithmeticError, AttributeError) as exc:
+    except (
+        jinja2.TemplateError,
+        TypeError,
+        ValueError,
+        OverflowError,
+        MemoryError,
+        RecursionError,
+        LookupError,
+        ArithmeticError,
+        AttributeError,
+    ) as exc:
         # include/import (no loader), huge numbers, runaway recursion...: the template's fault
         raise errors.invalid_params(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from exc

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import attrs
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 class RequestContext:
     """Given to a handler: its request's id and tokens, and ways to report progress."""
 
-    connection: "Connection"
+    connection: Connection
     id: Any
     method: str
     partial_result_token: Any = None
@@ -39,12 +40,16 @@ class RequestContext:
 
     async def work_done(self, kind: str, **fields) -> None:
         if self.work_done_token is not None:
-            await self.connection.notify("$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}})
+            await self.connection.notify(
+                "$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}}
+            )
 
     def work_done_nowait(self, kind: str, **fields) -> None:
         """The same, queued at once (for a request being cancelled, which must not await)."""
         if self.work_done_token is not None:
-            self.connection.notify_nowait("$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}})
+            self.connection.notify_nowait(
+                "$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}}
+            )
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -64,7 +69,14 @@ class Connection:
     (the lifecycle uses it). `send(message)` writes one message.
     """
 
-    def __init__(self, send: Callable[[dict], Awaitable[None]], handlers: dict[str, Handler], notifications: dict[str, Handler], gate=None, send_nowait: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        send: Callable[[dict], Awaitable[None]],
+        handlers: dict[str, Handler],
+        notifications: dict[str, Handler],
+        gate=None,
+        send_nowait: Callable[[dict], None] | None = None,
+    ):
         self._send = send
         self._send_nowait = send_nowait
         self._notifications = notifications
@@ -83,6 +95,7 @@ class Connection:
                 return Success(await fn(ctx, **params))
             except errors.KinferError as exc:
                 return Error(exc.code, exc.message, exc.data)
+
         return method
 
     # -- outgoing ---------------------------------------------------------------------------
@@ -193,7 +206,9 @@ class Connection:
         ctx = RequestContext(self, rid, method)
         if isinstance(params, dict):
             try:
-                ctx.partial_result_token = progress_token(params.pop("partialResultToken", None), "params.partialResultToken")
+                ctx.partial_result_token = progress_token(
+                    params.pop("partialResultToken", None), "params.partialResultToken"
+                )
                 ctx.work_done_token = progress_token(params.pop("workDoneToken", None), "params.workDoneToken")
             except errors.KinferError as exc:
                 await self._error(rid, exc.code, exc.message, exc.data)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import attrs
 

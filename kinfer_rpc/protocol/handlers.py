@@ -111,11 +111,19 @@ class Handlers:
             if not entry.ready.is_set() or entry.error is not None:
                 out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
                 continue
-            out.append({"model": entry.name, "backend": entry.backend, "state": "ready", **entry.engine.status(),
-                        "batch": entry.options.batch, "ubatch": entry.options.ubatch,
-                        "gpuLayers": entry.options.gpu_layers, **self._placement_fields(entry)})
+            out.append(
+                {
+                    "model": entry.name,
+                    "backend": entry.backend,
+                    "state": "ready",
+                    **entry.engine.status(),
+                    "batch": entry.options.batch,
+                    "ubatch": entry.options.ubatch,
+                    "gpuLayers": entry.options.gpu_layers,
+                    **self._placement_fields(entry),
+                }
+            )
         return {"models": out}
-
 
     async def inference_generate(self, ctx, /, **p):
         f = Fields(p, "params")
@@ -157,7 +165,9 @@ class Handlers:
         # Off the event loop: a model file's template is untrusted and may be slow; the server
         # keeps answering everyone else meanwhile (the sandbox also caps its loops).
         text = await anyio.to_thread.run_sync(
-            functools.partial(templates.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text)
+            functools.partial(
+                templates.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text
+            )
         )
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
         ids = model.tokenize(text, add_bos, True)
@@ -188,8 +198,13 @@ class Handlers:
             pieces.append((text, toks))
             wake.set()
 
-        job = self.runtime.start(entry, ids, opts, on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
-                                 on_done=lambda j: (done.set(), wake.set()))
+        job = self.runtime.start(
+            entry,
+            ids,
+            opts,
+            on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
+            on_done=lambda j: (done.set(), wake.set()),
+        )
         if ctx is not None:
             ctx.partial = job.result
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kinfer_rpc import errors
 from kinfer_rpc.host.options import check_text
 
+
 def messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise errors.invalid_params("messages must be a non-empty list of {role, content}")

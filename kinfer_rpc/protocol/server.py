@@ -19,10 +19,10 @@ import anyio
 from anyio.streams.file import FileWriteStream
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__, errors
-from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameReader, encode
 from kinfer_rpc.host.plugins import load_plugins
-from kinfer_rpc.protocol.connection import Connection
 from kinfer_rpc.host.runtime import Runtime
+from kinfer_rpc.protocol.connection import Connection
+from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameReader, encode
 from kinfer_rpc.protocol.handlers import Handlers
 
 log = logging.getLogger("kinfer_rpc")
@@ -34,7 +34,7 @@ MESSAGE_TYPE = {logging.ERROR: 1, logging.WARNING: 2, logging.INFO: 3, logging.D
 class ClientLogHandler(logging.Handler):
     """Sends log records to the client as window/logMessage once it asked for them."""
 
-    def __init__(self, server: "Server"):
+    def __init__(self, server: Server):
         super().__init__(logging.CRITICAL + 1)
         self.server = server
 

@@ -8,7 +8,7 @@ backend reads a format no real model has, so it can never be picked for a GGUF o
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import kinfer_rpc
 from kinfer_rpc.types import LoadedModel, LoadOptions, MachineInfo, ModelFacts, PlacementPlan

@@ -16,7 +16,6 @@ import os
 import statistics
 
 import pytest
-
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,6 +68,14 @@ def test_long_cancel_storm(spawn):
     counts = rel.check_storm(c, storm, alone)
     status = c.call("model/status")["models"][0]
     assert (status["slotsBusy"], status["queueLength"], rel.held_by_requests(status)) == (0, 0, 0), status
-    print("long cancel storm:", json.dumps({"requests": n, "seconds": round(storm["seconds"], 1),
-                                            "outcomes": {f"{a}: {b}": v for (a, b), v in sorted(counts.items())}}))
+    print(
+        "long cancel storm:",
+        json.dumps(
+            {
+                "requests": n,
+                "seconds": round(storm["seconds"], 1),
+                "outcomes": {f"{a}: {b}": v for (a, b), v in sorted(counts.items())},
+            }
+        ),
+    )
     c.assert_clean()

@@ -6,6 +6,7 @@ the `Backend` and `LoadedModel` protocols below and never imports a backend's li
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -126,19 +127,41 @@ class LoadedModel(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional: a backend that can take a row's argmax on its device says `device_greedy = True`
-    # and has `set_device_greedy(seq, on) -> bool` (from the next pass on, that sequence's
-    # output rows are sampled greedily on the device; False if it cannot) and
-    # `sampled_tokens() -> list[int]` (after a pass's wait: one token per output row, -1 for
-    # rows it did not sample; their logits are in the array the wait returned).
-    # Optional: `decode_async = True` when decode() returns before the pass is done (it queues
-    # the pass on a device). The engine may then start a pass before taking the tokens of the
-    # one before, so the device does not wait for that bookkeeping (Engine._start_next).
-    # Optional, with it: `decode_next(tokens)`, the same as decode() of the last pass's rows one
-    # token further (row i's sequence gets tokens[i] at its next position), called only right
-    # after a pass whose rows were one token each, all asking for logits, with no cells removed
-    # or copied and no set_device_greedy since: the engine's steady step, started with no chunks
-    # to read. It raises ValueError when the last pass was not such a pass.
+
+@runtime_checkable
+class DeviceGreedy(Protocol):
+    """Optional LoadedModel capability: greedy rows' argmax taken on the device.
+
+    With `device_greedy` true, `set_device_greedy(seq, on)` says whether that sequence's output
+    rows are sampled greedily on the device from the next pass on (False if it cannot), and
+    `sampled_tokens()`, after a pass's wait, gives one token per output row (-1 for rows it did
+    not sample; their logits are in the array the wait returned).
+    """
+
+    device_greedy: bool
+
+    def set_device_greedy(self, seq: int, on: bool) -> bool: ...
+
+    def sampled_tokens(self) -> list[int]: ...
+
+
+@runtime_checkable
+class AsyncDecode(Protocol):
+    """Optional LoadedModel capability: `decode_async` true when decode() returns before the pass
+    is done (it queues the pass on a device). The engine may then start a pass before taking the
+    tokens of the one before, so the device does not wait for that bookkeeping."""
+
+    decode_async: bool
+
+
+@runtime_checkable
+class DecodeNext(Protocol):
+    """Optional LoadedModel capability, with AsyncDecode: `decode_next(tokens)` is decode() of the
+    last pass's rows one token further (row i's sequence gets tokens[i] at its next position).
+    Called only right after a pass whose rows were one token each, all asking for logits, with no
+    cells removed or copied and no set_device_greedy since; raises ValueError otherwise."""
+
+    def decode_next(self, tokens: Sequence[int]) -> Callable[[], np.ndarray]: ...
 
 
 class Backend(Protocol):
@@ -154,6 +177,23 @@ class Backend(Protocol):
     formats: tuple[str, ...]
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LoadedModel: ...
+
+
+@runtime_checkable
+class WeightForms(Protocol):
+    """Optional Backend capability: `weights`, the forms of LoadOptions.weights it can run
+    ("quantized": as stored, "dense": expanded to floats at load). Without it: ("quantized",)."""
+
+    weights: tuple[str, ...]
+
+
+@runtime_checkable
+class MachineAware(Protocol):
+    """Optional Backend capability: `machine()` reports the devices' and host's free memory, so
+    that placements can decide what goes where (llama). Without it the backend places models
+    itself and placements do not apply."""
+
+    def machine(self) -> MachineInfo: ...
 
 
 class DraftPolicy(Protocol):
@@ -196,6 +236,14 @@ class DraftSession(Protocol):
     def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SessionPolicy(Protocol):
+    """Optional DraftPolicy capability: state per load (a draft model, the target's MTP head).
+    `session(target, backend, options)` returns the load's DraftSession."""
+
+    def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> DraftSession: ...
 
 
 @attrs.frozen
@@ -274,3 +322,48 @@ class Placement(Protocol):
     name: str
 
     def plan(self, model: ModelFacts, machine: MachineInfo, options: LoadOptions) -> PlacementPlan: ...
+
+
+# What each kind of plugin object must have, and the optional capabilities it may have: a
+# capability is all of its protocol's members or none of them.
+CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
+    "backend": (Backend, (WeightForms, MachineAware)),
+    "draft policy": (DraftPolicy, (SessionPolicy,)),
+    "placement": (Placement, ()),
+    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext)),
+}
+
+
+def members(protocol: type) -> tuple[str, ...]:
+    """The attributes and methods a protocol declares."""
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    return tuple(sorted(names))
+
+
+def contract_problems(obj: object, kind: str) -> list[str]:
+    """What is wrong with `obj` as a `kind` (a key of CONTRACTS): required members it lacks,
+    optional capabilities it has only in part, and public attributes that look like misspellings
+    of a member it lacks (a misspelt optional member would otherwise turn a feature off silently).
+    Empty when it is sound."""
+    required, optional = CONTRACTS[kind]
+    problems = []
+    missing = [m for m in members(required) if not hasattr(obj, m)]
+    if missing:
+        problems.append(f"lacks {', '.join(missing)}")
+    known = set(members(required))
+    for capability in optional:
+        names = members(capability)
+        known.update(names)
+        have = [n for n in names if hasattr(obj, n)]
+        if have and len(have) < len(names):
+            lacking = ", ".join(n for n in names if n not in have)
+            problems.append(f"has {', '.join(have)} but not {lacking} ({capability.__name__} needs all of them)")
+    absent = sorted(n for n in known if not hasattr(obj, n))
+    for attr in dir(obj):
+        if attr.startswith("_") or attr in known:
+            continue
+        close = difflib.get_close_matches(attr, absent, n=1, cutoff=0.85)
+        if close:
+            problems.append(f"has {attr!r}, not {close[0]!r}: misspelt?")
+    return problems

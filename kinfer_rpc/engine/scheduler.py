@@ -26,7 +26,16 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine.sampling import SamplingOptions, sample
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
-from kinfer_rpc.types import DraftRequest, LoadedModel, SeqChunk
+from kinfer_rpc.types import (
+    AsyncDecode,
+    DecodeNext,
+    DeviceGreedy,
+    DraftRequest,
+    LoadedModel,
+    SeqChunk,
+    SessionPolicy,
+    contract_problems,
+)
 
 _CPUS = os.cpu_count() or 1
 _ARGMAX_PARTS = 4  # at most: the engine's thread and 3 of the pool (see Engine._argmax)
@@ -137,6 +146,7 @@ class Engine:
         self._sessions: dict[str, object] = {}
         self._default_policy = draft_policy  # the load's: its session starts with the load
         self._greedy: dict | None = None  # set at load: see _sync_greedy
+        self._decode_next = False  # set at load: whether the model has decode_next
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -239,14 +249,22 @@ class Engine:
         """Load the model on the calling thread (the worker's, or a test's driving step())."""
         progress = self._on_progress or (lambda f: None)
         self.model = self._load(lambda f: self._post(lambda: progress(f)))
+        problems = contract_problems(self.model, "model")
+        if problems:  # a backend's bug, named, rather than a feature quietly off or a crash later
+            model, self.model = self.model, None
+            model.close()
+            raise TypeError(f"the loaded model {type(model).__name__} {'; '.join(problems)}")
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
         ahead = self.start_ahead
-        self._ahead = bool(getattr(self.model, "decode_async", False)) if ahead is None else ahead
+        if ahead is None:
+            ahead = isinstance(self.model, AsyncDecode) and self.model.decode_async
+        self._ahead = ahead
         # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
-        self._greedy = {} if getattr(self.model, "device_greedy", False) else None
-        if hasattr(self._default_policy, "session"):
+        self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
+        self._decode_next = isinstance(self.model, DecodeNext)
+        if isinstance(self._default_policy, SessionPolicy):
             # Now, not at the first request: a load whose policy cannot start (no draft model,
             # no MTP head) fails with the reason instead of quietly drafting nothing.
             try:
@@ -499,8 +517,7 @@ class Engine:
         # The device waits from the last pass's end until this call: a backend that can repeat
         # the last pass one token further (decode_next) is spared reading chunks, which are
         # built once the pass runs.
-        decode_next = getattr(self.model, "decode_next", None)
-        wait = decode_next(best) if decode_next is not None else None
+        wait = self.model.decode_next(best) if self._decode_next else None
         nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
         self._running = (nxt, owners, wait or self.model.decode(nxt))
         self.started_ahead += 1
@@ -552,7 +569,7 @@ class Engine:
             if k <= 0:
                 continue
             policy = job.options.draft_policy
-            if hasattr(policy, "session"):
+            if isinstance(policy, SessionPolicy):
                 grouped.setdefault(policy.name, []).append((job, k))
             else:
                 job.drafts = self._clean(policy.propose(job.prompt + job.generated, k), k, vocab)

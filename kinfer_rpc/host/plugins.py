@@ -18,6 +18,7 @@ import attrs
 import pluggy
 
 from kinfer_rpc import __version__, hookspecs
+from kinfer_rpc.types import contract_problems
 
 log = logging.getLogger(__name__)
 GROUP = "kinfer_rpc"
@@ -69,11 +70,6 @@ class Plugins:
 
 
 _NOUN = {"backends": "backend", "draft_policies": "draft policy", "placements": "placement"}
-_REQUIRED = {
-    "backends": ("name", "formats", "load"),
-    "draft_policies": ("name", "propose"),
-    "placements": ("name", "plan"),
-}
 
 
 def _wanted() -> set[str] | None:
@@ -113,7 +109,7 @@ def load_plugins(entry_points=None) -> Plugins:
     # a plugin that fails halfway must not leave half of itself behind.
     staged: dict[str, dict[str, list]] = {}
     failed: dict[str, str] = {}
-    for kind in _REQUIRED:
+    for kind in _NOUN:
         for impl in getattr(pm.hook, f"register_{kind}").get_hookimpls():
             name = impl.plugin_name
             if name in failed:
@@ -121,9 +117,9 @@ def load_plugins(entry_points=None) -> Plugins:
             found: list = []
 
             def register(obj, _kind=kind, _found=found):
-                missing = [a for a in _REQUIRED[_kind] if not hasattr(obj, a)]
-                if missing:
-                    raise TypeError(f"{_NOUN[_kind]} {obj!r} lacks {', '.join(missing)}")
+                problems = contract_problems(obj, _NOUN[_kind])
+                if problems:
+                    raise TypeError(f"{_NOUN[_kind]} {obj!r} {'; '.join(problems)}")
                 _found.append(obj)
 
             try:

@@ -18,7 +18,7 @@ from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import load_options
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelStore
-from kinfer_rpc.types import LoadOptions, ModelFacts, PlacementPlan
+from kinfer_rpc.types import LoadOptions, MachineAware, ModelFacts, PlacementPlan, SessionPolicy, WeightForms
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class Runtime:
             backend = self._backend_for(ref.format, backend_name)
             # A backend lists the weight forms it can run (`weights`); without the attribute it runs
             # them as stored (llama: llama.cpp computes with the GGUF's own types).
-            if opts.weights is not None and opts.weights not in getattr(backend, "weights", ("quantized",)):
+            forms = backend.weights if isinstance(backend, WeightForms) else ("quantized",)
+            if opts.weights is not None and opts.weights not in forms:
                 raise errors.KinferError(
                     errors.NOT_SUPPORTED,
                     f"the {backend.name} backend runs the weights as the model stores them; weights "
@@ -219,7 +220,7 @@ class Runtime:
     def _place(self, ref, backend, opts: LoadOptions, name: str | None, given: frozenset):
         """Ask the placement what goes where; the options the user set win. Off the loop: the
         backend's machine() loads its library and asks the devices."""
-        machine_of = getattr(backend, "machine", None)
+        machine_of = backend.machine if isinstance(backend, MachineAware) else None
         facts = model_facts(ref.path) if ref.format == "gguf" else None
         if machine_of is None or facts is None:
             if name is not None:
@@ -312,7 +313,7 @@ class Runtime:
             raise errors.invalid_params(
                 f"unknown draft policy {name!r}; available: {', '.join(sorted(self.plugins.draft_policies)) or 'none'}"
             )
-        if hasattr(policy, "session") and name != entry.draft_policy:
+        if isinstance(policy, SessionPolicy) and name != entry.draft_policy:
             raise errors.invalid_params(
                 f"draft policy {name!r} keeps state per load (a draft model, an MTP head): load the model "
                 f"with draftPolicy {name!r} to use it"

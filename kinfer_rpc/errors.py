@@ -4,6 +4,8 @@ kinfer's codes live in -31999..-31000, outside the ranges JSON-RPC (-32768..-320
 (-32899..-32800 inside it) reserve. spec/specification.md documents each one.
 """
 
+from typing import Any
+
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
@@ -23,14 +25,14 @@ NOT_SUPPORTED = -31006
 class KinferError(Exception):
     """An error that reaches the client as a JSON-RPC error object with a documented code."""
 
-    def __init__(self, code: int, message: str, data=None):
+    def __init__(self, code: int, message: str, data: Any = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
 
 
-def invalid_params(message: str, data=None) -> KinferError:
+def invalid_params(message: str, data: Any = None) -> KinferError:
     return KinferError(INVALID_PARAMS, message, data)
 
 

@@ -10,14 +10,22 @@ and implements any of the hooks below with `@kinfer_rpc.hookimpl`. The types it 
 described in kinfer_rpc.types.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from kinfer_rpc.types import Backend, DraftPolicy, Placement
 
 hookspec = pluggy.HookspecMarker("kinfer_rpc")
 hookimpl = pluggy.HookimplMarker("kinfer_rpc")
 
 
 @hookspec
-def register_backends(register):
+def register_backends(register: Callable[[Backend], None]) -> None:
     """Register backends: call `register(backend)` for each.
 
     A backend (kinfer_rpc.types.Backend) has a unique `name`, the model `formats` it reads, and
@@ -29,7 +37,7 @@ def register_backends(register):
 
 
 @hookspec
-def register_draft_policies(register):
+def register_draft_policies(register: Callable[[DraftPolicy], None]) -> None:
     """Register draft policies for speculative decoding: call `register(policy)` for each.
 
     A policy (kinfer_rpc.types.DraftPolicy) has a unique `name` and `propose(history, k)`,
@@ -40,7 +48,7 @@ def register_draft_policies(register):
 
 
 @hookspec
-def register_placements(register):
+def register_placements(register: Callable[[Placement], None]) -> None:
     """Register placements: call `register(placement)` for each.
 
     A placement (kinfer_rpc.types.Placement) has a unique `name` and

@@ -7,6 +7,8 @@ steps it waited, not on whether drafts were checked in the same pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
@@ -29,7 +31,7 @@ def uniform(seed: int, position: int) -> float:
     return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, position]).random())
 
 
-def _penalise(logits: np.ndarray, history, opts: SamplingOptions) -> np.ndarray:
+def _penalise(logits: np.ndarray, history: Sequence[int], opts: SamplingOptions) -> np.ndarray:
     if opts.repeat_penalty == 1.0 or opts.repeat_last_n == 0 or not len(history):
         return logits
     recent = np.unique(np.asarray(history[-opts.repeat_last_n :] if opts.repeat_last_n > 0 else history))
@@ -39,7 +41,7 @@ def _penalise(logits: np.ndarray, history, opts: SamplingOptions) -> np.ndarray:
     return logits
 
 
-def sample(logits: np.ndarray, history, position: int, opts: SamplingOptions) -> int:
+def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: SamplingOptions) -> int:
     """Pick the token at `position` from one row of logits.
 
     `history` is the request's tokens so far (prompt and reply), used by the repeat penalty.

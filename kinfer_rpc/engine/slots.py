@@ -18,17 +18,24 @@ configuration), so a reply is the same after a hit, a miss or a move.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from kinfer_rpc.types import common_prefix
+
+if TYPE_CHECKING:
+    from kinfer_rpc.engine.scheduler import Job
+    from kinfer_rpc.types import LoadedModel
 
 MIN_SHARED = 8  # shorter shared prefixes are recomputed rather than copied across streams
 
 
 class Slots:
-    def __init__(self, model, count: int, prefix: int):
+    def __init__(self, model: LoadedModel, count: int, prefix: int):
         self.model = model
         self.prefix = prefix
         self.free: list[int] = list(range(count))
-        self.kept: dict[int, list] = {}  # free slot -> tokens its cells hold (prefix pool)
+        self.kept: dict[int, list[int]] = {}  # free slot -> tokens its cells hold (prefix pool)
         self.clock = 0
         self.last_used: dict[int, int] = {}
         self.hits = 0
@@ -37,7 +44,7 @@ class Slots:
     def kept_tokens(self) -> int:
         return sum(len(t) for t in self.kept.values())
 
-    def take(self, job, active) -> None:
+    def take(self, job: Job, active: Sequence[Job]) -> None:
         """Give `job` a slot and set job.n_past to what its cells already hold."""
         prompt = job.prompt
         limit = len(prompt) - 1  # the last prompt token is always computed: it gives the logits
@@ -90,7 +97,7 @@ class Slots:
             return min(empty)
         return min(self.free, key=lambda s: self.last_used.get(s, -1))
 
-    def give_back(self, job, active) -> list:
+    def give_back(self, job: Job, active: Sequence[Job]) -> list[Job]:
         """The job left: keep its cells for the pool, or clear them."""
         slot = job.slot
         self.clock += 1
@@ -105,11 +112,11 @@ class Slots:
         self.free.append(slot)
         return []
 
-    def settled(self, active) -> bool:
+    def settled(self, active: Sequence[Job]) -> bool:
         """Whether compact() has nothing to move."""
         return self.prefix >= 0 or not self.free or not active or min(self.free) > max(j.slot for j in active)
 
-    def compact(self, active) -> None:
+    def compact(self, active: Sequence[Job]) -> None:
         """Per-slot streams: close one gap among busy ids (the highest busy slot moves into the
         lowest free one below it). Called after waiting requests took free slots, so a gap a
         new request fills costs nothing; at most one move a step, since llama.cpp copies the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import jinja2
 from jinja2.exceptions import SecurityError
@@ -23,7 +25,7 @@ CHATML = (
 )
 
 
-def _raise(message):
+def _raise(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
@@ -31,14 +33,14 @@ LOOP_BUDGET = 1_000_000  # range() items one render may walk through, all loops 
 _budget = threading.local()
 
 
-def _range(*args):
+def _range(*args: int) -> Iterator[int]:
     """The sandbox's range, but every item counts against the render's budget: nested loops
     inside the sandbox's size limit could otherwise run for hours."""
     items = range(*args)
     if len(items) > MAX_RANGE:
         raise SecurityError(f"range of {len(items)} items is too big")
 
-    def walk():
+    def walk() -> Iterator[int]:
         for i in items:
             _budget.left -= 1
             if _budget.left < 0:
@@ -57,7 +59,9 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def render(template: str | None, messages: list[dict], *, bos: str = "", eos: str = "", tools=None) -> str:
+def render(
+    template: str | None, messages: list[dict[str, Any]], *, bos: str = "", eos: str = "", tools: Any = None
+) -> str:
     """Render `messages` with the model's template, ending with the assistant's turn opened."""
     _budget.left = LOOP_BUDGET
     try:

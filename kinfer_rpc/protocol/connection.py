@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, cast
 
 import anyio
+import anyio.abc
 import attrs
-from jsonrpcserver import Error, Success, async_dispatch_to_serializable
+from jsonrpcserver import Error, Result, Success, async_dispatch_to_serializable
 
 from kinfer_rpc import errors
 from kinfer_rpc.protocol.framing import FrameError
@@ -34,17 +35,17 @@ class RequestContext:
     work_done_token: Any = None
     partial: Callable[[], Any] | None = None  # set by a handler: its partial result so far
 
-    async def report_partial(self, value) -> None:
+    async def report_partial(self, value: Any) -> None:
         if self.partial_result_token is not None:
             await self.connection.notify("$/progress", {"token": self.partial_result_token, "value": value})
 
-    async def work_done(self, kind: str, **fields) -> None:
+    async def work_done(self, kind: str, **fields: Any) -> None:
         if self.work_done_token is not None:
             await self.connection.notify(
                 "$/progress", {"token": self.work_done_token, "value": {"kind": kind, **fields}}
             )
 
-    def work_done_nowait(self, kind: str, **fields) -> None:
+    def work_done_nowait(self, kind: str, **fields: Any) -> None:
         """The same, queued at once (for a request being cancelled, which must not await)."""
         if self.work_done_token is not None:
             self.connection.notify_nowait(
@@ -55,7 +56,7 @@ class RequestContext:
 Handler = Callable[..., Awaitable[Any]]
 
 
-def progress_token(value, where: str):
+def progress_token(value: object, where: str) -> int | str | None:
     """LSP's ProgressToken: an integer or a string."""
     if value is None or (isinstance(value, (int, str)) and not isinstance(value, bool)):
         return value
@@ -71,26 +72,26 @@ class Connection:
 
     def __init__(
         self,
-        send: Callable[[dict], Awaitable[None]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
         handlers: dict[str, Handler],
         notifications: dict[str, Handler],
-        gate=None,
-        send_nowait: Callable[[dict], None] | None = None,
+        gate: Callable[[str, bool], errors.KinferError | None] | None = None,
+        send_nowait: Callable[[dict[str, Any]], None] | None = None,
     ):
         self._send = send
         self._send_nowait = send_nowait
         self._notifications = notifications
         self._gate = gate
         self._running: dict[Any, tuple[anyio.CancelScope, RequestContext]] = {}
-        self._pending: dict[Any, tuple[anyio.Event, list]] = {}
+        self._pending: dict[Any, tuple[anyio.Event, list[dict[str, Any]]]] = {}
         self._ids = itertools.count(1)
-        self._tg = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._methods = {name: self._wrap(fn) for name, fn in handlers.items()}
 
     @staticmethod
-    def _wrap(fn: Handler):
+    def _wrap(fn: Handler) -> Callable[..., Awaitable[Result]]:
         # Positional-only, so a param may be called `ctx` like anything else.
-        async def method(ctx: RequestContext, /, **params):
+        async def method(ctx: RequestContext, /, **params: Any) -> Result:
             try:
                 return Success(await fn(ctx, **params))
             except errors.KinferError as exc:
@@ -99,26 +100,27 @@ class Connection:
         return method
 
     # -- outgoing ---------------------------------------------------------------------------
-    async def notify(self, method: str, params=None) -> None:
-        message = {"jsonrpc": "2.0", "method": method}
+    async def notify(self, method: str, params: Any = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
         await self._send(message)
 
-    def notify_nowait(self, method: str, params=None) -> None:
-        message = {"jsonrpc": "2.0", "method": method}
+    def notify_nowait(self, method: str, params: Any = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
         if self._send_nowait is None:
             raise RuntimeError("this connection has no way to send without waiting")
         self._send_nowait(message)
 
-    async def request(self, method: str, params=None, timeout: float = 30.0):
+    async def request(self, method: str, params: Any = None, timeout: float = 30.0) -> Any:
         """Send a request to the client and wait for its response (result, or raises)."""
         rid = f"kinfer-{next(self._ids)}"
+        box: list[dict[str, Any]]  # the response, put there by receive()
         event, box = anyio.Event(), []
         self._pending[rid] = (event, box)
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             message["params"] = params
         try:
@@ -133,14 +135,14 @@ class Connection:
             raise errors.KinferError(err.get("code", errors.INTERNAL_ERROR), err.get("message", ""), err.get("data"))
         return response.get("result")
 
-    async def _error(self, id, code: int, message: str, data=None) -> None:
-        err = {"code": code, "message": message}
+    async def _error(self, id: Any, code: int, message: str, data: Any = None) -> None:
+        err: dict[str, Any] = {"code": code, "message": message}
         if data is not None:
             err["data"] = data
         await self._send({"jsonrpc": "2.0", "id": id, "error": err})
 
     # -- incoming ---------------------------------------------------------------------------
-    async def serve(self, messages) -> None:
+    async def serve(self, messages: AsyncIterable[dict[str, Any] | FrameError]) -> None:
         """Handle messages until the iterator ends; requests still running are cancelled then."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -151,7 +153,7 @@ class Connection:
                     log.exception("failed to handle a message")
             tg.cancel_scope.cancel()
 
-    async def receive(self, message) -> None:
+    async def receive(self, message: dict[str, Any] | FrameError) -> None:
         if isinstance(message, FrameError):
             log.warning("bad frame: %s", message.message)
             await self._error(message.id, message.code, message.message)
@@ -215,9 +217,10 @@ class Connection:
                 return
         scope = anyio.CancelScope()
         self._running[rid] = (scope, ctx)
+        assert self._tg is not None  # set by serve(), which is what calls receive()
         self._tg.start_soon(self._run, ctx, scope, {"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
 
-    async def _run(self, ctx: RequestContext, scope: anyio.CancelScope, request: dict) -> None:
+    async def _run(self, ctx: RequestContext, scope: anyio.CancelScope, request: dict[str, Any]) -> None:
         response = None
         try:
             with scope:
@@ -237,9 +240,10 @@ class Connection:
                 await self._error(ctx.id, errors.REQUEST_CANCELLED, "the request was cancelled", partial)
             return
         if response is not None:
-            await self._send(response)
+            # One request in (never a batch), so one response object out, never a list.
+            await self._send(cast("dict[str, Any]", response))
 
-    async def _notification(self, method: str, params) -> None:
+    async def _notification(self, method: str, params: dict[str, Any] | list[Any]) -> None:
         if method == "$/cancelRequest":
             rid = params.get("id") if isinstance(params, dict) else None
             running = self._running.get(rid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import attrs
 
@@ -31,7 +32,7 @@ class FrameError:
     has_id: bool = False
 
 
-def encode(message: dict) -> bytes:
+def encode(message: dict[str, Any]) -> bytes:
     """One whole frame for a message."""
     text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
     try:
@@ -41,7 +42,7 @@ def encode(message: dict) -> bytes:
     return b"Content-Length: %d\r\n\r\n" % len(body) + body
 
 
-def _parse_body(body: bytes):
+def _parse_body(body: bytes) -> dict[str, Any] | FrameError:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -57,10 +58,16 @@ def _parse_body(body: bytes):
     return message
 
 
+class ByteSource(Protocol):
+    """What FrameReader reads from: anything with `async receive() -> bytes`."""
+
+    async def receive(self) -> bytes: ...
+
+
 class FrameReader:
     """Reads frames from a byte stream (anything with `async receive() -> bytes`)."""
 
-    def __init__(self, stream, max_frame: int = MAX_FRAME_BYTES):
+    def __init__(self, stream: ByteSource, max_frame: int = MAX_FRAME_BYTES):
         self._stream = stream
         self._buf = bytearray()
         self.max_frame = max_frame
@@ -93,7 +100,7 @@ class FrameReader:
             if end >= 0:
                 del self._buf[: end + 4]
 
-    async def __aiter__(self) -> AsyncIterator[dict | FrameError]:
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any] | FrameError]:
         while True:
             end = self._buf.find(b"\r\n\r\n")
             if end < 0:
@@ -122,6 +129,7 @@ class FrameReader:
                     return
                 continue
             del self._buf[: end + 4]
+            assert length is not None  # _content_length gives no problem only with a length
             if length > self.max_frame:
                 yield FrameError(
                     errors.INVALID_REQUEST,

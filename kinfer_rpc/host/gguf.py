@@ -18,6 +18,7 @@ import re
 import struct
 import threading
 from pathlib import Path
+from typing import Any, cast
 
 import attrs
 
@@ -135,7 +136,7 @@ class GGUFInfo:
     data_end: int  # the least file size that holds every tensor
     # What a placement needs (kinfer_rpc.types.ModelFacts): the architecture's numbers, and the
     # bytes of all tensors, of the expert tensors, and of those outside the repeating layers.
-    hparams: dict = attrs.field(factory=dict)
+    hparams: dict[str, int] = attrs.field(factory=dict)
     weight_bytes: int = 0
     expert_bytes: int = 0
     outside_bytes: int = 0
@@ -146,7 +147,7 @@ class _Corrupt(Exception):
 
 
 class _Reader:
-    def __init__(self, buf, size: int):
+    def __init__(self, buf: bytes | mmap.mmap, size: int):
         self.buf = buf
         self.size = size
         self.pos = 0
@@ -159,12 +160,12 @@ class _Reader:
         self.pos = start + n
         return start
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str) -> Any:
         fmt = "<" + fmt
         return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
 
     def count(self) -> int:
-        return self.unpack(self.width)
+        return cast(int, self.unpack(self.width))
 
     def string(self) -> str:
         n = self.count()
@@ -174,7 +175,7 @@ class _Reader:
     def skip_string(self) -> None:
         self.take(self.count())
 
-    def value(self, vtype: int, keep: bool):
+    def value(self, vtype: int, keep: bool) -> Any:
         """A value, or (for arrays) its element type and length; `keep` False skips strings."""
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -196,7 +197,7 @@ class _Reader:
         raise _Corrupt(f"unknown value type {vtype}")
 
 
-def _parse(buf, size: int) -> GGUFInfo:
+def _parse(buf: bytes | mmap.mmap, size: int) -> GGUFInfo:
     r = _Reader(buf, size)
     if bytes(buf[r.take(4) : 4]) != MAGIC:
         raise _Corrupt("not a GGUF file (bad magic)")
@@ -215,13 +216,13 @@ def _parse(buf, size: int) -> GGUFInfo:
         "general.alignment",
         "tokenizer.chat_template",
     }
-    kv: dict = {}
+    kv: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string()
         vtype = r.unpack("I")
         value = r.value(vtype, key in wanted or key.endswith(".context_length"))
         kv[key] = value
-    hparams = {}
+    hparams: dict[str, int] = {}
     arch_name = kv.get("general.architecture")
     if isinstance(arch_name, str):
         for k in _HPARAMS:
@@ -234,6 +235,7 @@ def _parse(buf, size: int) -> GGUFInfo:
     alignment = kv.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
         raise _Corrupt(f"bad general.alignment {alignment!r}")
+    by_type: dict[int, int]  # elements of each tensor type
     params, by_type, ends = 0, {}, 0
     weight_bytes = expert_bytes = outside_bytes = 0
     for _ in range(n_tensors):
@@ -264,7 +266,7 @@ def _parse(buf, size: int) -> GGUFInfo:
     if file_type is not None:
         quant = FILE_TYPES.get(file_type & 0x3FF, f"ftype {file_type}")  # 1024 is LLAMA_FTYPE_GUESSED
     elif by_type:
-        top = max(by_type, key=by_type.get)  # the type most weights have
+        top = max(by_type, key=by_type.__getitem__)  # the type most weights have
         quant = TENSOR_TYPES.get(top, (f"type {top}",))[0]
     else:
         quant = None
@@ -288,11 +290,11 @@ def _parse(buf, size: int) -> GGUFInfo:
     )
 
 
-_cache: dict[tuple, GGUFInfo] = {}
+_cache: dict[tuple[str, int, int], GGUFInfo] = {}
 _lock = threading.Lock()
 
 
-def read(path: str | os.PathLike) -> GGUFInfo:
+def read(path: str | os.PathLike[str]) -> GGUFInfo:
     """The GGUF metadata of `path`; LOAD_FAILED naming the file if it is not a sound GGUF."""
     path = os.fspath(path)
     try:
@@ -323,7 +325,7 @@ def read(path: str | os.PathLike) -> GGUFInfo:
     return info
 
 
-def read_mlx(folder: str | os.PathLike) -> dict:
+def read_mlx(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Architecture, context, quantization and parameter count of an MLX (safetensors) folder."""
     folder = Path(folder)
     try:
@@ -333,7 +335,7 @@ def read_mlx(folder: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         config = {}
 
-    def number(v):
+    def number(v: object) -> int | None:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     quant = config.get("quantization")

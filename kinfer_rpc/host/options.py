@@ -7,6 +7,10 @@ Fields; the store checks a model's own default options (Ollama's params) with ge
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Collection
+from typing import Any, overload
+
 from kinfer_rpc import errors
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import GenerateOptions
@@ -20,23 +24,50 @@ INT_MAX = 2**31 - 1
 class Fields:
     """Reads fields out of one params object, recording which were used."""
 
-    def __init__(self, obj, where: str):
+    # The methods int, float, bool and str shadow the builtins in this class's scope: its
+    # annotations name the builtins through `builtins`.
+
+    def __init__(self, obj: object, where: builtins.str):
         if obj is None:
             obj = {}
         if not isinstance(obj, dict):
             raise errors.invalid_params(f"{where} must be an object")
-        self.obj = obj
+        self.obj: dict[builtins.str, Any] = obj
         self.where = where
-        self.used: set[str] = set()
+        self.used: set[builtins.str] = set()
 
-    def _get(self, name):
+    def _get(self, name: builtins.str) -> Any:
         self.used.add(name)
         return self.obj.get(name)
 
-    def _bad(self, name, what):
+    def _bad(self, name: builtins.str, what: builtins.str) -> errors.KinferError:
         return errors.invalid_params(f"{self.where}.{name} must be {what}", {"field": f"{self.where}.{name}"})
 
-    def int(self, name, default=None, lo=None, hi=INT_MAX):
+    @overload
+    def int(
+        self,
+        name: builtins.str,
+        default: None = None,
+        lo: builtins.int | None = None,
+        hi: builtins.int | None = INT_MAX,
+    ) -> builtins.int | None: ...
+
+    @overload
+    def int(
+        self,
+        name: builtins.str,
+        default: builtins.int,
+        lo: builtins.int | None = None,
+        hi: builtins.int | None = INT_MAX,
+    ) -> builtins.int: ...
+
+    def int(
+        self,
+        name: builtins.str,
+        default: builtins.int | None = None,
+        lo: builtins.int | None = None,
+        hi: builtins.int | None = INT_MAX,
+    ) -> builtins.int | None:
         v = self._get(name)
         if v is None:
             return default
@@ -46,7 +77,31 @@ class Fields:
             raise self._bad(name, f"between {lo} and {hi}")
         return v
 
-    def float(self, name, default=None, lo=None, hi=None):
+    @overload
+    def float(
+        self,
+        name: builtins.str,
+        default: None = None,
+        lo: builtins.float | None = None,
+        hi: builtins.float | None = None,
+    ) -> builtins.float | None: ...
+
+    @overload
+    def float(
+        self,
+        name: builtins.str,
+        default: builtins.float,
+        lo: builtins.float | None = None,
+        hi: builtins.float | None = None,
+    ) -> builtins.float: ...
+
+    def float(
+        self,
+        name: builtins.str,
+        default: builtins.float | None = None,
+        lo: builtins.float | None = None,
+        hi: builtins.float | None = None,
+    ) -> builtins.float | None:
         v = self._get(name)
         if v is None:
             return default
@@ -56,7 +111,13 @@ class Fields:
             raise self._bad(name, f"between {lo} and {hi}")
         return float(v)
 
-    def bool(self, name, default=None):
+    @overload
+    def bool(self, name: builtins.str, default: None = None) -> builtins.bool | None: ...
+
+    @overload
+    def bool(self, name: builtins.str, default: builtins.bool) -> builtins.bool: ...
+
+    def bool(self, name: builtins.str, default: builtins.bool | None = None) -> builtins.bool | None:
         v = self._get(name)
         if v is None:
             return default
@@ -64,7 +125,19 @@ class Fields:
             raise self._bad(name, "true or false")
         return v
 
-    def str(self, name, default=None, choices=None):
+    @overload
+    def str(
+        self, name: builtins.str, default: None = None, choices: Collection[builtins.str] | None = None
+    ) -> builtins.str | None: ...
+
+    @overload
+    def str(
+        self, name: builtins.str, default: builtins.str, choices: Collection[builtins.str] | None = None
+    ) -> builtins.str: ...
+
+    def str(
+        self, name: builtins.str, default: builtins.str | None = None, choices: Collection[builtins.str] | None = None
+    ) -> builtins.str | None:
         v = self._get(name)
         if v is None:
             return default
@@ -75,10 +148,10 @@ class Fields:
             raise self._bad(name, "one of " + ", ".join(sorted(choices)))
         return v
 
-    def raw(self, name):
+    def raw(self, name: builtins.str) -> Any:
         return self._get(name)
 
-    def done(self):
+    def done(self) -> None:
         extra = sorted(set(self.obj) - self.used)
         if extra:
             raise errors.invalid_params(
@@ -94,7 +167,7 @@ def check_text(value: str, where: str) -> None:
         raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
 
 
-def generate_options(obj, seed_default: int) -> GenerateOptions:
+def generate_options(obj: object, seed_default: int) -> GenerateOptions:
     f = Fields(obj, "options")
     max_tokens = f.int("maxTokens", None, lo=0)
     stop = f.raw("stop")
@@ -127,19 +200,21 @@ def generate_options(obj, seed_default: int) -> GenerateOptions:
         stop=stop,
         ignore_eos=ignore_eos,
         sampling=sampling,
-        drafts=drafts,
+        # None: the load's count (Runtime.drafting). GenerateOptions.drafts is declared int in
+        # engine/scheduler.py; once it says int | None, mypy reports this ignore as unused.
+        drafts=drafts,  # type: ignore[arg-type]
         draft_policy=policy,
     )
 
 
-def with_defaults(defaults: dict, options):
+def with_defaults(defaults: dict[str, Any], options: Any) -> Any:
     """A model's default options under the request's (a null option counts as absent)."""
     if not defaults or not isinstance(options, (dict, type(None))):
         return options
     return {**defaults, **{k: v for k, v in (options or {}).items() if v is not None}}
 
 
-def load_options(obj, context_default: int | None = None) -> tuple[LoadOptions, dict]:
+def load_options(obj: object, context_default: int | None = None) -> tuple[LoadOptions, dict[str, Any]]:
     f = Fields(obj, "options")
     slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
     batch = f.int("batch", 2048, lo=1, hi=1 << 20)

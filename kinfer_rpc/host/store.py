@@ -13,12 +13,14 @@ layer is the default system message and the params layer the default options (re
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any, cast
 
 import attrs
 
@@ -45,7 +47,7 @@ class ModelRef:
     aliases: tuple[str, ...] = ()  # other exact names (Ollama's long forms)
     digest: str | None = None  # "sha256:<hex>" of the model blob, when the store knows it
     system: str | None = None  # the default system message (Ollama's system layer)
-    defaults: dict = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
+    defaults: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
     context_length: int | None = None  # the default contextLength of a load (Ollama's num_ctx)
     template: str | None = None  # Ollama's Go template: kept for information, never executed
     unsupported: str | None = None  # why this model cannot be served, if it cannot
@@ -131,9 +133,11 @@ _OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
 }
 
 
-def _ollama_defaults(raw, where: str) -> tuple[dict, int | None]:
+def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | None]:
     """Ollama's params layer as kinfer's generate options (each checked as a request's would be)."""
 
+    defaults: dict[str, Any]
+    num_ctx: int | None
     defaults, num_ctx = {}, None
     if not isinstance(raw, dict):
         log.warning("%s: the params layer is not a JSON object; ignored", where)
@@ -170,13 +174,15 @@ def _exists(name: str) -> bool:
 class ModelStore:
     """Every model this machine can serve, by name."""
 
-    def __init__(self):
-        self._manifests: dict[tuple, ModelRef | None] = {}
-        self._verified: dict[tuple, str] | None = None
+    # The method `list` shadows the builtin in this class's scope: annotations say builtins.list.
+
+    def __init__(self) -> None:
+        self._manifests: dict[tuple[str, int, int], ModelRef | None] = {}
+        self._verified: dict[tuple[str, int, int], str] | None = None
         self._lock = threading.Lock()
 
     # -- listing ---------------------------------------------------------------------------
-    def list(self) -> list[ModelRef]:
+    def list(self) -> builtins.list[ModelRef]:
         refs = []
         try:
             path = embedded_default_path()
@@ -193,7 +199,7 @@ class ModelStore:
         refs.extend(self._ollama_refs())
         return refs
 
-    def _ollama_refs(self) -> list[ModelRef]:
+    def _ollama_refs(self) -> builtins.list[ModelRef]:
         root = ollama_dir() / "manifests"
         if not root.is_dir():
             return []
@@ -229,10 +235,10 @@ class ModelStore:
             raise ValueError("its layers are not a list of {mediaType, digest, size}")
         blobs = ollama_dir() / "blobs"
 
-        def blob(layer) -> Path:
-            return blobs / layer["digest"].replace(":", "-").replace("/", "")
+        def blob(layer: dict[str, Any]) -> Path:
+            return blobs / cast(str, layer["digest"]).replace(":", "-").replace("/", "")
 
-        def text(kind) -> str | None:
+        def text(kind: str) -> str | None:
             for layer in layers:
                 if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= _SMALL_LAYER:
                     try:
@@ -278,9 +284,9 @@ class ModelStore:
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
         )
 
-    def describe(self, ref: ModelRef) -> dict:
+    def describe(self, ref: ModelRef) -> dict[str, Any]:
         """A model/list entry: what the store knows and what the file's header says."""
-        out = {
+        out: dict[str, Any] = {
             "name": ref.name,
             "source": ref.source,
             "format": ref.format,
@@ -321,7 +327,7 @@ class ModelStore:
         full = ollama_name(name)
         folded = name.casefold()
 
-        def names(r):
+        def names(r: ModelRef) -> tuple[str, ...]:
             return (r.name, *r.aliases)
 
         exact = [
@@ -404,7 +410,7 @@ class ModelStore:
             _save_verified(self._verified)
 
 
-def _load_verified() -> dict:
+def _load_verified() -> dict[tuple[str, int, int], str]:
     try:
         doc = json.loads((kinfer_home() / "verified.json").read_text())
         return {(e["path"], e["size"], e["mtime"]): e["digest"] for e in doc["verified"]}
@@ -412,7 +418,7 @@ def _load_verified() -> dict:
         return {}
 
 
-def _save_verified(verified: dict) -> None:
+def _save_verified(verified: dict[tuple[str, int, int], str]) -> None:
     target = kinfer_home() / "verified.json"
     doc = {"verified": [{"path": p, "size": s, "mtime": m, "digest": d} for (p, s, m), d in verified.items()]}
     try:

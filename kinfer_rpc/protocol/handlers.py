@@ -9,20 +9,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+from typing import Any
 
 import anyio
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 from kinfer_rpc.host import templates
 from kinfer_rpc.host.options import Fields, generate_options, with_defaults
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.protocol import params
+from kinfer_rpc.protocol.connection import RequestContext
 
 
 class _Progress:
     """A load's progress as the request's work-done progress."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx: RequestContext):
         self.ctx = ctx
         self.loop = asyncio.get_running_loop()
 
@@ -44,13 +47,13 @@ class Handlers:
         self.runtime = runtime
 
     # -- models ------------------------------------------------------------------------------
-    async def model_list(self, ctx, /, **p):
+    async def model_list(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         Fields(p, "params").done()
         store = self.runtime.store
         described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
         return {"models": [{**d, "loaded": d["name"] in self.runtime.loaded} for d in described]}
 
-    async def model_load(self, ctx, /, **p):
+    async def model_load(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
         backend = f.str("backend")
@@ -59,8 +62,10 @@ class Handlers:
         entry = await self.runtime.load(name, backend, options, _Progress(ctx) if ctx is not None else None)
         return self._describe(entry)
 
-    def _describe(self, entry: Loaded) -> dict:
-        info = entry.engine.model.info
+    def _describe(self, entry: Loaded) -> dict[str, Any]:
+        model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
+        info = model.info
         return {
             "model": entry.name,
             "backend": entry.backend,
@@ -84,14 +89,14 @@ class Handlers:
         }
 
     @staticmethod
-    def _placement_fields(entry: Loaded) -> dict:
+    def _placement_fields(entry: Loaded) -> dict[str, Any]:
         return {
             "placement": entry.placement,
             "placementReason": entry.placement_reason,
             "hostTensors": list(entry.options.host_tensors),
         }
 
-    async def model_unload(self, ctx, /, **p):
+    async def model_unload(self, ctx: RequestContext | None, /, **p: Any) -> None:
         f = Fields(p, "params")
         name = f.str("model")
         f.done()
@@ -100,11 +105,11 @@ class Handlers:
         await self.runtime.unload(name)
         return None
 
-    async def model_status(self, ctx, /, **p):
+    async def model_status(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
         f.done()
-        out = []
+        out: list[dict[str, Any]] = []
         for entry in list(self.runtime.loaded.values()):
             if name is not None and entry.name != name:
                 continue
@@ -125,7 +130,7 @@ class Handlers:
             )
         return {"models": out}
 
-    async def inference_generate(self, ctx, /, **p):
+    async def inference_generate(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
         prompt = f.str("prompt")
@@ -141,14 +146,16 @@ class Handlers:
         if entry.defaults:
             opts = generate_options(with_defaults(entry.defaults, options), seed)
         model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
         if tokens is not None:
             ids = params.tokens(tokens, model.info.n_vocab)
         else:
+            assert prompt is not None  # exactly one of prompt and tokens was given
             add = model.info.add_bos if add_special is None else add_special
             ids = model.tokenize(prompt, add, True)
         return await self._stream(ctx, entry, ids, opts)
 
-    async def inference_chat(self, ctx, /, **p):
+    async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
         messages = params.messages(f.raw("messages"))
@@ -162,6 +169,7 @@ class Handlers:
         if entry.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": entry.system}, *messages]
         model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
         # Off the event loop: a model file's template is untrusted and may be slow; the server
         # keeps answering everyone else meanwhile (the sandbox also caps its loops).
         text = await anyio.to_thread.run_sync(
@@ -173,7 +181,7 @@ class Handlers:
         ids = model.tokenize(text, add_bos, True)
         return await self._stream(ctx, entry, ids, opts)
 
-    async def inference_tokenize(self, ctx, /, **p):
+    async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
         text = f.str("text")
@@ -184,18 +192,25 @@ class Handlers:
             raise errors.invalid_params("params.text is required")
         entry = await self.runtime.model_for(name)
         model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
         add = model.info.add_bos if add_special is None else add_special
         ids = model.tokenize(text, add, parse_special)
         return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
 
-    async def _stream(self, ctx, entry: Loaded, ids: list[int], opts) -> dict:
+    async def _stream(
+        self, ctx: RequestContext | None, entry: Loaded, ids: list[int], opts: GenerateOptions
+    ) -> dict[str, Any]:
         """Run a job, sending its pieces as partial results when the client asked for them."""
         done = anyio.Event()
-        pieces: list = []
+        pieces: list[tuple[str, list[int]]] = []
         wake = anyio.Event()
 
-        def on_piece(text, toks):
+        def on_piece(text: str, toks: list[int]) -> None:
             pieces.append((text, toks))
+            wake.set()
+
+        def on_done(_job: Job) -> None:
+            done.set()
             wake.set()
 
         job = self.runtime.start(
@@ -203,7 +218,7 @@ class Handlers:
             ids,
             opts,
             on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
-            on_done=lambda j: (done.set(), wake.set()),
+            on_done=on_done,
         )
         if ctx is not None:
             ctx.partial = job.result
@@ -214,6 +229,7 @@ class Handlers:
                     pieces.clear()
                     text = "".join(t for t, _ in batch)
                     toks = [x for _, ts in batch for x in ts]
+                    assert ctx is not None  # pieces come only through on_piece, set only with a ctx
                     await ctx.report_partial({"text": text, "tokens": toks})
                     continue
                 await wake.wait()

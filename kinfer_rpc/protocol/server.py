@@ -14,16 +14,21 @@ import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.abc import ByteSendStream
 from anyio.streams.file import FileWriteStream
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__, errors
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.host.runtime import Runtime
-from kinfer_rpc.protocol.connection import Connection
-from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameReader, encode
+from kinfer_rpc.protocol.connection import Connection, RequestContext
+from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, ByteSource, FrameReader, encode
 from kinfer_rpc.protocol.handlers import Handlers
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 log = logging.getLogger("kinfer_rpc")
 
@@ -38,7 +43,7 @@ class ClientLogHandler(logging.Handler):
         super().__init__(logging.CRITICAL + 1)
         self.server = server
 
-    def emit(self, record):
+    def emit(self, record: logging.LogRecord) -> None:
         loop = self.server.loop
         if loop is None or loop.is_closed():
             return
@@ -50,16 +55,18 @@ class ClientLogHandler(logging.Handler):
 
 
 class Server:
-    def __init__(self, write_stream, *, max_frame: int = MAX_FRAME_BYTES):
+    def __init__(self, write_stream: ByteSendStream, *, max_frame: int = MAX_FRAME_BYTES):
         self.state = "uninitialized"  # -> initialized -> shutdown
         self.plugins = load_plugins()
         self.runtime = Runtime(self.plugins)
         self.max_frame = max_frame
         self.exit_code: int | None = None
         self.client_pid: int | None = None
-        self.loop = None
-        self.loop_thread = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None
         self._write = write_stream
+        self._out_send: MemoryObjectSendStream[dict[str, Any]]
+        self._out_recv: MemoryObjectReceiveStream[dict[str, Any]]
         self._out_send, self._out_recv = anyio.create_memory_object_stream(float("inf"))
         self.log_handler = ClientLogHandler(self)
         self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
@@ -84,13 +91,13 @@ class Server:
         )
 
     # -- output: one writer, whole frames ---------------------------------------------------
-    async def send(self, message: dict) -> None:
+    async def send(self, message: dict[str, Any]) -> None:
         await self._out_send.send(message)
 
-    def queue_notification(self, method: str, params) -> None:
+    def queue_notification(self, method: str, params: Any) -> None:
         self._send_nowait({"jsonrpc": "2.0", "method": method, "params": params})
 
-    def _send_nowait(self, message: dict) -> None:
+    def _send_nowait(self, message: dict[str, Any]) -> None:
         try:
             self._out_send.send_nowait(message)  # the stream is unbounded: this never blocks
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -111,7 +118,7 @@ class Server:
                 return
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def gate(self, method: str, is_request: bool):
+    def gate(self, method: str, is_request: bool) -> errors.KinferError | None:
         if method == "exit":
             return None
         if self.state == "uninitialized" and method != "initialize":
@@ -122,7 +129,7 @@ class Server:
             return errors.KinferError(errors.INVALID_REQUEST, f"{method}: the server is shutting down")
         return None
 
-    async def initialize(self, ctx, /, **p):
+    async def initialize(self, ctx: RequestContext, /, **p: Any) -> dict[str, Any]:
         from kinfer_rpc.host.options import Fields
 
         f = Fields(p, "params")
@@ -161,10 +168,10 @@ class Server:
             },
         }
 
-    async def initialized(self, **_):
+    async def initialized(self, **_: Any) -> None:
         return None
 
-    async def shutdown(self, ctx, /, **p):
+    async def shutdown(self, ctx: RequestContext, /, **p: Any) -> None:
         from kinfer_rpc.host.options import Fields
 
         Fields(p, "params").done()
@@ -172,7 +179,7 @@ class Server:
         await anyio.to_thread.run_sync(self.runtime.close)
         return None
 
-    async def exit(self, **_):
+    async def exit(self, **_: Any) -> None:
         self.exit_code = 0 if self.state == "shutdown" else 1
         self._stop.set()
 
@@ -186,14 +193,14 @@ class Server:
                 self._stop.set()
                 return
 
-    async def run(self, read_stream) -> int:
+    async def run(self, read_stream: ByteSource) -> int:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
             tg.start_soon(self._watch_parent)
 
-            async def read():
+            async def read() -> None:
                 await self.connection.serve(FrameReader(read_stream, self.max_frame))
                 # stdin closed: nothing more will come
                 if self.exit_code is None:
@@ -222,10 +229,10 @@ class StdinStream:
 
     def __init__(self, fd: int):
         self._fd = fd
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def pump():
+        def pump() -> None:
             while True:
                 try:
                     data = os.read(self._fd, 65536)
@@ -260,7 +267,7 @@ def _take_stdout() -> int:
     return real
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kinfer-rpc", description=__doc__.splitlines()[0])
     parser.add_argument("--clientProcessId", type=int, default=None, help="exit when this process dies")
     parser.add_argument("--log-file", default=None, help="also write logs to this file")

@@ -25,17 +25,20 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 
 class llama_model_tensor_buft_override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-_applied: dict[int, type] = {}
+_applied: dict[int, type[ctypes.Structure]] = {}
 
 
-def apply(L) -> type:
+def apply(L: Any) -> type[ctypes.Structure]:  # L: the llama_cpp module, patched in place
     """Make `L.llama_model_params.tensor_buft_overrides` a typed pointer; return the params class.
 
     Idempotent. Raises RuntimeError if upstream's struct no longer has the layout this patch
@@ -43,7 +46,7 @@ def apply(L) -> type:
     key = id(L)
     if key in _applied:
         return _applied[key]
-    old = L.llama_model_params
+    old: type[ctypes.Structure] = L.llama_model_params
     fields = list(old._fields_)
     names = [f[0] for f in fields]
     if "tensor_buft_overrides" not in names:
@@ -62,7 +65,8 @@ def apply(L) -> type:
     # Every bound C function that takes or returns the struct by value now uses the new class.
     for name in dir(L):
         fn = getattr(L, name)
-        if not isinstance(fn, ctypes._CFuncPtr):
+        # typeshed imports _CFuncPtr into ctypes without re-exporting it; it is there at runtime
+        if not isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
             continue
         if getattr(fn, "restype", None) is old:
             fn.restype = new
@@ -114,8 +118,8 @@ class Ggml:
 
     Construct it after `import llama_cpp` (which loads them)."""
 
-    def __init__(self):
-        self._libs = []
+    def __init__(self) -> None:
+        self._libs: list[ctypes.CDLL] = []
         for path in _loaded_libraries():
             try:
                 self._libs.append(ctypes.CDLL(path))
@@ -133,7 +137,8 @@ class Ggml:
         )
         self.buft_name = self._fn("ggml_backend_buft_name", [ctypes.c_void_p], ctypes.c_char_p)
 
-    def _fn(self, name, argtypes, restype):
+    def _fn(self, name: str, argtypes: list[type[Any]], restype: type[Any] | None) -> Any:
+        """The named C function (a ctypes function pointer) of the first library that has it, else None."""
         for lib in self._libs:
             fn = getattr(lib, name, None)
             if fn is not None:
@@ -144,12 +149,12 @@ class Ggml:
     def cpu_buft(self) -> int:
         if self.cpu_buffer_type is None:
             raise RuntimeError("ggml_backend_cpu_buffer_type was not found in the loaded ggml libraries")
-        buft = self.cpu_buffer_type()
+        buft: int | None = self.cpu_buffer_type()  # c_void_p: an int, or None for NULL
         if not buft:
             raise RuntimeError("ggml_backend_cpu_buffer_type() returned NULL")
         return buft
 
-    def devices(self) -> list[dict]:
+    def devices(self) -> list[dict[str, Any]]:
         """Every ggml device: name, type (0 CPU, 1 GPU, 2 integrated GPU, ...), free and total bytes."""
         if None in (self.dev_count, self.dev_get, self.dev_type, self.dev_memory):
             return []
@@ -173,8 +178,10 @@ class Ggml:
 class Overrides:
     """A NULL-terminated `llama_model_tensor_buft_override` array, with its strings kept alive."""
 
-    def __init__(self, L, patterns, buft: int):
-        self.cls = getattr(L, "llama_model_tensor_buft_override", llama_model_tensor_buft_override)
+    def __init__(self, L: ModuleType, patterns: Iterable[str], buft: int) -> None:
+        self.cls: type[ctypes.Structure] = getattr(
+            L, "llama_model_tensor_buft_override", llama_model_tensor_buft_override
+        )
         self.patterns = [p.encode() for p in patterns]
         self.array = (self.cls * (len(self.patterns) + 1))()
         for i, p in enumerate(self.patterns):
@@ -184,5 +191,5 @@ class Overrides:
         self.array[len(self.patterns)].buft = None
 
     @property
-    def pointer(self):
+    def pointer(self) -> ctypes._Pointer[ctypes.Structure]:
         return ctypes.cast(self.array, ctypes.POINTER(self.cls))

@@ -28,6 +28,7 @@ import struct
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 _lock = threading.Lock()
 _pinned: list[ctypes.CDLL] = []  # kept open: unloading them under llama.cpp would crash it
@@ -137,7 +138,7 @@ def check(folder: Path | None = None) -> list[Path]:
     return libs
 
 
-def load():
+def load() -> ModuleType:
     """Check, pin llama.cpp's libraries from their folder, then `import llama_cpp` and return it."""
     with _lock:
         if "llama_cpp" not in sys.modules:

@@ -16,8 +16,10 @@ pass of a 150k-vocabulary model), plus headroom for the device's own context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import kinfer_rpc
-from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
+from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, Placement, PlacementPlan
 
 EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 HEADROOM = 768 << 20  # CUDA context, cuBLAS workspace, fragmentation
@@ -217,6 +219,6 @@ class Auto:
 
 
 @kinfer_rpc.hookimpl
-def register_placements(register):
+def register_placements(register: Callable[[Placement], None]) -> None:
     for placement in (Auto(), Gpu(), Cpu(), ExpertsHost()):
         register(placement)

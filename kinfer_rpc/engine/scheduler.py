@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import logging
 import os
 import threading
@@ -54,9 +55,29 @@ class GenerateOptions:
     sampling: SamplingOptions = SamplingOptions()
 
 
+class JobState(enum.Enum):
+    """Where a job is. WAITING in the queue; PROMPT in a slot, its prompt being read into the
+    slot's cells; GENERATING once the whole prompt is in (every step then feeds its last token);
+    DONE with a stop reason (its slot is given back once no pass in flight holds its row)."""
+
+    WAITING = "waiting"
+    PROMPT = "prompt"
+    GENERATING = "generating"
+    DONE = "done"
+
+
+_MOVES = {
+    JobState.WAITING: {JobState.PROMPT, JobState.DONE},
+    JobState.PROMPT: {JobState.GENERATING, JobState.DONE},
+    JobState.GENERATING: {JobState.DONE},
+    JobState.DONE: set(),
+}
+
+
 @attrs.define(eq=False)
 class Job:
-    """One request, from the queue to its last token. Fields written by the worker only."""
+    """One request, from the queue to its last token. Fields written by the worker only; `state`
+    changes only through move()."""
 
     prompt: list
     options: GenerateOptions
@@ -82,6 +103,7 @@ class Job:
     draft_backoff: int = 32  # the next pause's length: doubles after every losing window
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
+    state: JobState = attrs.field(init=False, default=JobState.WAITING)
     plain: bool = attrs.field(init=False, default=False)  # greedy without a penalty: a row's argmax
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
@@ -90,6 +112,12 @@ class Job:
         sampling = self.options.sampling
         self.plain = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0
         self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
+
+    def move(self, to: JobState) -> None:
+        """The one way a job changes state; anything but the moves of JobState's story is a bug."""
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"a job cannot move from {self.state.value} to {to.value}")
+        self.state = to
 
     def result(self) -> dict:
         """The reply as the protocol returns it (also the partial result of a cancel)."""
@@ -197,6 +225,7 @@ class Engine:
                 {"promptTokens": len(job.prompt), "contextLength": info.context_length},
             )
         if job.options.max_tokens == 0:  # nothing to generate: answer without a pass
+            job.move(JobState.DONE)
             job.stop_reason = "length"
             job.t_start = job.t_end = time.perf_counter()
             if job.on_done:
@@ -328,6 +357,8 @@ class Engine:
             self._active.clear()
             self._queue.clear()
         for job in jobs:
+            if job.state is JobState.DONE:  # ended already, its slot not yet given back
+                continue
             job.error = exc
             self._finish(job, None, events)
         self._flush(events)
@@ -355,6 +386,7 @@ class Engine:
                     job = self._queue.popleft()
                     job.t_start = time.perf_counter()
                     self.slots.take(job, self._active)
+                    job.move(JobState.PROMPT)
                     self._active.append(job)
                 self.slots.compact(self._active)
                 if self._greedy is not None:
@@ -384,7 +416,7 @@ class Engine:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
         budget = self.batch
         context = self.model.info.context_length
-        decoding = [job for job in self._active if job.n_past >= len(job.prompt)]
+        decoding = [job for job in self._active if job.state is JobState.GENERATING]
         drafting = any(job.drafting for job in decoding)
         if drafting:
             # Room for drafts: every decoding job's own token first, then drafts in admission order.
@@ -437,6 +469,8 @@ class Engine:
         now = time.perf_counter()
         for chunk, job, is_plain in zip(chunks, owners, plain):
             job.n_past += len(chunk.tokens)
+            if job.state is JobState.PROMPT and job.n_past >= len(job.prompt):
+                job.move(JobState.GENERATING)
             if not chunk.outputs:
                 continue
             r, row = row, row + chunk.outputs
@@ -698,6 +732,7 @@ class Engine:
         return False
 
     def _finish(self, job: Job, reason: str | None, events, release: bool = True) -> None:
+        job.move(JobState.DONE)
         if reason is None and job.stop_reason is None:
             job.stop_reason = "error"  # job.error says what; nothing more is done for it
         if reason is not None:

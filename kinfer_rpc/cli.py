@@ -440,41 +440,21 @@ _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 
 
 def _devices() -> dict:
-    """llama.cpp's (ggml's) backend device list, read from the library llama-cpp-python ships."""
-    import ctypes
-
+    """llama.cpp's (ggml's) backend devices, from the library kinfer loads."""
     try:
-        from kinfer_rpc.default_plugins import llama_native
+        from kinfer_rpc.default_plugins import llama_buft, llama_native
 
         llama_cpp = llama_native.load()
-        lib = ctypes.CDLL(str(llama_native.lib_dir() / "libggml.so"))
-        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-            getattr(lib, name).restype = ctypes.c_char_p
-            getattr(lib, name).argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_type.restype = ctypes.c_int
-        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_memory.argtypes = [
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.POINTER(ctypes.c_size_t),
+        devices = [
+            {
+                "name": d["name"],
+                "description": d["description"],
+                "type": _DEVICE_TYPES.get(d["type"], "unknown"),
+                "memoryFreeBytes": d["free"],
+                "memoryTotalBytes": d["total"],
+            }
+            for d in llama_buft.Ggml().devices()
         ]
-        devices = []
-        for i in range(lib.ggml_backend_dev_count()):
-            dev = lib.ggml_backend_dev_get(i)
-            free, total = ctypes.c_size_t(), ctypes.c_size_t()
-            lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            devices.append(
-                {
-                    "name": (lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
-                    "description": (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-                    "type": _DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "unknown"),
-                    "memoryFreeBytes": free.value,
-                    "memoryTotalBytes": total.value,
-                }
-            )
         return {"devices": devices, "gpuOffload": bool(llama_cpp.llama_supports_gpu_offload()), "error": None}
     except Exception as exc:  # no llama-cpp-python, or a library without the device API
         return {"devices": [], "gpuOffload": False, "error": f"{type(exc).__name__}: {exc}"}

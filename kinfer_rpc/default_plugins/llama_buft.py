@@ -130,6 +130,7 @@ class Ggml:
         self.dev_get = self._fn("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p)
         self.dev_type = self._fn("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int)
         self.dev_name = self._fn("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p)
+        self.dev_description = self._fn("ggml_backend_dev_description", [ctypes.c_void_p], ctypes.c_char_p)
         self.dev_memory = self._fn(
             "ggml_backend_dev_memory",
             [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
@@ -155,7 +156,8 @@ class Ggml:
         return buft
 
     def devices(self) -> list[dict[str, Any]]:
-        """Every ggml device: name, type (0 CPU, 1 GPU, 2 integrated GPU, ...), free and total bytes."""
+        """Every ggml device: name, description, type (0 CPU, 1 GPU, 2 integrated GPU, ...), free and
+        total bytes."""
         if None in (self.dev_count, self.dev_get, self.dev_type, self.dev_memory):
             return []
         out = []
@@ -164,9 +166,11 @@ class Ggml:
             free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
             self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             name = self.dev_name(dev) if self.dev_name else b""
+            description = self.dev_description(dev) if self.dev_description else b""
             out.append(
                 {
                     "name": (name or b"").decode("utf-8", "replace"),
+                    "description": (description or b"").decode("utf-8", "replace"),
                     "type": int(self.dev_type(dev)),
                     "free": int(free.value),
                     "total": int(total.value),

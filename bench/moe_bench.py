@@ -22,7 +22,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]  # kinfer_patches: installed, or linked (bench/gpu_moe.sh)
+sys.path[:0] = [ROOT]
 
 
 from kinfer_rpc.default_plugins import placements as kinfer_placements  # noqa: E402

@@ -5,8 +5,8 @@
 #
 #   bash patches/build_llama.sh [DEST]
 #
-# CPU only and portable (AVX2), like the wheel in ../shared/wheels; CMAKE_ARGS adds options. On the
-# GPU machine bench/gpu_setup.sh builds only libllama this way and keeps the prebuilt CUDA ggml.
+# CPU only and portable (AVX2) unless CMAKE_ARGS adds options (bench/gpu_setup.sh builds the CUDA
+# libraries with -DGGML_CUDA=ON this way). CC and CXX pick the compiler, as in any CMake build.
 # SRC: a llama.cpp source tree or .tgz to use instead of downloading the sdist from PyPI.
 # BUILD_DIR: keep the build there, so that building again recompiles only what changed (a tree
 # unpacked from a .tgz keeps its files' times; the patched files are rebuilt).

@@ -17,7 +17,7 @@ library's), and `overrides()` builds the array.
 
 How to drop it: once llama-cpp-python types the field as a pointer to a struct, `apply()` leaves
 its bindings alone and only adds what is missing (the test in tests/test_placement.py shows
-which path ran). Then delete this module and use upstream's names in plugins/kinfer_llama.py.
+which path ran). Then delete this module and use upstream's names in kinfer_rpc/default_plugins/llama.py.
 """
 
 from __future__ import annotations

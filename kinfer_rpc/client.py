@@ -43,6 +43,8 @@ from typing import Any
 import anyio
 import attrs
 
+from kinfer_rpc.protocol.framing import encode
+
 REQUEST_CANCELLED = -32800
 SERVER_GONE = -32099  # a client-side code: the server exited before it answered
 
@@ -261,11 +263,6 @@ def _unwrap(response: dict):
     return response.get("result")
 
 
-def _frame(message: dict) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return b"Content-Length: %d\r\n\r\n" % len(body) + body
-
-
 def _content_length(headers: bytes) -> int:
     for line in headers.split(b"\r\n"):
         name, _, value = line.partition(b":")
@@ -303,7 +300,7 @@ class _Wire:
         threading.Thread(target=self._read, name="kinfer-client-reader", daemon=True).start()
 
     def send(self, message: dict) -> None:
-        data = _frame(message)
+        data = encode(message)
         with self.lock:
             self.proc.stdin.write(data)
             self.proc.stdin.flush()
@@ -786,7 +783,7 @@ class AsyncClient:
 
     def _send_nowait(self, message: dict) -> None:
         try:
-            self._out_send.send_nowait(_frame(message))
+            self._out_send.send_nowait(encode(message))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
 

@@ -5,8 +5,9 @@
 The contract is what a plugin may use: `kinfer_rpc` itself (hookimpl, the version),
 `kinfer_rpc.types`, `kinfer_rpc.hookspecs` and `kinfer_rpc.errors`. A layer may import the layers
 below it and the contract, never one above; the built-in plugins import only the contract and each
-other, as a third-party plugin would. The client library speaks the protocol from outside and
-imports none of the server; the `kinfer` CLI, a tool on top of everything, may import any of it.
+other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
+the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI, a tool
+on top of everything, may import any of it.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def _allowed(importer: str, imported: str) -> bool:
         return True
     if src == "kinfer_rpc.cli" or src == "kinfer_rpc.__main__":
         return True
+    if src == "kinfer_rpc.client" and imported == "kinfer_rpc.protocol.framing":
+        return True
     if src in CONTRACT or src in ("kinfer_rpc.client", "kinfer_rpc.default_plugins"):
         return False
     return src in RANK and dst in RANK and RANK[dst] < RANK[src]
@@ -86,6 +89,8 @@ def test_the_check_catches_an_import_against_the_direction():
     assert not _allowed("kinfer_rpc.default_plugins.llama", "kinfer_rpc.engine.scheduler")
     assert not _allowed("kinfer_rpc.types", "kinfer_rpc.engine.slots")
     assert not _allowed("kinfer_rpc.client", "kinfer_rpc.host.runtime")
+    assert not _allowed("kinfer_rpc.client", "kinfer_rpc.protocol.server")
+    assert _allowed("kinfer_rpc.client", "kinfer_rpc.protocol.framing")
     assert _allowed("kinfer_rpc.protocol.server", "kinfer_rpc.host.runtime")
     assert _allowed("kinfer_rpc.host.runtime", "kinfer_rpc.engine.scheduler")
     assert _allowed("kinfer_rpc.default_plugins.llama_mtp", "kinfer_rpc.default_plugins.llama")

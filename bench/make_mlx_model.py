@@ -29,6 +29,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.utils import dequantize_model, quantize_model, save_config, save_model  # noqa: E402
 
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import loading as mlx_loading  # noqa: E402
 from kinfer_rpc.host.store import embedded_default_path  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def write_tokenizer(out: Path, vocab: kinfer_mlx.Vocab, size: int) -> None:
 
 
 def from_gguf(out: Path, gguf: str, bits: int, group: int) -> None:
-    model, config, vocab, _ = kinfer_mlx._load_gguf(gguf)
+    model, config, vocab, _ = mlx_loading._load_gguf(gguf)
     model = dequantize_model(model)
     config.pop("quantization", None)
     config["tie_word_embeddings"] = not hasattr(model, "lm_head")
@@ -94,7 +95,7 @@ def random_llama(out: Path, a) -> None:
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
-    _, _, vocab, _ = kinfer_mlx._load_gguf(a.tokenizer_gguf or embedded_default_path())
+    _, _, vocab, _ = mlx_loading._load_gguf(a.tokenizer_gguf or embedded_default_path())
     write_tokenizer(out, vocab, a.vocab)
 
 

@@ -43,6 +43,7 @@ import mlx.core as mx  # noqa: E402
 from phases import PhaseTimer  # noqa: E402
 
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import loading as mlx_loading  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
@@ -148,21 +149,21 @@ def mlx_lm_model(model: str):
     from mlx_lm.utils import load_model
 
     if not os.path.isdir(model):
-        m = kinfer_mlx._load_gguf(model)[0]
+        m = mlx_loading._load_gguf(model)[0]
     else:
         m = load_model(__import__("pathlib").Path(model))[0]
     on_gpu = mx.default_device() == mx.gpu
     if not on_gpu:
-        kinfer_mlx._float_type(m, mx.float32)
+        mlx_loading._float_type(m, mx.float32)
     # mlx-lm gets the weights in the form the kinfer load chose (its default decides for both).
-    form, _ = kinfer_mlx._weights_form(m, WEIGHTS, on_gpu)
+    form, _ = mlx_loading._weights_form(m, WEIGHTS, on_gpu)
     if MLX_LM_AS_STORED:
-        form = "quantized" if kinfer_mlx._quantized(m) else "dense"
-    elif form == "dense" and kinfer_mlx._quantized(m):
+        form = "quantized" if mlx_loading._quantized(m) else "dense"
+    elif form == "dense" and mlx_loading._quantized(m):
         from mlx_lm.utils import dequantize_model
 
         m = dequantize_model(m)
-        kinfer_mlx._float_type(m, mx.float16 if on_gpu else mx.float32)
+        mlx_loading._float_type(m, mx.float16 if on_gpu else mx.float32)
     print(f"weights: {form}", file=sys.stderr, flush=True)
     return m
 

@@ -2,7 +2,7 @@
 
     python bench/mlx_kernels.py [--out r.json]
 
-- `attention`: plugins/kinfer_mlx_attention.py's kernel against MLX's own masked attention over
+- `attention`: default_plugins/mlx/attention.py's kernel against MLX's own masked attention over
   gathered cells (max abs difference, random data, rows at random positions, 1 and 4 tokens a
   row), then ms for 64 calls (a 32-layer pass reads keys and values 64 times... once per layer
   here, 32 calls) against the masked fallback and against MLX's fused attention without a mask.
@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT]
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kinfer_rpc.default_plugins import mlx_attention as att  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import attention as att  # noqa: E402
 
 
 def check_attention() -> list[dict]:

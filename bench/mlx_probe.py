@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from mlx_bench import prompts_for  # noqa: E402
 
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import cells as mlx_cells  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 
@@ -143,7 +144,7 @@ def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
             "--ablate swaps the decode pass's KV writes, which the attention kernel makes: run it with"
             " KINFER_MLX_ATTENTION=0"
         )
-    T = kinfer_mlx._Traced
+    T = mlx_cells._Traced
     init, upd, mask = T.__init__, T.update_and_fetch, T.make_mask
     compile_, ahead = kinfer_mlx.mx.compile, kinfer_mlx.MlxModel._build_ahead
     kinfer_mlx.mx.compile = lambda f, **k: f
@@ -287,7 +288,7 @@ def main() -> None:
         if "kinfer" not in skip:
             r.update(kinfer_rows(m, B, a.npp, a.steps))
         if "nokv" not in skip and not m.kernel:  # (with the kernel, the writes are part of its launch)
-            orig = kinfer_mlx._Traced.update_and_fetch
+            orig = mlx_cells._Traced.update_and_fetch
 
             def no_write(self, k, v):  # read the cells but write nothing (what the scatter costs)
                 K, V = self.keys[self.layer], self.values[self.layer]
@@ -298,10 +299,10 @@ def main() -> None:
                     )
                 return K[self.slots, :, : self.span], V[self.slots, :, : self.span]
 
-            kinfer_mlx._Traced.update_and_fetch = no_write
+            mlx_cells._Traced.update_and_fetch = no_write
             m._compiled.clear()
             r.update({k: v for k, v in kinfer_rows(m, B, a.npp, a.steps, "no kv write").items() if "greedy" not in k})
-            kinfer_mlx._Traced.update_and_fetch = orig
+            mlx_cells._Traced.update_and_fetch = orig
             m._compiled.clear()
         if "uncompiled" not in skip:
             compile_ = kinfer_mlx.mx.compile

@@ -405,13 +405,13 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
 
 
 def test_attention_kernel_load_check_tells_a_right_kernel_from_a_wrong_one(monkeypatch):
-    """The CUDA decode attention kernel (plugins/kinfer_mlx_attention.py) cannot run here; what can:
+    """The CUDA decode attention kernel (default_plugins/mlx/attention.py) cannot run here; what can:
     the check the backend runs at every GPU load before using it. It passes MLX's own attention and
     writes, and fails one that drops a row's last cell, mixes up the slots, or attends right but
     leaves the buffers unwritten."""
     import mlx.core as mx
 
-    from kinfer_rpc.default_plugins import mlx_attention as att
+    from kinfer_rpc.default_plugins.mlx import attention as att
 
     assert not att.available()  # no CUDA here: loads keep MLX's attention (kernel off)
     m = MlxBackend().load(GGUF, LoadOptions(context_length=64, slots=1), lambda f: None)
@@ -450,7 +450,8 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     kernel-off replies."""
     import sys
 
-    from kinfer_rpc.default_plugins import mlx_attention as att
+    from kinfer_rpc.default_plugins.mlx import attention as att
+    from kinfer_rpc.default_plugins.mlx import routing as mlx_routing
 
     calls = []
     monkeypatch.setattr(
@@ -466,7 +467,7 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
             m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=drafts), p)
             module = sys.modules[type(m.model.layers[0].self_attn).__module__]
             monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
-            assert kinfer_mlx._route_attention(m.model)
+            assert mlx_routing._route_attention(m.model)
             m._use_kernel()
             return m
 

@@ -1,4 +1,4 @@
-"""The mlx backend's CUDA decode-attention kernel (plugins/kinfer_mlx_attention.py) compiles.
+"""The mlx backend's CUDA decode-attention kernel (default_plugins/mlx/attention.py) compiles.
 
 The kernel runs only on a GPU (MLX's CUDA build compiles it with NVRTC at first use). Here the
 same source, wrapped the way MLX's `mx.fast.cuda_kernel` wraps it (a `__global__` function whose
@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from kinfer_rpc.default_plugins import mlx_attention as att
+from kinfer_rpc.default_plugins.mlx import attention as att
 
 nvidia = pytest.importorskip("nvidia", reason="the NVRTC wheels (the test extra, Linux x86-64 only)")
 ROOT = list(nvidia.__path__)[0]

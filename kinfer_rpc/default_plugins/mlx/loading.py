@@ -1,0 +1,226 @@
+"""Reading models into mlx-lm's model code, for the mlx backend.
+
+Reads MLX model folders (config.json + safetensors, as mlx-lm writes them), Ollama's safetensors
+models (their manifest) and GGUF files: `mx.load` keeps Q4_0/Q4_1/Q8_0 tensors quantized (group
+32), their names are mapped onto mlx-lm's llama model, and the tokenizer is rebuilt from the
+GGUF's own vocabulary and merges (vocab.py). llama.cpp stores Q and K rows in the interleaved
+order its rope reads, so GGUF models run with the traditional (interleaved) rope layout instead
+of un-permuting.
+
+Weights (LoadOptions.weights): "quantized" runs them as stored; "dense" expands them at load
+(float16 on a GPU, float32 on the CPU). Default: dense when that takes at most half the device's
+free memory (_weights_form).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kinfer_rpc.default_plugins.mlx.vocab import Vocab
+from kinfer_rpc.types import MachineInfo
+
+# GGUF tensor names -> mlx-lm's llama module paths.
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _build(config: dict, weights: dict):
+    """An mlx-lm model from its config and weights, quantized where the weights are."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+
+    def quantized(path, module):
+        w, s = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
+        if s is None or w is None or not hasattr(module, "to_quantized"):
+            return False
+        group = config.get("quantization", {}).get("group_size", 32)
+        bits = w.shape[-1] * 32 // (s.shape[-1] * group)
+        return {"group_size": group, "bits": bits}
+
+    nn.quantize(model, class_predicate=quantized)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _float_type(model, dtype) -> None:
+    """Every float parameter in `dtype`: float16 on a GPU; float32 on the CPU, where MLX's float16
+    and bfloat16 kernels are emulated (a quantized matmul with float16 scales is 40x slower)."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def _quantized(model) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def _dense_bytes(model, on_gpu: bool) -> int:
+    """Bytes the weights take expanded to the float type (float16 on a GPU, float32 on the CPU)."""
+    per = 2 if on_gpu else 4
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += m.scales.size * m.group_size * per + sum(
+                v.nbytes for k, v in m.parameters().items() if k not in ("weight", "scales", "biases")
+            )
+        elif not m.children():
+            total += sum(v.size * per for v in _leaves(m.parameters()))
+    return total
+
+
+def _leaves(tree):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree)]
+
+
+def _gpu_free() -> int | None:
+    """Free memory of the GPU MLX runs on, or None when MLX cannot say: CUDA reports free_memory;
+    Metal (unified memory) the recommended working set, less what MLX holds."""
+    try:
+        info = mx.device_info(mx.gpu) if hasattr(mx, "device_info") else mx.metal.device_info()
+    except Exception:  # noqa: BLE001 - an MLX without the query
+        return None
+    if "free_memory" in info:
+        return int(info["free_memory"])
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size") or info.get("total_memory")
+    return int(total) - mx.get_active_memory() if total else None
+
+
+def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
+    """ "dense" or "quantized", and why. A model stored without quantized weights is dense
+    whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
+    a GPU, float32 on the CPU) take at most half the device's free memory (what is left holds the
+    KV cells and the passes), quantized otherwise or when the free memory is unknown. On a GPU
+    dense float16 is MLX's fast path for many rows (MLX 0.32 CUDA's quantized matmul plateaus near
+    300 tok/s on a 7B); on the CPU dense float32 (BLAS) beats MLX's quantized matmul too
+    (SmolLM2: 9.3 vs 7.1 tok/s alone, 12.0 vs 9.3 at 8), and like it gives a row the same result
+    whatever rows are beside it."""
+    if wanted not in (None, "quantized", "dense"):
+        raise ValueError(f"weights must be 'quantized' or 'dense', not {wanted!r}")
+    if not _quantized(model):
+        return "dense", "the model stores no quantized weights"
+    if wanted is not None:
+        return wanted, "set by the load options"
+    where = "the GPU's" if on_gpu else "host memory's"
+    need, free = _dense_bytes(model, on_gpu), _gpu_free() if on_gpu else (MachineInfo.host_available() or None)
+    if free is None:
+        return "quantized", f"{where} free memory is unknown"
+    gib, kind = 1 << 30, "float16" if on_gpu else "float32"
+    if need <= free // 2:
+        return "dense", f"dense {kind} takes {need / gib:.2f} GiB, at most half {where} {free / gib:.1f} GiB free"
+    return "quantized", f"dense {kind} would take {need / gib:.2f} GiB, over half {where} {free / gib:.1f} GiB free"
+
+
+def _load_gguf(path: str):
+    weights, meta = mx.load(path, return_metadata=True)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"the mlx backend maps GGUF files of the llama architecture only, not {arch!r};"
+            " load this model with the llama backend"
+        )
+
+    def num(key, default=None):
+        v = meta.get(f"llama.{key}")
+        return default if v is None else np.asarray(v).item()
+
+    heads = int(num("attention.head_count"))
+    hidden = int(num("embedding_length"))
+    mapped = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            base = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+            suffix = parts[3]
+        elif parts[0] in _GGUF_NAMES:
+            base, suffix = _GGUF_NAMES[parts[0]], parts[1]
+        else:
+            continue  # rope_freqs and the like: computed by mlx-lm's rope
+        mapped[f"{base}.{suffix}"] = w
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(num("block_count")),
+        "intermediate_size": int(num("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(num("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon", 1e-5)),
+        "vocab_size": int(num("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        "rope_theta": float(num("rope.freq_base", 10000.0)),
+        "rope_traditional": True,
+        "head_dim": int(num("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(num("context_length", 4096)),
+        "tie_word_embeddings": "lm_head.weight" not in mapped,
+        "quantization": {"group_size": 32},
+    }
+    return _build(config, mapped), config, Vocab.from_gguf(meta), meta
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+    return {n: (folder / n).read_bytes() for n in names if (folder / n).is_file()}
+
+
+def _load_folder(path: str):
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(path))
+    return model, config, Vocab.from_files(_files(Path(path)), config)
+
+
+def _load_ollama(manifest: str):
+    """An Ollama safetensors model: json layers hold config.json and the tokenizer files, each
+    tensor layer a safetensors blob of one tensor (or a packed group, names inside the blob)."""
+    doc = json.loads(Path(manifest).read_bytes())
+    blobs = Path(manifest).parents[4] / "blobs"  # <models>/manifests/<host>/<namespace>/<model>/<tag>
+    files, weights = {}, {}
+    for layer in doc["layers"]:
+        blob = blobs / layer["digest"].replace(":", "-")
+        media = layer.get("mediaType", "")
+        if media.startswith("application/vnd.ollama.image.json"):
+            files[layer.get("name", "")] = blob.read_bytes()
+        elif media.startswith("application/vnd.ollama.image.tensor"):
+            inner = mx.load(str(blob), format="safetensors")
+            if list(inner) == ["weight"] or len(inner) == 1 and layer.get("name"):
+                inner = {layer["name"]: next(iter(inner.values()))}
+            weights.update(inner)
+    if "config.json" not in files:
+        raise ValueError(f"{manifest}: no config.json layer")
+    config = json.loads(files["config.json"])
+    return _build(config, weights), config, Vocab.from_files(files, config)
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+def _flat(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)

@@ -686,6 +686,8 @@ class AsyncClient:
 
     @property
     def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("the server is not started yet: use `async with AsyncClient() as kinfer`")
         return self._proc.pid
 
     @property

@@ -243,6 +243,8 @@ class SessionPolicy(Protocol):
     """Optional DraftPolicy capability: state per load (a draft model, the target's MTP head).
     `session(target, backend, options)` returns the load's DraftSession."""
 
+    name: str
+
     def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> DraftSession: ...
 
 
@@ -353,7 +355,7 @@ def contract_problems(obj: object, kind: str) -> list[str]:
         problems.append(f"lacks {', '.join(missing)}")
     known = set(members(required))
     for capability in optional:
-        names = members(capability)
+        names = [n for n in members(capability) if n not in members(required)]  # its own members
         known.update(names)
         have = [n for n in names if hasattr(obj, n)]
         if have and len(have) < len(names):

@@ -50,7 +50,9 @@ class GenerateOptions:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: keep generating through end-of-generation tokens
-    drafts: int = 0  # draft tokens checked per step (0: no speculative decoding)
+    # draft tokens checked per step (0: no speculative decoding; None: as many as the load's, which
+    # the host settles before the job reaches the engine)
+    drafts: int | None = 0
     draft_policy: object = None  # a kinfer_rpc.types.DraftPolicy
     sampling: SamplingOptions = SamplingOptions()
 
@@ -590,7 +592,7 @@ class Engine:
             return 0
         if opts.max_tokens is not None:
             room = min(room, opts.max_tokens - len(job.generated) - 1)
-        return max(0, min(opts.drafts, room))
+        return max(0, min(opts.drafts or 0, room))  # drafting: a count was settled
 
     def _propose_all(self, jobs: list, counts: list) -> None:
         """Drafts for this step, each only from its job's own history, so replies never depend

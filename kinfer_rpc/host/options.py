@@ -202,7 +202,7 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
         sampling=sampling,
         # None: the load's count (Runtime.drafting). GenerateOptions.drafts is declared int in
         # engine/scheduler.py; once it says int | None, mypy reports this ignore as unused.
-        drafts=drafts,  # type: ignore[arg-type]
+        drafts=drafts,
         draft_policy=policy,
     )
 

@@ -268,7 +268,7 @@ def _take_stdout() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kinfer-rpc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kinfer-rpc", description=(__doc__ or "kinfer-rpc").splitlines()[0])
     parser.add_argument("--clientProcessId", type=int, default=None, help="exit when this process dies")
     parser.add_argument("--log-file", default=None, help="also write logs to this file")
     parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))

@@ -28,6 +28,7 @@ from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.host import templates as chat  # noqa: E402
+from kinfer_rpc.protocol.results import job_result  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
 CODE = '''import math
@@ -105,7 +106,7 @@ def workloads(args):
         prompt = engine.model.tokenize(rendered, False, True)
         run(engine, prompt[:16], attrs.evolve(base, max_tokens=4))  # warm up
         plain = run(engine, prompt, base)
-        plain_tps = plain.result()["timings"]["tokensPerSecond"]
+        plain_tps = job_result(plain)["timings"]["tokensPerSecond"]
         print(
             json.dumps(
                 {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps}
@@ -114,7 +115,7 @@ def workloads(args):
         )
         for policy, k in [(p, k) for p in policies for k in args.drafts]:
             job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=policy))
-            r = job.result()
+            r = job_result(job)
             u = r["usage"]
             print(
                 json.dumps(

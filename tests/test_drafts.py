@@ -114,10 +114,10 @@ def test_ngram_drafts_are_accepted_when_text_repeats():
         job = Job(list(prompt), attrs.evolve(_options(40, 0.0, 0), drafts=4, draft_policy=NgramPolicy()))
         run_until_done(engine, [job])
         assert (tuple(job.generated), job.text, job.stop_reason) == want
-        usage = job.result()["usage"]
+        usage = job_result(job)["usage"]
         assert usage["draftTokens"] > 0 and usage["draftAccepted"] > usage["draftTokens"] // 2
         assert engine.steps < len(job.generated)  # fewer passes than tokens: drafts paid off
-        status = engine.status()
+        status = engine_status(engine.stats())
         assert status["draftTokens"] > 0 and status["draftAcceptance"] > 0.5
     finally:
         engine.model.close()
@@ -138,6 +138,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from kinfer_rpc.default_plugins.drafts import DraftModelPolicy  # noqa: E402
+from kinfer_rpc.protocol.results import engine_status, job_result  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -209,9 +210,9 @@ def test_the_model_drafting_for_itself_is_always_right():
             job = Job(list(prompt), attrs.evolve(_options(24, 0.0, 0), drafts=4, draft_policy=policy))
             run_until_done(engine, [job])
             assert (tuple(job.generated), job.text, job.stop_reason) == want
-            usage = job.result()["usage"]
+            usage = job_result(job)["usage"]
             assert usage["draftTokens"] > 0 and usage["draftAccepted"] == usage["draftTokens"]
-            assert engine.steps and engine.status()["draftAcceptance"] == 1.0
+            assert engine.steps and engine_status(engine.stats())["draftAcceptance"] == 1.0
     finally:
         close(engine)
 

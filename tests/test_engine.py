@@ -21,6 +21,7 @@ from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host.store import embedded_default_path
+from kinfer_rpc.protocol.results import engine_status, job_result
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
 CTX = 512
@@ -266,7 +267,7 @@ def test_max_tokens_and_length_reason(engine4):
     job = Job(list(tokenize("Count: one two three")), _options(5, 0.0, 0))
     run_until_done(engine4, [job])
     assert job.stop_reason == "length" and len(job.generated) == 5
-    usage = job.result()["usage"]
+    usage = job_result(job)["usage"]
     assert (usage["promptTokens"], usage["completionTokens"]) == (len(job.prompt), 5)
 
 
@@ -344,11 +345,11 @@ def test_cancel_frees_the_slot_at_the_next_step(engine4):
         engine4.submit(job)
     for _ in range(3):
         engine4.step()
-    assert engine4.status()["slotsBusy"] == 4
+    assert engine_status(engine4.stats())["slotsBusy"] == 4
     for job in jobs:
         engine4.cancel(job)
     engine4.step()
-    status = engine4.status()
+    status = engine_status(engine4.stats())
     assert status["slotsBusy"] == 0 and status["queueLength"] == 0
     assert all(j.stop_reason == "cancelled" for j in jobs)
 
@@ -363,8 +364,8 @@ def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
         second = Job(list(second_prompt), _options(6, 0.0, 0))
         run_until_done(engine, [second])
         assert second.cached > 10  # the system prompt's cells were kept and reused
-        assert second.result()["usage"]["cachedTokens"] == second.cached
-        assert engine.status()["prefixHits"] >= 1
+        assert job_result(second)["usage"]["cachedTokens"] == second.cached
+        assert engine_status(engine.stats())["prefixHits"] >= 1
         assert (tuple(second.generated), second.text, second.stop_reason) == alone(second_prompt, 6, 0.0, 0)
     finally:
         engine.model.close()
@@ -385,7 +386,7 @@ def test_prefix_pool_copies_a_busy_slots_prefix():
         assert (tuple(other.generated), other.text, other.stop_reason) == alone(prompt, 6, 0.0, 0)
         engine.cancel(long_job)
         engine.step()
-        assert engine.status()["cachedTokens"] == 0  # prefix 0 keeps nothing of finished ones
+        assert engine_status(engine.stats())["cachedTokens"] == 0  # prefix 0 keeps nothing of finished ones
     finally:
         engine.model.close()
 

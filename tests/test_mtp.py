@@ -22,6 +22,7 @@ from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host.store import embedded_default_path
+from kinfer_rpc.protocol.results import engine_status, job_result
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,11 +147,11 @@ def test_the_aligned_model_accepts_every_draft(models):
         jobs = [Job(prompt(10 + i), options(41, policy=policy)) for i in range(2)]
         run_until_done(engine, jobs)
         for job in jobs:
-            usage = job.result()["usage"]
+            usage = job_result(job)["usage"]
             assert job.generated == [300] * 41
             assert usage["draftTokens"] == usage["draftAccepted"] > 0
         assert engine.steps <= 1 + 40 // (DRAFTS + 1)  # every verifying pass kept all its drafts
-        assert engine.status()["draftAcceptance"] == 1.0
+        assert engine_status(engine.stats())["draftAcceptance"] == 1.0
     finally:
         close(engine)
 

@@ -121,31 +121,23 @@ class Job:
             raise RuntimeError(f"a job cannot move from {self.state.value} to {to.value}")
         self.state = to
 
-    def result(self) -> dict:
-        """The reply as the protocol returns it (also the partial result of a cancel)."""
-        t_end = self.t_end or time.perf_counter()
-        prompt_s = (self.t_first - self.t_start) if self.t_first else 0.0
-        gen_s = (t_end - self.t_first) if self.t_first else 0.0
-        n = len(self.generated)
-        return {
-            "text": self.text,
-            "tokens": list(self.generated),
-            "stopReason": self.stop_reason or "cancelled",
-            "seed": self.options.sampling.seed,
-            "usage": {
-                "promptTokens": len(self.prompt),
-                "completionTokens": n,
-                "cachedTokens": self.cached,
-                "draftTokens": self.drafted,
-                "draftAccepted": self.accepted,
-            },
-            "timings": {
-                "queueMs": round(max(0.0, (self.t_start or t_end) - self.t_submit) * 1000, 3),
-                "promptMs": round(prompt_s * 1000, 3),
-                "generateMs": round(gen_s * 1000, 3),
-                "tokensPerSecond": round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
-            },
-        }
+
+@attrs.frozen
+class EngineStats:
+    """What an engine is doing, as numbers (the protocol's model/status shapes them)."""
+
+    slots: int
+    busy: int  # slots running a job
+    queued: int
+    cells_used: int  # the running jobs' cells and the prefix pool's
+    prefix: int
+    cached_tokens: int  # tokens the prefix pool keeps
+    prefix_hits: int
+    tokens_per_second: float  # over the last few seconds
+    steps: int
+    draft_tokens: int
+    draft_accepted: int
+    memory: dict
 
 
 class Engine:
@@ -251,29 +243,28 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def status(self) -> dict:
+    def stats(self) -> EngineStats:
         info = self.model.info if self.model else None
         window = list(self._decoded)
         tps = 0.0
         if len(window) >= 2 and window[-1][0] > window[0][0]:
             tps = sum(n for _, n in window[1:]) / (window[-1][0] - window[0][0])
         active = list(self._active)
-        return {
-            "slots": info.slots if info else 0,
-            "slotsBusy": len(active),
-            "queueLength": len(self._queue),
-            "cellsUsed": sum(j.n_past for j in active) + (self.slots.kept_tokens() if self.slots else 0),
-            "prefix": self.prefix,
-            "cachedTokens": self.slots.kept_tokens() if self.slots else 0,
-            "prefixHits": self.slots.hits if self.slots else 0,
-            "tokensPerSecond": round(tps, 2),
-            "steps": self.steps,
-            "draftTokens": self._drafts_total[0],
-            "draftAcceptance": round(self._drafts_total[1] / self._drafts_total[0], 4)
-            if self._drafts_total[0]
-            else 0.0,
-            "memory": self.model.memory() if self.model else {},
-        }
+        kept = self.slots.kept_tokens() if self.slots else 0
+        return EngineStats(
+            slots=info.slots if info else 0,
+            busy=len(active),
+            queued=len(self._queue),
+            cells_used=sum(j.n_past for j in active) + kept,
+            prefix=self.prefix,
+            cached_tokens=kept,
+            prefix_hits=self.slots.hits if self.slots else 0,
+            tokens_per_second=tps,
+            steps=self.steps,
+            draft_tokens=self._drafts_total[0],
+            draft_accepted=self._drafts_total[1],
+            memory=self.model.memory() if self.model else {},
+        )
 
     # -- worker ------------------------------------------------------------------------------
     def load_model(self) -> None:

@@ -20,6 +20,7 @@ from kinfer_rpc.host.options import Fields, generate_options, with_defaults
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
+from kinfer_rpc.protocol.results import engine_status, job_result
 
 
 class _Progress:
@@ -121,7 +122,7 @@ class Handlers:
                     "model": entry.name,
                     "backend": entry.backend,
                     "state": "ready",
-                    **entry.engine.status(),
+                    **engine_status(entry.engine.stats()),
                     "batch": entry.options.batch,
                     "ubatch": entry.options.ubatch,
                     "gpuLayers": entry.options.gpu_layers,
@@ -221,7 +222,7 @@ class Handlers:
             on_done=on_done,
         )
         if ctx is not None:
-            ctx.partial = job.result
+            ctx.partial = functools.partial(job_result, job)
         try:
             while not done.is_set() or pieces:
                 if pieces:
@@ -239,4 +240,4 @@ class Handlers:
             raise
         if job.error is not None:
             raise job.error
-        return {"model": entry.name, **job.result()}
+        return {"model": entry.name, **job_result(job)}

@@ -503,21 +503,25 @@ class Engine:
                 if i >= len(job.drafts) or token != job.drafts[i]:
                     break
             if job.drafts:
-                accepted = max(0, taken - 1)  # every token taken before the last matched its draft
-                job.drafted += len(job.drafts)
-                job.accepted += accepted
-                job.window[0] += len(job.drafts)
-                job.window[1] += accepted
-                self._drafts_total[0] += len(job.drafts)
-                self._drafts_total[1] += accepted
-                self._pause_if_unlucky(job)
-                if job.stop_reason is None:
-                    # Cells of rejected drafts leave the cache; the kept ones are the chunk's
-                    # first token and the accepted drafts.
-                    job.n_past = base + taken
-                    self.model.seq_remove(job.slot, job.n_past, -1)
-                job.drafts = []
+                self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
+
+    def _settle_drafts(self, job: Job, base: int, taken: int) -> None:
+        """After verifying a job's drafts: count them, back off if they keep losing, and drop the
+        cells of the rejected ones (the kept ones are the chunk's first token and the accepted
+        drafts, from position `base`)."""
+        accepted = max(0, taken - 1)  # every token taken before the last matched its draft
+        job.drafted += len(job.drafts)
+        job.accepted += accepted
+        job.window[0] += len(job.drafts)
+        job.window[1] += accepted
+        self._drafts_total[0] += len(job.drafts)
+        self._drafts_total[1] += accepted
+        self._pause_if_unlucky(job)
+        if job.stop_reason is None:
+            job.n_past = base + taken
+            self.model.seq_remove(job.slot, job.n_past, -1)
+        job.drafts = []
 
     def _start_next(self, chunks, owners, best) -> None:
         """Start the next pass now, before this one's tokens are taken, when it is exactly the

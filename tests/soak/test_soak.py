@@ -4,7 +4,7 @@
   (KINFER_SOAK_STREAMS): nothing lost or duplicated, replies identical per request, memory flat after
   the warm-up, throughput steady minute to minute. The JSON summary goes to KINFER_SOAK_OUT (default
   bench/out/soak.json).
-- test_long_cancel_storm: the cancel storm of tests/test_reliability.py with KINFER_LONG_STORM_REQUESTS
+- test_long_cancel_storm: the cancel storm of tests/test_reliability_cancel.py with KINFER_LONG_STORM_REQUESTS
   (default 5000) requests.
 """
 
@@ -16,7 +16,9 @@ import os
 import statistics
 
 import pytest
+import reliability_helpers as rel
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
+from rpcclient import DEFAULT_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,13 +56,11 @@ def test_soak_64_streams():
 
 @pytest.mark.slow
 def test_long_cancel_storm(spawn):
-    import test_reliability as rel
-
     n = int(os.environ.get("KINFER_LONG_STORM_REQUESTS", "5000"))
     ref, c = spawn(), spawn()
     for server in (ref, c):
         server.initialize()
-        server.call("model/load", {"model": rel.DEFAULT_MODEL, "options": rel.STORM_LOAD}, timeout=60)
+        server.call("model/load", {"model": DEFAULT_MODEL, "options": rel.STORM_LOAD}, timeout=60)
     requests = rel.storm_pool()
     alone = rel.replies_alone(ref, requests)
     ref.close()

@@ -1,0 +1,249 @@
+"""Security: chat templates that attack the sandbox (a copy of the embedded GGUF with a hostile
+tokenizer.chat_template), and a template that loops forever.
+
+Each test drives a real `kinfer-rpc` process through tests/rpcclient.py (which checks that stdout
+carries nothing but frames and that every message matches spec/metaModel.json); docs/reliability.md
+describes each test and the figures measured. Shared helpers: reliability_helpers.py, conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+
+import pytest
+from protocol_fixtures import spawn  # noqa: F401  (fixture)
+from reliability_helpers import (
+    GREEDY,
+    INVALID_PARAMS,
+    NOT_SUPPORTED,
+    REQUEST_CANCELLED,
+)
+from rpcclient import RpcClient, error_of, result_of
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _skip_gguf_value(f, vtype: int) -> None:
+    if vtype in _GGUF_SCALARS:
+        f.seek(_GGUF_SCALARS[vtype], 1)
+    elif vtype == _GGUF_STRING:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(n, 1)
+    elif vtype == _GGUF_ARRAY:
+        etype, n = struct.unpack("<IQ", f.read(12))
+        if etype in _GGUF_SCALARS:
+            f.seek(n * _GGUF_SCALARS[etype], 1)
+        else:
+            for _ in range(n):
+                _skip_gguf_value(f, etype)
+    else:
+        raise ValueError(f"GGUF value type {vtype}")
+
+
+def gguf_with_string(src: str, dst: str, key: str, value: str) -> None:
+    """Copy the GGUF v3 file `src` to `dst` with the string key `key` set to `value`.
+
+    GGUF v3: magic, version u32, tensor count u64, KV count u64, the KVs (key: u64 length + bytes,
+    type u32, value), the tensor infos, padding to general.alignment (default 32), the tensor data.
+    Tensor offsets are relative to the data's start, so only the header changes (and its padding)."""
+    with open(src, "rb") as f:
+        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+        assert magic == b"GGUF" and version == 3, (magic, version)
+        kvs, alignment = [], 32
+        for _ in range(n_kv):
+            (klen,) = struct.unpack("<Q", f.read(8))
+            k = f.read(klen)
+            (vtype,) = struct.unpack("<I", f.read(4))
+            start = f.tell()
+            _skip_gguf_value(f, vtype)
+            end = f.tell()
+            f.seek(start)
+            raw = f.read(end - start)
+            if k == b"general.alignment":
+                (alignment,) = struct.unpack("<I", raw)
+            kvs.append((k, vtype, raw))
+        infos_start = f.tell()
+        for _ in range(n_tensors):
+            (nlen,) = struct.unpack("<Q", f.read(8))
+            f.seek(nlen, 1)
+            (ndim,) = struct.unpack("<I", f.read(4))
+            f.seek(8 * ndim + 4 + 8, 1)
+        infos_end = f.tell()
+        f.seek(infos_start)
+        infos = f.read(infos_end - infos_start)
+        data_start = -(-infos_end // alignment) * alignment
+        kb, vb = key.encode(), value.encode()
+        new = [(k, t, r) for k, t, r in kvs if k != kb] + [(kb, _GGUF_STRING, struct.pack("<Q", len(vb)) + vb)]
+        head = struct.pack("<4sIQQ", b"GGUF", 3, n_tensors, len(new))
+        head += b"".join(struct.pack("<Q", len(k)) + k + struct.pack("<I", t) + r for k, t, r in new) + infos
+        head += b"\0" * (-len(head) % alignment)
+        with open(dst, "wb") as out:
+            out.write(head)
+            f.seek(data_start)
+            shutil.copyfileobj(f, out, 1 << 22)
+
+
+def embedded_gguf() -> str:
+    from kinfer_rpc.host.store import embedded_default_path
+
+    return embedded_default_path()
+
+
+# Each probe is one branch of ONE hostile template (chosen by the last message's content), followed by
+# the same plain ChatML turn: a probe that renders harmlessly adds nothing to the prompt.
+TAIL = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+MARKER = "MARKER_PATH"
+PROBES = {
+    # reach Python internals
+    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals-os": "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "lipsum": "{{ lipsum.__globals__['os'].system('touch MARKER_PATH') }}",
+    "joiner": "{{ joiner.__init__.__globals__.os.system('touch MARKER_PATH') }}",
+    "namespace": "{{ namespace.__init__.__globals__['__builtins__']['open']('MARKER_PATH', 'w') }}",
+    "self-builtins": "{{ self.__init__.__globals__.__builtins__.open('MARKER_PATH', 'w').write('x') }}",
+    "raise-globals": "{{ raise_exception.__globals__['jinja2'] }}",
+    "strftime-globals": "{{ strftime_now.__globals__['datetime'].datetime }}",
+    "format": "{{ '{0.__class__.__mro__}'.format(messages) }}",
+    "format-globals": "{{ '{0.__init__.__globals__}'.format(cycler) }}",
+    "mutate-list": "{{ messages.append({'role': 'system', 'content': 'pwned'}) }}",
+    "mutate-dict": "{% set x = messages[0].update({'content': 'pwned'}) %}",
+    "loop-class": "{% for m in messages %}{{ loop.__class__.__init__.__globals__ }}{% endfor %}",
+    # render to nothing: the sandbox turns unsafe attributes into undefined values
+    "template-context": "{{ self._TemplateReference__context }}",
+    "attr-filter": "{{ (messages|attr('__class__')) }}",
+    "gi-frame": "{{ (messages|map('string')).gi_frame }}",
+    "item-class": "{{ ''['__class__'] }}",
+    # the file system: there is no loader, nothing can be read
+    "include": "{% include '/etc/passwd' %}",
+    "import": "{% import '/etc/passwd' as p %}{{ p }}",
+    "extends": "{% extends '/etc/passwd' %}",
+    "from-import": "{% from '/etc/passwd' import root %}{{ root }}",
+    # resource limits the sandbox has
+    "huge-range": "{% for i in range(10**9) %}{% endfor %}",
+    "huge-string": "{{ 'a' * 4611686018427387904 }}",  # 2^62 bytes: no allocator gives that, whatever overcommit
+    "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+}
+BLOCKED = [
+    "mro",
+    "globals-os",
+    "lipsum",
+    "joiner",
+    "namespace",
+    "self-builtins",
+    "raise-globals",
+    "strftime-globals",
+    "format",
+    "format-globals",
+    "mutate-list",
+    "mutate-dict",
+    "loop-class",
+]
+HARMLESS = ["template-context", "attr-filter", "gi-frame", "item-class"]
+_BUG_TEMPLATE_ERRORS = (
+    "bug: chat.py render() catches only jinja2.TemplateError and SecurityError; a template that fails with "
+    "another exception ({}) is answered -32603 Internal error, where the spec says -32602 (the chat template "
+    "fails on the messages). Reproduce: a GGUF whose tokenizer.chat_template is {!r}, then inference/chat"
+)
+FAILING = {  # probe -> the exception it raises inside render()
+    "include": "TypeError: no loader for this environment specified",
+    "import": "TypeError: no loader for this environment specified",
+    "extends": "TypeError: no loader for this environment specified",
+    "from-import": "TypeError: no loader for this environment specified",
+    "huge-range": "OverflowError: Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000)",
+    "huge-string": "MemoryError",
+    "recursion": "RecursionError: maximum recursion depth exceeded",
+}
+
+
+def hostile_template(marker: str, probes: dict = PROBES) -> str:
+    out = ""
+    for i, (name, src) in enumerate(probes.items()):
+        keyword = "if" if i == 0 else "elif"
+        out += f"{{% {keyword} messages[-1]['content'] == '{name}' %}}{src.replace(MARKER, marker)}"
+    return out + "{% endif %}{{ '" + TAIL.replace("\n", "\\n") + "' }}"
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A server and a copy of the embedded model whose chat template is hostile."""
+    folder = tmp_path_factory.mktemp("hostile")
+    marker = str(folder / "pwned")
+    path = str(folder / "hostile.gguf")
+    gguf_with_string(embedded_gguf(), path, "tokenizer.chat_template", hostile_template(marker))
+    c = RpcClient.spawn(env={"TMPDIR": str(folder)})
+    try:
+        c.initialize()
+        info = c.call("model/load", {"model": path, "options": {"contextLength": 256, "slots": 1}}, timeout=60)
+        assert info["source"] == "path" and info["model"] == path
+        c.path, c.marker = path, marker
+        baseline = c.call("inference/chat", _probe_params(path, "benign"))
+        c.baseline_tokens = baseline["usage"]["promptTokens"]
+        yield c
+    finally:
+        c.close(timeout=5, check=False)
+    c.assert_clean()
+    assert not os.path.exists(marker)
+
+
+def _probe_params(path: str, probe: str) -> dict:
+    return {"model": path, "messages": [{"role": "user", "content": probe}], "options": {"maxTokens": 1, **GREEDY}}
+
+
+def _assert_nothing_leaked(c: RpcClient, response: dict) -> None:
+    text = json.dumps(response)
+    for secret in ("root:x:", "uid=", "/bin/bash", "<module", "<class", "__builtins__"):
+        assert secret not in text, response
+    assert not os.path.exists(c.marker), "the template wrote a file"
+    assert c.proc.poll() is None, "the server died"
+
+
+@pytest.mark.parametrize("probe", BLOCKED)
+def test_hostile_chat_template_is_refused_by_the_sandbox_with_31006(hostile, probe):
+    c = hostile
+    r = c.request("inference/chat", _probe_params(c.path, probe), timeout=30)
+    _assert_nothing_leaked(c, r)
+    err = error_of(r)
+    assert err["code"] == NOT_SUPPORTED, err
+    assert "unsafe" in err["message"]
+    assert result_of(c.request("inference/chat", _probe_params(c.path, "benign")))  # it keeps serving
+
+
+@pytest.mark.parametrize("probe", HARMLESS)
+def test_hostile_chat_template_renders_harmlessly(hostile, probe):
+    c = hostile
+    r = c.request("inference/chat", _probe_params(c.path, probe), timeout=30)
+    _assert_nothing_leaked(c, r)
+    # the probe rendered to nothing: the prompt is the plain turn's
+    assert result_of(r)["usage"]["promptTokens"] == c.baseline_tokens
+
+
+@pytest.mark.parametrize("probe", list(FAILING))
+def test_hostile_chat_template_that_fails_is_32602_and_reads_nothing(hostile, probe):
+    c = hostile
+    r = c.request("inference/chat", _probe_params(c.path, probe), timeout=30)
+    _assert_nothing_leaked(c, r)
+    assert result_of(c.request("inference/chat", _probe_params(c.path, "benign")))  # it keeps serving
+    assert error_of(r)["code"] in (INVALID_PARAMS, NOT_SUPPORTED), r
+
+
+def test_a_template_that_loops_forever_does_not_stop_the_server(spawn, tmp_path):
+    path = str(tmp_path / "slow.gguf")
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    gguf_with_string(embedded_gguf(), path, "tokenizer.chat_template", hostile_template("", {"loop": loop}))
+    c = spawn()
+    c.initialize()
+    c.call("model/load", {"model": path, "options": {"contextLength": 256, "slots": 1}}, timeout=60)
+    rid = c.request_async("inference/chat", _probe_params(path, "loop"))
+    time.sleep(0.2)
+    try:
+        assert "result" in c.request("model/status", timeout=3)
+        c.cancel(rid)
+        # Cancelled, or refused first by the sandbox's loop budget (10^6 range items a render).
+        assert error_of(c.response(rid, timeout=5))["code"] in (REQUEST_CANCELLED, NOT_SUPPORTED)
+    finally:
+        c.kill()

@@ -6,6 +6,8 @@ import json
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kinfer_rpc import errors
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, FrameError, FrameReader, encode
@@ -344,3 +346,24 @@ def test_trailing_whitespace_at_eof_is_not_an_error():
 
 def encode_raw(body: bytes) -> bytes:
     return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+# -- header values of any length ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("digits", [19, 20, 4301, 5000, 100_000])
+def test_a_content_length_of_thousands_of_digits_is_an_error_not_a_crash(digits):
+    """Python's int() refuses strings of more than 4,300 digits; the reader must not let that (or
+    any length no frame could have) escape: -32700 for that frame, then the next one read."""
+    out = read(b"Content-Length: " + b"9" * digits + b"\r\n\r\n" + GOOD)
+    assert isinstance(out[0], FrameError) and out[0].code == PARSE_ERROR, out
+    assert out[-1] == msg(99)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.binary(max_size=6000), name=st.sampled_from([b"Content-Length", b"Content-Type", b"X-Other"]))
+def test_any_header_value_yields_messages_or_frame_errors_then_resyncs(value, name):
+    value = value.replace(b"\r\n", b"")
+    out = read(name + b": " + value + b"\r\n\r\n" + GOOD)
+    assert all(isinstance(m, (dict, FrameError)) for m in out), out
+    assert out and out[-1] == msg(99)

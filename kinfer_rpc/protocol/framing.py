@@ -157,6 +157,10 @@ class FrameReader:
                 return False
 
 
+# A petabyte: lengths past it are garbage, not frames to skip (and past 4,300 digits int() refuses).
+_LENGTH_DIGITS = 15
+
+
 def _content_length(headers: bytes) -> tuple[int | None, str | None]:
     """The body's length (None if unknown) and what was wrong with the headers, if anything."""
     length = None
@@ -173,6 +177,8 @@ def _content_length(headers: bytes) -> tuple[int | None, str | None]:
         if name == "content-length":
             if not (value.isascii() and value.isdigit()):
                 return None, f"Content-Length is not a number: {value[:40]!r}"
+            if len(value.lstrip("0")) > _LENGTH_DIGITS:  # no frame is that long: malformed, resync
+                return None, f"Content-Length has {len(value)} digits: {value[:20]}..."
             length = int(value)
         elif name == "content-type":
             charset = re.search(r"charset\s*=\s*([^;\s]+)", value, re.IGNORECASE)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 
 import attrs
+from engine_helpers import CTX, WORDS, RepeatLast, _options, alone, run_until_done, tokenize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import CTX, WORDS, _options, alone, run_until_done, tokenize
 
 from kinfer_rpc.default_plugins.drafts import NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
@@ -17,13 +17,6 @@ from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
 
 MAX_DRAFTS = 8
-
-
-class RepeatLast:
-    name = "repeat-last"
-
-    def propose(self, history, k):
-        return [history[-1]] * k
 
 
 class Noise:

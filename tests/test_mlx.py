@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
+from engine_helpers import WORDS, run_until_done  # noqa: E402
 from protocol_fixtures import server, spawn  # noqa: E402,F401
 from rpcclient import error_of  # noqa: E402
-from test_engine import WORDS, run_until_done  # noqa: E402
 
 from kinfer_rpc import errors  # noqa: E402
 from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_engine import run_until_done
+from engine_helpers import run_until_done
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
 from kinfer_rpc.engine.sampling import SamplingOptions

@@ -246,7 +246,8 @@ class Connection:
     async def _notification(self, method: str, params: dict[str, Any] | list[Any]) -> None:
         if method == "$/cancelRequest":
             rid = params.get("id") if isinstance(params, dict) else None
-            running = self._running.get(rid)
+            # Ids compare by JSON type too: true is not 1, 2.0 is not 2 (Python's == says they are).
+            running = self._running.get(rid) if type(rid) in (int, str) else None
             if running:
                 running[0].cancel()
             return

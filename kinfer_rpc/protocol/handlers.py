@@ -101,8 +101,8 @@ class Handlers:
         f = Fields(p, "params")
         name = f.str("model")
         f.done()
-        if name is None:
-            raise errors.invalid_params("params.model is required")
+        if not name:
+            raise errors.invalid_params("params.model is required (the name of a loaded model)")
         await self.runtime.unload(name)
         return None
 

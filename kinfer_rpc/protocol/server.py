@@ -248,6 +248,17 @@ class StdinStream:
         return await self._queue.get()
 
 
+def _process_id(text: str) -> int:
+    """--clientProcessId: a number a process id can be (os.kill refuses the rest)."""
+    try:
+        pid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
+    if not 1 <= pid < 2**31:
+        raise argparse.ArgumentTypeError(f"not a process id: {pid} (1 to {2**31 - 1})")
+    return pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -269,7 +280,7 @@ def _take_stdout() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kinfer-rpc", description=(__doc__ or "kinfer-rpc").splitlines()[0])
-    parser.add_argument("--clientProcessId", type=int, default=None, help="exit when this process dies")
+    parser.add_argument("--clientProcessId", type=_process_id, default=None, help="exit when this process dies")
     parser.add_argument("--log-file", default=None, help="also write logs to this file")
     parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))
     parser.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)

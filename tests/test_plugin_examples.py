@@ -1,8 +1,8 @@
 """docs/plugins.md's worked example, docs/examples/kinfer_markov, installed and run for real.
 
 The package is installed with pip into a temporary folder exactly as tests/test_plugins.py installs
-its example (its `pip_install`), and a spawned `kinfer-rpc` with that folder on PYTHONPATH finds it
-through its entry point. Through the protocol: the server lists the backend, the draft policy and
+its example (`pip_install`, tests/plugin_helpers.py), and a spawned `kinfer-rpc` with that folder on
+PYTHONPATH finds it through its entry point. Through the protocol: the server lists the backend, the draft policy and
 the placement; the backend loads a corpus and generates the corpus's greedy bigram chain; drafts
 never change a reply; the placement places the embedded GGUF model on the llama backend, and a
 markov load refuses it (placements apply only to GGUF models on backends that report their
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_helpers import pip_install
 from rpcclient import DEFAULT_MODEL, RpcClient, error_of
-from test_plugins import pip_install
 
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan

@@ -8,22 +8,16 @@ found through its entry point exactly as an installed third-party plugin is.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import threading
-import tomllib
-import zipfile
 from pathlib import Path
 
 import pytest
+from plugin_helpers import pip_install
 
 import kinfer_rpc
 from kinfer_rpc.host.plugins import load_plugins
@@ -36,84 +30,7 @@ KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 TIMEOUT = 60.0
 
 
-# -- installing a plugin package --------------------------------------------------------------
-def _setuptools_builds_wheels() -> bool:
-    """setuptools builds wheels by itself from 70.1; before that it needs the `wheel` package."""
-    if importlib.util.find_spec("setuptools") is None:
-        return False
-    if importlib.util.find_spec("wheel") is not None:
-        return True
-    version = importlib.metadata.version("setuptools").split(".")
-    try:
-        return (int(version[0]), int(version[1])) >= (70, 1)
-    except (ValueError, IndexError):
-        return False
-
-
-def _build_wheel(src: Path, out: Path) -> Path:
-    """Build a pure-Python wheel from the package's own pyproject.toml, without setuptools.
-
-    Only for interpreters whose setuptools cannot build wheels offline (a fresh `python -m venv`
-    of Python 3.11 has setuptools 65 and no `wheel`; 3.12 has no setuptools at all). The wheel
-    carries the same name, version, modules and entry points that setuptools would write.
-    """
-    project = tomllib.loads((src / "pyproject.toml").read_text())
-    meta = project["project"]
-    dist = meta["name"].replace("-", "_")
-    info = f"{dist}-{meta['version']}.dist-info"
-    files = {f"{m}.py": (src / f"{m}.py").read_bytes() for m in project["tool"]["setuptools"]["py-modules"]}
-    files[f"{info}/METADATA"] = (
-        f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n"
-        f"Summary: {meta.get('description', '')}\n"
-    ).encode()
-    files[f"{info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: kinfer-rpc tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
-    groups = meta.get("entry-points", {})
-    files[f"{info}/entry_points.txt"] = "".join(
-        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) + "\n"
-        for group, eps in groups.items()
-    ).encode()
-    record = []
-    for path, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(data)}")
-    record.append(f"{info}/RECORD,,")
-    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
-    wheel = out / f"{dist}-{meta['version']}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path, data in files.items():
-            zf.writestr(path, data)
-    return wheel
-
-
-def pip_install(src: Path, work: Path) -> Path:
-    """Install the package at `src` with pip, offline, into a fresh folder; return the folder.
-
-    The source is copied first: a build without isolation writes build/ and *.egg-info next to
-    the sources, and the tests must not leave files in the repository.
-    """
-    target = work / "site"
-    copy = shutil.copytree(src, work / "src")
-    what = str(copy) if _setuptools_builds_wheels() else str(_build_wheel(copy, work))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        "--no-build-isolation",
-        "--no-index",
-        "--disable-pip-version-check",
-        "--target",
-        str(target),
-        what,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
-    return target
-
-
+# -- installing a plugin package (plugin_helpers.pip_install) -----------------------------------
 @pytest.fixture(scope="module")
 def example_site(tmp_path_factory):
     return pip_install(EXAMPLE_PKG, tmp_path_factory.mktemp("example"))

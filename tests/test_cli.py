@@ -47,6 +47,7 @@ def json_lines(text: str) -> list:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+@pytest.mark.model
 def test_chat_with_a_prompt():
     proc = kinfer("chat", "Name a colour.", "--max-tokens", "8", "--threads", "1")  # temperature 0 by default
     assert proc.stdout.strip()
@@ -55,6 +56,7 @@ def test_chat_with_a_prompt():
     assert proc.stdout == again.stdout
 
 
+@pytest.mark.model
 def test_chat_json_output_parses():
     (a,) = json_lines(
         kinfer("--json", "chat", "Name a colour.", "--max-tokens", "6", "--threads", "1", "--seed", "3").stdout
@@ -67,6 +69,7 @@ def test_chat_json_output_parses():
     assert a["text"] == b["text"]
 
 
+@pytest.mark.model
 def test_interactive_chat_keeps_the_history():
     proc = kinfer("chat", "--json", "--max-tokens", "4", "--threads", "1", stdin="Say one word.\n\nSay another word.\n")
     first, second = json_lines(proc.stdout)
@@ -84,6 +87,7 @@ def test_list():
     assert any(m["name"] == DEFAULT and m["source"] == "embedded" for m in models)
 
 
+@pytest.mark.model
 def test_ps_shows_the_servers_of_this_machine():
     with Client() as client:
         client.load(threads=1)
@@ -100,6 +104,7 @@ def test_ps_shows_the_servers_of_this_machine():
     assert client.pid not in [s["pid"] for s in servers]
 
 
+@pytest.mark.model
 def test_doctor_json():
     report = json.loads(kinfer("doctor", "--json").stdout)
     assert report["ok"] is True, report["problems"]
@@ -121,6 +126,7 @@ def test_doctor_text():
     assert DEFAULT in out
 
 
+@pytest.mark.model
 def test_bench_with_tiny_settings():
     report = json.loads(kinfer("bench", "--json", "-n", "3", "-c", "2", "--max-tokens", "4", "--threads", "1").stdout)
     assert report["requests"] == 3 and report["concurrency"] == 2

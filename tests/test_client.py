@@ -71,6 +71,7 @@ def _idle(kinfer: Client, timeout: float = 10.0) -> None:
 
 
 # -- the blocking client -----------------------------------------------------------------------
+@pytest.mark.model
 def test_initialize_and_load_progress(loaded):
     kinfer, info, progress = loaded
     assert kinfer.server_info["serverInfo"]["name"] == "kinfer-rpc"
@@ -82,6 +83,7 @@ def test_initialize_and_load_progress(loaded):
     assert percentages == sorted(percentages)
 
 
+@pytest.mark.model
 def test_models_and_status_are_typed(kinfer):
     models = kinfer.models()
     assert all(isinstance(m, Model) for m in models)
@@ -91,6 +93,7 @@ def test_models_and_status_are_typed(kinfer):
     assert isinstance(status, ModelStatus) and status.state == "ready" and status.slots >= 1
 
 
+@pytest.mark.model
 def test_blocking_generate_and_chat(kinfer):
     r = kinfer.generate("The capital of France is", maxTokens=4, temperature=0)
     assert isinstance(r, Result)
@@ -104,6 +107,7 @@ def test_blocking_generate_and_chat(kinfer):
     assert a.text == b.text and a.seed == 7
 
 
+@pytest.mark.model
 def test_stream_concatenates_to_the_final_text(kinfer):
     blocking = kinfer.chat(MESSAGES, maxTokens=10, temperature=0)
     stream = kinfer.stream_chat(MESSAGES, maxTokens=10, temperature=0)
@@ -113,6 +117,7 @@ def test_stream_concatenates_to_the_final_text(kinfer):
     assert stream.result.tokens == blocking.tokens
 
 
+@pytest.mark.model
 def test_breaking_the_loop_cancels(kinfer):
     stream = kinfer.stream_generate("Once upon a time", **LONG)
     response = stream.response
@@ -128,12 +133,14 @@ def test_breaking_the_loop_cancels(kinfer):
     assert kinfer.generate("Hello", maxTokens=2, temperature=0).usage.completion_tokens == 2
 
 
+@pytest.mark.model
 def test_breaking_an_unnamed_loop_frees_the_slot(kinfer):
     for _ in kinfer.stream_generate("Once upon a time", **LONG):
         break
     _idle(kinfer)  # 2000 tokens would keep a slot busy for many seconds
 
 
+@pytest.mark.model
 def test_cancelled_stream_raises_with_the_partial_result(kinfer):
     stream = kinfer.stream_generate("Once upon a time", **LONG)
     next(stream)
@@ -144,6 +151,7 @@ def test_cancelled_stream_raises_with_the_partial_result(kinfer):
     assert caught.value.partial is not None and 1 <= len(caught.value.partial.tokens) < 2000
 
 
+@pytest.mark.model
 def test_errors_are_rpc_errors(kinfer):
     with pytest.raises(RpcError) as caught:
         kinfer.chat(MESSAGES, model="no-such-model", maxTokens=1)
@@ -154,6 +162,7 @@ def test_errors_are_rpc_errors(kinfer):
 
 
 # -- the async client --------------------------------------------------------------------------
+@pytest.mark.model
 def test_async_client():
     async def main():
         async with AsyncClient(KINFER_RPC) as kinfer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import attrs
+import pytest
 from engine_helpers import CTX, WORDS, RepeatLast, _options, alone, run_until_done, tokenize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,7 @@ request = st.tuples(
 )
 
 
+@pytest.mark.model
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     requests=st.lists(request, min_size=1, max_size=4),
@@ -99,6 +101,7 @@ def assert_drafted_replies(engine, requests, wants, drafts, policy):
 REPEATING = "red green blue yellow, red green blue yellow, red green blue yellow, red green blue yellow, red"
 
 
+@pytest.mark.model
 def test_ngram_drafts_are_accepted_when_text_repeats():
     prompt = tokenize(REPEATING)
     want = alone(prompt, 40, 0.0, 0)
@@ -175,6 +178,7 @@ def close(engine):
     engine.model.close()
 
 
+@pytest.mark.model
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     requests=st.lists(request, min_size=1, max_size=3),
@@ -191,6 +195,7 @@ def test_a_draft_model_never_changes_a_reply(requests, draft, drafts, slots):
         close(engine)
 
 
+@pytest.mark.model
 def test_the_model_drafting_for_itself_is_always_right():
     """Greedy drafts from the same weights equal the target's own choices (bit-identical logits
     in every pass shape, tests/test_invariance.py), so every draft is accepted; a second request
@@ -210,6 +215,7 @@ def test_the_model_drafting_for_itself_is_always_right():
         close(engine)
 
 
+@pytest.mark.model
 def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
     import pytest
 
@@ -223,6 +229,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
         make_drafting_engine(1, str(other))
 
 
+@pytest.mark.model
 def test_draft_model_through_the_server():
     from rpcclient import RpcClient, error_of
 

@@ -51,6 +51,7 @@ request = st.tuples(
 )
 
 
+@pytest.mark.model
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     requests=st.lists(request, min_size=2, max_size=7),
@@ -78,6 +79,7 @@ def test_reply_is_the_same_alone_or_batched(requests, slots, batch, cancel, pref
         engine.model.close()
 
 
+@pytest.mark.model
 def test_chunked_prompt_matches_one_pass():
     text = " ".join(WORDS * 3)
     prompt = tokenize(text)
@@ -92,6 +94,7 @@ def test_chunked_prompt_matches_one_pass():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_a_pass_of_many_ubatches_places_every_sequences_cells():
     """llama.cpp finds every ubatch's cells before a pass (llama_kv_cache::prepare), placing each
     ubatch but the last (patches/llama-kv-prepare.patch) so the next finds other cells. Three
@@ -138,6 +141,7 @@ def engine4():
     engine.model.close()
 
 
+@pytest.mark.model
 def test_max_tokens_and_length_reason(engine4):
     job = Job(list(tokenize("Count: one two three")), _options(5, 0.0, 0))
     run_until_done(engine4, [job])
@@ -146,6 +150,7 @@ def test_max_tokens_and_length_reason(engine4):
     assert (usage["promptTokens"], usage["completionTokens"]) == (len(job.prompt), 5)
 
 
+@pytest.mark.model
 def test_stop_string_is_never_streamed(engine4):
     prompt = list(tokenize("one two three four five six seven eight nine ten one two three four"))
     free = Job(prompt, _options(20, 0.0, 0))
@@ -162,6 +167,7 @@ def test_stop_string_is_never_streamed(engine4):
     assert stop not in "".join(pieces)
 
 
+@pytest.mark.model
 def test_streamed_text_is_whole_characters(engine4):
     prompt = list(tokenize("Write in Japanese: 東京は日本の首都です。 東京"))
     pieces = []
@@ -176,6 +182,7 @@ def test_streamed_text_is_whole_characters(engine4):
         assert "\ufffd" not in piece or "\ufffd" in raw.decode("utf-8", "replace")
 
 
+@pytest.mark.model
 def test_end_of_generation_stops(engine4):
     # SmolLM2 ends a chat turn with <|im_end|>: a short answer must stop by itself.
     from kinfer_rpc.host import templates as chat
@@ -191,6 +198,7 @@ def test_end_of_generation_stops(engine4):
     assert not set(engine4.model.eog_tokens()) & set(job.generated)
 
 
+@pytest.mark.model
 def test_context_overflow_names_both_numbers(engine4):
     job = Job(list(range(1, CTX + 10)), _options(1, 0.0, 0))
     with pytest.raises(errors.KinferError) as exc:
@@ -199,6 +207,7 @@ def test_context_overflow_names_both_numbers(engine4):
     assert str(CTX + 9) in exc.value.message and str(CTX) in exc.value.message
 
 
+@pytest.mark.model
 def test_queue_full_is_an_error():
     engine = make_engine(slots=1, batch=64)
     engine.max_queue = 2
@@ -213,6 +222,7 @@ def test_queue_full_is_an_error():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_cancel_frees_the_slot_at_the_next_step(engine4):
     prompt = list(tokenize("tell me a long story about a fox"))
     jobs = [Job(prompt, _options(300, 0.0, 0)) for _ in range(4)]
@@ -229,6 +239,7 @@ def test_cancel_frees_the_slot_at_the_next_step(engine4):
     assert all(j.stop_reason == "cancelled" for j in jobs)
 
 
+@pytest.mark.model
 def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
     engine = make_engine(slots=2, batch=64, prefix=100000)
     try:
@@ -246,6 +257,7 @@ def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_prefix_pool_copies_a_busy_slots_prefix():
     engine = make_engine(slots=2, batch=512, prefix=0)
     try:
@@ -266,6 +278,7 @@ def test_prefix_pool_copies_a_busy_slots_prefix():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_compaction_moves_the_highest_busy_slot_down():
     engine = make_engine(slots=3, batch=512, prefix=-1)
     try:
@@ -293,6 +306,7 @@ def test_compaction_moves_the_highest_busy_slot_down():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
     """A pass started before the last one's tokens are taken (Engine._start_next) feeds each
     job the token it is about to take, so replies are the reference's; a job cancelled or
@@ -356,6 +370,7 @@ def test_passes_started_ahead_keep_replies_through_cancels_stops_and_moves():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_no_pass_starts_ahead_where_decode_waits_for_it():
     engine = make_engine(slots=2, start_ahead=None, gpu_layers=0)  # the CPU's llama_decode returns when done
     try:
@@ -366,6 +381,7 @@ def test_no_pass_starts_ahead_where_decode_waits_for_it():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
     """No pass starts ahead while a slot is still to move (two gaps close in two steps) or while
     a request waits for a free slot (it joins at the next step but one, at the latest)."""
@@ -400,6 +416,7 @@ def test_a_pass_started_ahead_leaves_room_for_moves_and_newcomers():
         engine.model.close()
 
 
+@pytest.mark.model
 def test_decode_next_is_the_last_pass_one_token_further():
     """decode_next(tokens) gives the logits decode() gives for the same rows one position on,
     and refuses where the last pass was not one token a row or cells moved since."""
@@ -454,6 +471,7 @@ needs_patch = pytest.mark.skipif(
 )
 
 
+@pytest.mark.model
 @needs_patch
 def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
     """patches/llama-output-argmax.patch: a pass ends in one argmax over its output rows. A greedy
@@ -501,6 +519,7 @@ def test_argmax_in_the_pass_is_the_host_argmax_and_leaves_other_rows_alone():
         m.close()
 
 
+@pytest.mark.model
 @needs_patch
 def test_greedy_replies_take_their_argmax_in_the_pass():
     """A greedy request's rows (a drafting one's too) get their argmax in the pass; a seeded

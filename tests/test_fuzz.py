@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from rpcclient import DEFAULT_MODEL, RpcClient, Timeout, frame, raw_frame
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 MAX_FRAME = 4096
 INTERNAL_ERROR = -32603
 DOCUMENTED = metamodel.model().error_codes - {INTERNAL_ERROR}

@@ -16,6 +16,8 @@ from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 
 def load(kv_type=None, threads=2, batch=1024):
     opts = LoadOptions(

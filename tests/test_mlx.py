@@ -35,6 +35,8 @@ from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E4
 from kinfer_rpc.host.store import ModelStore, embedded_default_path  # noqa: E402
 from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 GGUF = embedded_default_path()
 CTX = 256
 

@@ -25,6 +25,8 @@ from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.protocol.results import engine_status, job_result
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX = 256
 BATCH = 128

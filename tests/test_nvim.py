@@ -19,9 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 NVIM = shutil.which("nvim")
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 
-pytestmark = pytest.mark.skipif(
-    NVIM is None, reason="Neovim is not installed (apt-get install neovim); the nvim client is untested here"
-)
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        NVIM is None, reason="Neovim is not installed (apt-get install neovim); the nvim client is untested here"
+    ),
+]
 
 SCRIPT = r"""
 local kinfer = require('kinfer')

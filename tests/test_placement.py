@@ -187,6 +187,7 @@ def test_overrides_array_is_null_terminated():
     assert llama_cpp_buft.Ggml().buft_name(buft) == b"CPU"
 
 
+@pytest.mark.model
 def test_experts_really_stay_in_host_buffers(moe_path, caplog):
     """llama.cpp logs every tensor an override moved; only the expert tensors move, and the
     model computes the same logits either way on the CPU."""
@@ -213,6 +214,7 @@ def test_experts_really_stay_in_host_buffers(moe_path, caplog):
     assert np.array_equal(logits[0], logits[1])
 
 
+@pytest.mark.model
 def test_default_threads_follow_where_the_layers_are(smol_path):
     """A load naming no thread count gets the CPU count, except with every layer and the output
     on a GPU and nothing in host memory: then llama.cpp's threads only look up embeddings, and 2
@@ -249,6 +251,7 @@ def test_initialize_lists_the_builtin_placements():
     assert {"auto", "gpu", "cpu", "experts-host"} <= set(result["capabilities"]["placements"])
 
 
+@pytest.mark.model
 def test_default_load_reports_its_placement(server):
     r = server.load_model()
     assert r["placement"] == "auto" and "no GPU" in r["placementReason"]
@@ -263,6 +266,7 @@ def test_default_load_reports_its_placement(server):
     server.call("model/unload", {"model": r["model"]})
 
 
+@pytest.mark.model
 def test_experts_host_load_generates_and_reports(server, moe_path):
     r = server.load_model(moe_path, placement="experts-host")
     assert r["placement"] == "experts-host" and r["hostTensors"] == [P.EXPERTS]
@@ -279,6 +283,7 @@ def test_experts_host_load_generates_and_reports(server, moe_path):
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 6
 
 
+@pytest.mark.model
 def test_user_options_win_over_the_plan(server, moe_path):
     r = server.load_model(moe_path, placement="experts-host", batch=1024, slots=2)
     assert (r["batch"], r["ubatch"]) == (1024, 1024) and "batch 1024 set by the load options" in r["placementReason"]
@@ -288,6 +293,7 @@ def test_user_options_win_over_the_plan(server, moe_path):
     server.call("model/unload", {"model": r["model"]})
 
 
+@pytest.mark.model
 def test_mistakes_are_clear_errors_and_the_server_goes_on(server, moe_path):
     e = error_of(server.request("model/load", {"model": None, "options": {"placement": "experts-host"}}))
     assert e["code"] == -31003 and "no ffn_*_exps tensors" in e["message"]

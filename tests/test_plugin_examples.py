@@ -138,6 +138,7 @@ def test_placements_do_not_apply_to_a_markov_load(server, model_dir, tmp_path):
     assert error["code"] == -31006 and "places mlx models itself" in error["message"]
 
 
+@pytest.mark.model
 def test_the_placement_places_a_gguf_model_on_llama(server):
     """The embedded SmolLM2-135M GGUF on the built-in llama backend: the placement decides."""
     loaded = server.load_model(DEFAULT_MODEL, placement="markov-cpu")

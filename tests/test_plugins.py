@@ -155,6 +155,7 @@ def test_installed_plugin_is_listed_in_capabilities(example_site, spawn):
     assert refused["error"]["code"] == -31005 and "cannot read gguf" in refused["error"]["message"]
 
 
+@pytest.mark.model
 def test_broken_plugins_are_reported_and_the_server_keeps_serving(example_site, broken_site, spawn):
     server = spawn(sites=[example_site, broken_site])
     caps = server.initialize()

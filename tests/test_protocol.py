@@ -114,6 +114,7 @@ def _documented_fields():
                 yield method, {**base, name: wrong}, name
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method, params, field", list(_documented_fields()))
 def test_every_documented_param_is_known_to_the_server(shared, method, params, field):
     # A member the meta model documents, sent with a wrong type, is refused as a bad value (never as an
@@ -185,6 +186,7 @@ def test_bad_initialize_params_leave_the_server_uninitialized(spawn):
     assert "result" in c.request("model/list")
 
 
+@pytest.mark.model
 def test_shutdown_answers_null_then_requests_are_refused(loaded):
     c = loaded
     assert result_of(c.request("shutdown")) is None
@@ -235,6 +237,7 @@ def test_stdin_close_exits_within_2_seconds(spawn):
     assert time.monotonic() - t < 2.0
 
 
+@pytest.mark.model
 def test_stdin_close_with_a_loaded_model_exits_within_2_seconds(loaded):
     t = time.monotonic()
     assert loaded.close(timeout=5) == 1
@@ -315,6 +318,7 @@ def test_positional_params_that_do_not_fit_are_32602(server):
     assert err["code"] == INVALID_PARAMS and isinstance(err["data"], str)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "method, params, unknown",
     [
@@ -334,6 +338,7 @@ def test_unknown_param_field_is_32602_naming_it(shared, method, params, unknown)
     assert err["data"] == {"unknown": [unknown]}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "method, params, unknown",
     [
@@ -348,6 +353,7 @@ def test_unknown_option_is_32602_naming_it(shared, method, params, unknown):
     assert unknown in err["message"] and err["data"] == {"unknown": [unknown]}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "method, params, field",
     [
@@ -379,6 +385,7 @@ def test_wrong_types_are_32602_naming_the_field(shared, method, params, field):
     assert field in err["message"]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "method, params, words",
     [
@@ -443,6 +450,7 @@ def test_oversize_frame_is_refused_and_the_next_frame_read(spawn):
     assert "big" not in [m.get("id") for m in c.messages]
 
 
+@pytest.mark.model
 def test_a_running_id_cannot_be_reused(loaded):
     c = loaded
     c.request_async(
@@ -467,6 +475,7 @@ def test_model_list(server):
     assert default[0]["loaded"] is False and default[0]["sizeBytes"] > 0
 
 
+@pytest.mark.model
 def test_model_load_status_unload(server):
     c = server
     info = c.load_model()
@@ -559,6 +568,7 @@ def test_backend_load_failure_is_31003(server, tmp_path):
         assert err["code"] == LOAD_FAILED and "no-such-arch" in err["message"]
 
 
+@pytest.mark.model
 def test_model_load_work_done_progress(server):
     c = server
     rid = c.request_async(
@@ -581,6 +591,7 @@ def test_model_load_work_done_progress(server):
     assert c.progress("load-2") == []
 
 
+@pytest.mark.model
 def test_cancelled_model_load_ends_its_progress(server):
     c = server
     rid = c.request_async(
@@ -599,6 +610,7 @@ def test_cancelled_model_load_ends_its_progress(server):
     assert last_progress < c.index_of(response)
 
 
+@pytest.mark.model
 def test_non_object_options_are_refused_for_a_loaded_model(loaded):
     for bad in [0, False, "", []]:
         err = error_of(loaded.request("model/load", {"model": DEFAULT_MODEL, "options": bad}))
@@ -608,6 +620,7 @@ def test_non_object_options_are_refused_for_a_loaded_model(loaded):
 # -- inference ---------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_generate_result(loaded):
     r = loaded.call("inference/generate", {"prompt": "The capital of France is", "options": {**FAST, "seed": 7}})
     assert r["model"] == DEFAULT_MODEL
@@ -616,6 +629,7 @@ def test_generate_result(loaded):
     assert r["usage"]["promptTokens"] > 0
 
 
+@pytest.mark.model
 def test_generate_from_tokens_equals_generate_from_prompt(loaded):
     toks = loaded.call("inference/tokenize", {"text": "Hello, my name is"})
     assert len(toks["tokens"]) == len(toks["pieces"]) and "".join(toks["pieces"]) == "Hello, my name is"
@@ -624,11 +638,13 @@ def test_generate_from_tokens_equals_generate_from_prompt(loaded):
     assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
 
 
+@pytest.mark.model
 def test_chat_result(loaded):
     r = loaded.call("inference/chat", {"messages": [{"role": "user", "content": "Say hi"}], "options": FAST})
     assert r["model"] == DEFAULT_MODEL and r["stopReason"] in ("stop", "length")
 
 
+@pytest.mark.model
 def test_stop_string_ends_the_text(loaded):
     r = loaded.call(
         "inference/generate", {"prompt": "1, 2, 3, 4,", "options": {"maxTokens": 20, "temperature": 0, "stop": ["7"]}}
@@ -636,11 +652,13 @@ def test_stop_string_ends_the_text(loaded):
     assert "7" not in r["text"]
 
 
+@pytest.mark.model
 def test_max_tokens_zero_generates_nothing(loaded):
     r = loaded.call("inference/generate", {"prompt": "Hello", "options": {"maxTokens": 0}})
     assert r["tokens"] == [] and r["text"] == ""
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("options", [{"repeatPenalty": 0}, {"repeatPenalty": 1e-40}, {"temperature": 5e-324}])
 def test_degenerate_sampling_options_do_not_break_the_model(loaded, options):
     r = loaded.request("inference/generate", {"prompt": "Hello Hello Hello", "options": {"maxTokens": 3, **options}})
@@ -649,6 +667,7 @@ def test_degenerate_sampling_options_do_not_break_the_model(loaded, options):
     assert "result" in after, after
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method", ["inference/generate", "inference/chat"])
 def test_partial_results_come_before_the_response_and_concatenate(loaded, method):
     c = loaded
@@ -671,11 +690,13 @@ def test_partial_results_come_before_the_response_and_concatenate(loaded, method
     assert last_progress < c.index_of(response)
 
 
+@pytest.mark.model
 def test_no_partial_results_without_a_token(loaded):
     loaded.call("inference/generate", {"prompt": "Hi", "options": FAST})
     assert loaded.notifications("$/progress") == []
 
 
+@pytest.mark.model
 def test_cancel_a_long_generation_answers_32800_with_the_partial_result(loaded):
     c = loaded
     rid = c.request_async(
@@ -704,6 +725,7 @@ def test_cancel_a_long_generation_answers_32800_with_the_partial_result(loaded):
     assert "result" in c.request("inference/generate", {"prompt": "Hi", "options": FAST})
 
 
+@pytest.mark.model
 def test_cancel_of_an_unknown_or_finished_request_is_ignored(loaded):
     loaded.cancel("never-sent")
     loaded.cancel(12345)
@@ -712,6 +734,7 @@ def test_cancel_of_an_unknown_or_finished_request_is_ignored(loaded):
     assert "result" in loaded.request("model/list")
 
 
+@pytest.mark.model
 def test_context_overflow_is_31002_naming_both_numbers(server):
     c = server
     info = c.load_model(contextLength=64)
@@ -725,6 +748,7 @@ def test_context_overflow_is_31002_naming_both_numbers(server):
     assert str(n) in err["message"] and str(ctx) in err["message"]
 
 
+@pytest.mark.model
 def test_queue_full_is_31004(server):
     c = server
     c.load_model(maxQueue=1)
@@ -748,11 +772,13 @@ def test_queue_full_is_31004(server):
 # -- server -> client messages ----------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_no_log_messages_without_log_level(loaded):
     loaded.call("inference/generate", {"prompt": "Hi", "options": FAST})
     assert loaded.notifications("window/logMessage") == []
 
 
+@pytest.mark.model
 def test_log_messages_at_the_asked_level(spawn):
     c = spawn()
     c.initialize({"initializationOptions": {"logLevel": "info"}})
@@ -781,6 +807,7 @@ def test_broken_plugin_is_reported_with_log_message(spawn, tmp_path):
     assert "llama" in result_of(response)["capabilities"]["backends"]  # the rest still loads
 
 
+@pytest.mark.model
 def test_stdout_carries_nothing_but_frames(spawn):
     # Debug logging makes llama.cpp talk a lot; none of it may reach stdout except as window/logMessage.
     c = spawn()
@@ -796,6 +823,7 @@ def test_stdout_carries_nothing_but_frames(spawn):
     assert c.stdout_bytes == c.frame_bytes > 0
 
 
+@pytest.mark.model
 def test_every_message_of_a_full_session_validates(spawn):
     c = spawn()
     c.request("model/list")  # -32002
@@ -851,6 +879,7 @@ def test_lone_surrogate_in_id_is_answered(server):
     assert "result" in server.request("model/list", timeout=5)
 
 
+@pytest.mark.model
 def test_lone_surrogate_in_text_is_32602(loaded):
     loaded.send_raw(raw_frame(b'{"jsonrpc":"2.0","id":"s","method":"inference/tokenize","params":{"text":"a\\ud800"}}'))
     assert error_of(loaded.response("s", timeout=10))["code"] == INVALID_PARAMS
@@ -870,6 +899,7 @@ def test_unusable_model_paths_are_31001(server, name):
     assert err["code"] == MODEL_NOT_FOUND
 
 
+@pytest.mark.model
 def test_progress_token_must_be_integer_or_string(loaded):
     err = error_of(
         loaded.request("inference/generate", {"prompt": "hi", "options": FAST, "partialResultToken": {"a": 1}})

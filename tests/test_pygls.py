@@ -100,6 +100,7 @@ def test_initialize_and_an_unknown_method():
     session(body)
 
 
+@pytest.mark.model
 def test_streamed_chat_arrives_as_progress_notifications():
     async def body(client):
         await client.initialize()
@@ -116,6 +117,7 @@ def test_streamed_chat_arrives_as_progress_notifications():
     session(body)
 
 
+@pytest.mark.model
 def test_cancelled_generate_answers_request_cancelled_with_the_partial_result():
     async def body(client):
         await client.initialize()

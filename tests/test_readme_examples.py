@@ -48,6 +48,7 @@ def test_each_client_has_an_example():
     )
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
 def test_python_example(code, tmp_path):
     script = tmp_path / "example.py"
@@ -79,6 +80,7 @@ def node_client():
     return node
 
 
+@pytest.mark.model
 def test_node_example(node_client, tmp_path):
     (code,) = blocks("js", "Clients")
     # Installed the way the README says: node_modules/kinfer-rpc-client is the package folder.
@@ -110,6 +112,7 @@ vim.cmd('qa!')
 """
 
 
+@pytest.mark.model
 def test_nvim_example(tmp_path):
     nvim = shutil.which("nvim")
     if nvim is None:
@@ -143,6 +146,7 @@ def test_nvim_example(tmp_path):
     assert "tokens" in proc.stdout + proc.stderr  # the example's on_done printed
 
 
+@pytest.mark.model
 def test_cli_example(tmp_path):
     (code,) = blocks("sh", "Clients")
     proc = subprocess.run(

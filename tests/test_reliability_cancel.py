@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 from reliability_helpers import (
     GREEDY,
@@ -29,6 +30,8 @@ from reliability_helpers import (
     tokens_of,
 )
 from rpcclient import DEFAULT_MODEL, error_of, responses_by_id, result_of
+
+pytestmark = pytest.mark.model  # every test here loads a real model
 
 
 def test_cancel_storm(spawn):

@@ -26,6 +26,8 @@ from reliability_helpers import (
 )
 from rpcclient import DEFAULT_MODEL, KINFER_RPC, RpcClient, responses_by_id
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 
 def _isolated_env(tmp_path) -> tuple[dict, str, str]:
     tmp = tmp_path / "server-tmp"

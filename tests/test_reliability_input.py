@@ -42,6 +42,7 @@ def small():
     no_traceback(c)
 
 
+@pytest.mark.model
 def test_zero_token_prompts_are_32602_through_every_inference_method(small):
     c = small
     assert c.call("inference/tokenize", {"text": ""}) == {"tokens": [], "pieces": []}
@@ -63,6 +64,7 @@ def test_zero_token_prompts_are_32602_through_every_inference_method(small):
     assert result_of(c.request("inference/generate", {"prompt": "Hi", "options": {"maxTokens": 2}}))
 
 
+@pytest.mark.model
 def test_prompts_of_the_whole_context_are_31002_through_every_inference_method(small):
     c = small
     ctx = c.context
@@ -89,6 +91,7 @@ def test_prompts_of_the_whole_context_are_31002_through_every_inference_method(s
     assert ctx // 2 < r["usage"]["promptTokens"] < ctx
 
 
+@pytest.mark.model
 def test_a_huge_prompt_is_refused_quickly_and_the_server_goes_on(small):
     c = small
     t = time.monotonic()
@@ -106,6 +109,7 @@ def test_a_huge_prompt_is_refused_quickly_and_the_server_goes_on(small):
     assert result_of(c.request("inference/generate", {"prompt": "Hi", "options": {"maxTokens": 2}}))
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method", ["inference/generate", "inference/chat"])
 @pytest.mark.parametrize(
     "option, value",
@@ -145,6 +149,7 @@ def test_out_of_range_numbers_are_32602_naming_the_field(small, method, option, 
     assert err["data"] == {"field": f"options.{option}"}, err
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "options",
     [
@@ -194,6 +199,7 @@ def test_out_of_range_load_options_are_32602(bare, options, field):
     assert bare.call("model/status") == {"models": []}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("ids", [[-1], [2**31], [2**63], [10**30], [0, 504, -5]])
 def test_token_ids_outside_the_vocabulary_are_32602(small, ids):
     err = error_of(small.request("inference/generate", {"tokens": ids, "options": {"maxTokens": 1}}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 from reliability_helpers import (
     GREEDY,
@@ -19,6 +20,8 @@ from reliability_helpers import (
     threads_and_fds,
 )
 from rpcclient import DEFAULT_MODEL, error_of, result_of
+
+pytestmark = pytest.mark.model  # every test here loads a real model
 
 
 def test_load_generate_cancel_unload_cycles_leak_no_threads_or_files(spawn):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 from reliability_helpers import (
     children_of,
 )
 from rpcclient import result_of
+
+pytestmark = pytest.mark.model  # every test here loads a real model
 
 
 def _sockets(pid: int) -> dict[int, tuple[str, list[str]]]:

@@ -24,6 +24,8 @@ from reliability_helpers import (
 )
 from rpcclient import RpcClient, error_of, result_of
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 

@@ -389,6 +389,7 @@ def test_server_lists_ollama_models(server):
     assert models[DEFAULT_MODEL]["source"] == "embedded" and models["tiny-kinfer"]["source"] == "kinfer"
 
 
+@pytest.mark.model
 def test_server_chats_with_an_ollama_model_by_name(server):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = server.call(

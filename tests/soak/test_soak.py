@@ -20,6 +20,8 @@ import reliability_helpers as rel
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
 from rpcclient import DEFAULT_MODEL
 
+pytestmark = pytest.mark.model  # every test here loads a real model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

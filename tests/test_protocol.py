@@ -260,6 +260,7 @@ def _short_lived():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
 
 
+@pytest.mark.model  # no model, but not fast: ~1.5 s waiting on the server's once-a-second process watch
 def test_client_process_death_is_noticed(spawn):
     child = _short_lived()
     c = spawn("--clientProcessId", str(child.pid))
@@ -269,6 +270,7 @@ def test_client_process_death_is_noticed(spawn):
     assert m["params"]["type"] == 2
 
 
+@pytest.mark.model  # no model, but not fast: ~1.5 s waiting on the server's once-a-second process watch
 def test_client_process_id_argument_death_exits(spawn):
     child = _short_lived()
     c = spawn("--clientProcessId", str(child.pid))
@@ -277,6 +279,7 @@ def test_client_process_id_argument_death_exits(spawn):
     assert c.wait_exit(4.0) == 1
 
 
+@pytest.mark.model  # no model, but not fast: ~1.5 s waiting on the server's once-a-second process watch
 def test_initialize_process_id_death_exits(spawn):
     c = spawn()
     c.initialize({"processId": _dead_pid()})

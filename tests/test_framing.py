@@ -6,7 +6,7 @@ import json
 
 import anyio
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kinfer_rpc import errors
@@ -362,8 +362,11 @@ def test_a_content_length_of_thousands_of_digits_is_an_error_not_a_crash(digits)
 
 @settings(max_examples=200, deadline=None)
 @given(value=st.binary(max_size=6000), name=st.sampled_from([b"Content-Length", b"Content-Type", b"X-Other"]))
+@example(value=b"1", name=b"Content-Length")
+@example(value=b"9" * 5000, name=b"Content-Length")
 def test_any_header_value_yields_messages_or_frame_errors_then_resyncs(value, name):
     value = value.replace(b"\r\n", b"")
     out = read(name + b": " + value + b"\r\n\r\n" + GOOD)
     assert all(isinstance(m, (dict, FrameError)) for m in out), out
-    assert out and out[-1] == msg(99)
+    if not (name == b"Content-Length" and value.strip().isdigit()):  # a real length may eat the next frame
+        assert out and out[-1] == msg(99)

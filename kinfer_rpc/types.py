@@ -350,12 +350,13 @@ def contract_problems(obj: object, kind: str) -> list[str]:
     Empty when it is sound."""
     required, optional = CONTRACTS[kind]
     problems = []
-    missing = [m for m in members(required) if not hasattr(obj, m)]
+    own = members(required)
+    missing = [m for m in own if not hasattr(obj, m)]
     if missing:
         problems.append(f"lacks {', '.join(missing)}")
-    known = set(members(required))
+    known = set(own)
     for capability in optional:
-        names = [n for n in members(capability) if n not in members(required)]  # its own members
+        names = [n for n in members(capability) if n not in own]  # the capability's own members
         known.update(names)
         have = [n for n in names if hasattr(obj, n)]
         if have and len(have) < len(names):

@@ -22,6 +22,7 @@ are decided here, before `import llama_cpp` loads anything:
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import struct
@@ -52,6 +53,7 @@ def lib_dir() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
+@functools.cache  # a load reads each library for its needs, then for its symbols: once
 def _elf_dynamic(path: Path) -> tuple[list[str], set[bytes]]:
     """(DT_NEEDED names, names of the symbols it defines) of a 64-bit little-endian ELF file."""
     data = path.read_bytes()

@@ -37,4 +37,4 @@ gpu-e2e:                            ## kinfer-rpc end to end: load on the GPU, s
 	OUT=$${OUT:-/tmp/out} bash bench/gpu_e2e.sh 1b 7b
 
 gpu-bench:                          ## decode against llama-batched-bench, the pool, the agent case
-	OUT=$${OUT:-/tmp/out} bash bench/gpu_issue4.sh 1b 7b
+	OUT=$${OUT:-/tmp/out} bash bench/gpu_bench.sh 1b 7b

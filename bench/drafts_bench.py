@@ -11,25 +11,19 @@ through the engine on its worker thread. Replies are compared token for token wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+import attrs
+from harness import emit, run_one, start_engine
 
-
-import attrs  # noqa: E402
-
-from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy  # noqa: E402
-from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.host import templates as chat  # noqa: E402
-from kinfer_rpc.protocol.results import job_result  # noqa: E402
-from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.host import templates as chat
+from kinfer_rpc.protocol.results import job_result
+from kinfer_rpc.types import LoadOptions, SeqChunk
 
 CODE = '''import math
 
@@ -73,25 +67,15 @@ def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None, draf
         drafts=max_drafts,
         draft_model=draft_model,
     )
-    ready = threading.Event()
     backend = LlamaBackend()
-    engine = Engine(
+    return start_engine(
         lambda p: backend.load(model, opts, p),
-        lambda fn: fn(),
-        on_ready=lambda e: ready.set(),
         draft_session=lambda policy, target: policy.session(target, backend, opts),
     )
-    engine.start()
-    ready.wait()
-    return engine
 
 
 def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
-    done = threading.Event()
-    job = Job(prompt, options, on_done=lambda j: done.set())
-    engine.submit(job)
-    done.wait()
-    return job
+    return run_one(engine, prompt, options).jobs[0]
 
 
 def workloads(args):
@@ -107,30 +91,26 @@ def workloads(args):
         run(engine, prompt[:16], attrs.evolve(base, max_tokens=4))  # warm up
         plain = run(engine, prompt, base)
         plain_tps = job_result(plain)["timings"]["tokensPerSecond"]
-        print(
-            json.dumps(
-                {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps}
-            ),
-            flush=True,
+        emit(
+            "workload",
+            {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps},
         )
         for policy, k in [(p, k) for p in policies for k in args.drafts]:
             job = run(engine, prompt, attrs.evolve(base, drafts=k, draft_policy=policy))
             r = job_result(job)
             u = r["usage"]
-            print(
-                json.dumps(
-                    {
-                        "workload": name,
-                        "policy": policy.name,
-                        "drafts": k,
-                        "tokens": len(job.generated),
-                        "tps": r["timings"]["tokensPerSecond"],
-                        "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
-                        "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
-                        "same_reply": job.generated == plain.generated,
-                    }
-                ),
-                flush=True,
+            emit(
+                "workload",
+                {
+                    "workload": name,
+                    "policy": policy.name,
+                    "drafts": k,
+                    "tokens": len(job.generated),
+                    "tps": r["timings"]["tokensPerSecond"],
+                    "speedup": round(r["timings"]["tokensPerSecond"] / plain_tps, 3) if plain_tps else None,
+                    "acceptance": round(u["draftAccepted"] / u["draftTokens"], 3) if u["draftTokens"] else 0.0,
+                    "same_reply": job.generated == plain.generated,
+                },
             )
     engine.stop()
 
@@ -160,11 +140,9 @@ def curve(args):
             model.seq_remove(0, pos, -1)
         ms = sorted(times)[len(times) // 2] * 1000
         base = base or ms
-        print(
-            json.dumps(
-                {"curve": os.path.basename(args.curve), "k": k, "step_ms": round(ms, 3), "vs_k0": round(ms / base, 3)}
-            ),
-            flush=True,
+        emit(
+            "curve",
+            {"model": os.path.basename(args.curve), "k": k, "step_ms": round(ms, 3), "vs_k0": round(ms / base, 3)},
         )
     model.close()
 

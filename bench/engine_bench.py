@@ -14,23 +14,12 @@ The engine runs on its worker thread exactly as the server runs it; only the RPC
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import threading
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+from harness import PhaseTimer, Run, distinct_prompts, emit, greedy, start_engine
 
-
-from phases import PhaseTimer  # noqa: E402
-
-from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine import scheduler as engine_module  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.types import LoadOptions  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine import scheduler as engine_module
+from kinfer_rpc.types import LoadOptions
 
 
 def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
@@ -45,7 +34,6 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
         kv_unified=args.kvu,
         kv_type=args.kv_type,
     )
-    ready = threading.Event()
 
     def load(progress):
         loaded = LlamaBackend().load(model, opts, progress)
@@ -53,70 +41,28 @@ def run(model: str, npl: int, npp: int, ntg: int, args) -> dict:
             loaded.device_greedy = False
         return loaded
 
-    engine = Engine(
+    engine = start_engine(
         load,
-        lambda fn: fn(),
         batch=args.batch,
-        on_ready=lambda exc: ready.set(),
         prefix=args.prefix,
         start_ahead=False if args.start_ahead == "off" else None,
     )
-    engine.start()
-    ready.wait()
-    if engine.model is None:
-        raise SystemExit("load failed")
-    vocab = engine.model.info.n_vocab
     # Distinct prompts (so nothing could be shared), the same length for every request.
-    prompts = [[(7 + 13 * i + 31 * j) % (vocab - 100) + 50 for j in range(npp)] for i in range(npl)]
-    options = GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
-    warm = Job(
-        prompts[0][:8], GenerateOptions(max_tokens=4, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
-    )
-    done = threading.Event()
-    warm.on_done = lambda j: done.set()
-    engine.submit(warm)
-    done.wait()
-
+    prompts = distinct_prompts(npl, npp, engine.model.info.n_vocab)
+    Run(engine, [prompts[0][:8]], greedy(4))  # warm-up
     phases = PhaseTimer(engine) if args.phases else None
-    finished = threading.Semaphore(0)
-    times: list[list[float]] = [[] for _ in prompts]
-    jobs = [
-        Job(
-            p,
-            options,
-            on_done=lambda j: finished.release(),
-            on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)),
-        )
-        for i, p in enumerate(prompts)
-    ]
-    t0 = time.perf_counter()
-    for job in jobs:
-        engine.submit(job)
-    for _ in jobs:
-        finished.acquire()
-    t_end = time.perf_counter()
-    # Like llama-batched-bench: prompt phase until every request has its first token, then the
-    # decode phase with all of them running.
-    t_all_in = max(t[0] for t in times)
-    decode_tokens = sum(1 for t in times for x in t if x > t_all_in)
-    t_decode = t_end - t_all_in
-    t_prompt = t_all_in - t0
+    run = Run(engine, prompts, greedy(ntg))
     device_argmax = bool(getattr(engine.model, "device_greedy", False))
     engine.stop()
-    extra = phases.summary(t_all_in) if phases else {}
     return {
-        **extra,
+        **(phases.summary(run.t_all_in) if phases else {}),
         "engine": "kinfer",
         "npl": npl,
         "npp": npp,
         "ntg": ntg,
         "kvu": args.kvu,
         "prefix": args.prefix,
-        "prompt_s": round(t_prompt, 4),
-        "prompt_tps": round(npl * npp / t_prompt, 2),
-        "decode_s": round(t_decode, 4),
-        "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
-        "total_tps": round(sum(len(j.generated) for j in jobs) / (t_end - t0), 2),
+        **run.timing(prompt_tokens=npl * npp),
         "steps": engine.steps,
         "started_ahead": engine.started_ahead,
         "device_argmax": device_argmax,
@@ -155,13 +101,9 @@ def main():
     if args.argmax_parts:
         engine_module._ARGMAX_PARTS = args.argmax_parts
     if args.tg:
-        r = run(args.model, 1, 1, args.ntg, args)
-        r["case"] = "tg"
-        print(json.dumps(r), flush=True)
+        emit("tg", run(args.model, 1, 1, args.ntg, args))
     for n in [int(x) for x in args.npl.split(",") if x]:
-        r = run(args.model, n, args.npp, args.ntg, args)
-        r["case"] = "batched"
-        print(json.dumps(r), flush=True)
+        emit("batched", run(args.model, n, args.npp, args.ntg, args))
 
 
 if __name__ == "__main__":

@@ -15,20 +15,14 @@ decodes: bench/compare.py measures that.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import numpy as np
+from harness import PhaseTimer, emit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
-
-from phases import PhaseTimer  # noqa: E402
-
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.types import ModelInfo  # noqa: E402
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.types import ModelInfo
 
 
 class InstantModel:
@@ -48,6 +42,9 @@ class InstantModel:
     def decode(self, chunks):
         n = sum(c.outputs for c in chunks)
         return lambda: self.logits[:n]
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return [1] * len(text)
 
     def token_bytes(self, token: int) -> bytes:
         return b"x"
@@ -142,7 +139,7 @@ def main():
     args = ap.parse_args()
     for n in [int(x) for x in args.npl.split(",")]:
         for kind in args.model.split(","):
-            print(json.dumps(run(n, args.vocab, args.steps, kind)), flush=True)
+            emit("host", run(n, args.vocab, args.steps, kind))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ set -euo pipefail
 shapes=${*:-1b 7b}
 for s in $shapes; do
   if [ ! -f /tmp/m-$s.gguf ]; then
-    python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s" >/dev/null
+    python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s" >/dev/null
     /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.part.gguf Q4_K_M >/dev/null 2>&1
     rm -f /tmp/m-$s-f16.gguf && mv /tmp/m-$s.part.gguf /tmp/m-$s.gguf
   fi

@@ -17,7 +17,7 @@ esac
 . bench/gpu_setup.sh
 s=$STAGE
 if [ ! -f /tmp/m-$s.gguf ]; then
-  python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
+  python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
   /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
   rm -f /tmp/m-$s-f16.gguf
 fi

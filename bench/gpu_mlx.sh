@@ -6,7 +6,7 @@
 #       mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2  (+ mlx-lm's pure dependencies: transformers,
 #       huggingface_hub, tokenizers, safetensors, sentencepiece, regex, pyyaml, ...)
 #   split -b 44M mlx_cuda_13-*.whl into parts cuda.part-* in .gpu2/m1 and .gpu2/m2; the other wheels
-#   and a small GGUF with SmolLM2's vocabulary, tok.gguf (bench/make_draft_model.py --layers 1
+#   and a small GGUF with SmolLM2's vocabulary, tok.gguf (tests/modelgen/make_draft_model.py --layers 1
 #   --embd 32), in .gpu2/m3.
 # Runs, in order (they share /tmp/c):
 #   STAGE=1 bash bench/gpu_mlx.sh, then STAGE=2: copy the parts from .gpu2/m1 and .gpu2/m2
@@ -29,7 +29,7 @@ export PYTHONPATH=/tmp/mlxsite:$PWD
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
 M=/tmp/m7b
 # The 7.4B Llama shape of docs/performance.md's MLX figures (vocabulary 128256), random 4-bit weights.
-[ -f $M/config.json ] || python3 bench/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
+[ -f $M/config.json ] || python3 tests/modelgen/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
     --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
 [ -n "${ONLY_SETUP:-}" ] && exit 0
 # JOBS picks what runs (default: all of them, in this order).

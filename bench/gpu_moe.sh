@@ -9,7 +9,7 @@ set -euo pipefail
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 M=/tmp/moe-30b-a3b.gguf
 if [ ! -f $M ]; then
-  /usr/bin/time -f "model written in %e s" python3 bench/make_moe_model.py $M --shape 30b-a3b
+  /usr/bin/time -f "model written in %e s" python3 tests/modelgen/make_moe_model.py $M --shape 30b-a3b
   ls -la $M
 fi
 free -g | head -2

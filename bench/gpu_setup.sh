@@ -6,8 +6,8 @@
 #                                part, part-aa, is fine)
 #   .gpu/llama_cpp_python-0.3.36-py.tgz   llama-cpp-python's Python part
 #   .gpu/*.whl                   the wheels kinfer needs beyond the machine's own Python packages
-#                                (jsonrpcserver, jsonschema, ...; py-spy for gpu_issue4.sh's profile)
-#   .gpu/gguf-py                 llama.cpp's gguf Python package (bench/make_model.py uses it)
+#                                (jsonrpcserver, jsonschema, ...; py-spy for gpu_bench.sh's profile)
+#   .gpu/gguf-py                 llama.cpp's gguf Python package (tests/modelgen/make_model.py uses it)
 #   .gpu/llama-src.tgz           llama.cpp's source as llama-cpp-python 0.3.36 vendors it
 # Reports go to OUT (default /tmp/out). Sets up, once per machine:
 #   /tmp/lc   the prebuilt llama.cpp tools (llama-bench, llama-batched-bench, llama-server,

@@ -29,19 +29,14 @@ Prints one JSON object per line: decode tok/s of each loop and the time of its l
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+from harness import emit
 
-
-from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine  # noqa: E402
-from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.scheduler import Engine
+from kinfer_rpc.types import LoadOptions, SeqChunk
 
 # An engine never started, for its argmax over a pass's rows (split over threads as it splits it).
 argmax = Engine(lambda progress: None, lambda fn: fn())._argmax
@@ -153,7 +148,7 @@ def main():
             worker.start()
             worker.join()
             out = {**result, "thread_stack_mb": args.thread_stack_mb}
-        print(json.dumps(out), flush=True)
+        emit("loop", out)
 
 
 if __name__ == "__main__":

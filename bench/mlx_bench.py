@@ -4,7 +4,7 @@
     python bench/mlx_bench.py MODEL --out curve.json --mode curve [--kmax 16]
     python bench/mlx_bench.py MODEL --out inv.json --mode invariance [--npl 8,32]
 
-MODEL is an MLX folder (bench/make_mlx_model.py writes one) or a GGUF file.
+MODEL is an MLX folder (tests/modelgen/make_mlx_model.py writes one) or a GGUF file.
 
 `compare`: for each N in --npl, N requests with distinct --npp-token prompts generate --ntg tokens
 each (greedy, end-of-generation ignored). kinfer: the engine on its worker thread with the mlx
@@ -33,84 +33,38 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+import mlx.core as mx
+from harness import PhaseTimer, Run, distinct_prompts, emit, greedy, timing
+from harness import start_engine as start
 
-import mlx.core as mx  # noqa: E402
-from phases import PhaseTimer  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx
+from kinfer_rpc.default_plugins.mlx import loading as mlx_loading
+from kinfer_rpc.engine.scheduler import Engine
+from kinfer_rpc.types import LoadOptions
 
-from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
-from kinfer_rpc.default_plugins.mlx import loading as mlx_loading  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.types import LoadOptions  # noqa: E402
-
-
-def prompts_for(n: int, npp: int, vocab: int) -> list[list[int]]:
-    # Distinct prompts, the same length each; ids from the ordinary part of the vocabulary.
-    top = min(vocab, 49152) - 200
-    return [[(7 + 13 * i + 31 * j) % top + 100 for j in range(npp)] for i in range(n)]
+prompts_for = distinct_prompts
 
 
 WEIGHTS = None  # --weights: None (the backend's choice), "quantized" or "dense"
-PHASES = False  # --phases: also where kinfer's steps go (bench/phases.py)
+PHASES = False  # --phases: also where kinfer's steps go (harness.PhaseTimer)
 MLX_LM_AS_STORED = False  # --mlx-lm-as-stored: mlx-lm runs the model as stored, whatever kinfer chose
 
 
 def start_engine(model: str, slots: int, ctx: int, drafts: int = 0) -> Engine:
     opts = LoadOptions(context_length=ctx, slots=slots, batch=max(512, slots), drafts=drafts, weights=WEIGHTS)
-    ready = threading.Event()
-    engine = Engine(
+    return start(
         lambda p: kinfer_mlx.MlxBackend().load(model, opts, p),
-        lambda fn: fn(),
+        what="the model on the mlx backend",
         batch=opts.batch,
-        on_ready=lambda exc: ready.set(),
         prefix=-1,
     )
-    engine.start()
-    ready.wait()
-    if engine.model is None:
-        raise SystemExit("the mlx backend could not load the model (see the log above)")
-    return engine
 
 
 def run_jobs(engine: Engine, prompts, ntg: int) -> tuple[dict, list]:
-    options = GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
-    finished = threading.Semaphore(0)
-    times: list[list[float]] = [[] for _ in prompts]
-    jobs = [
-        Job(
-            list(p),
-            options,
-            on_done=lambda j: finished.release(),
-            on_piece=lambda text, toks, t=times[i]: t.extend([time.perf_counter()] * len(toks)),
-        )
-        for i, p in enumerate(prompts)
-    ]
-    t0 = time.perf_counter()
-    for job in jobs:
-        engine.submit(job)
-    for _ in jobs:
-        finished.acquire()
-    t_end = time.perf_counter()
-    return timing(t0, t_end, times), [j.generated for j in jobs]
-
-
-def timing(t0, t_end, times) -> dict:
-    t_all_in = max(t[0] for t in times)
-    decode_tokens = sum(1 for t in times for x in t if x > t_all_in)
-    t_decode = t_end - t_all_in
-    total = sum(len(t) for t in times)
-    return {
-        "prompt_s": round(t_all_in - t0, 4),
-        "decode_s": round(t_decode, 4),
-        "decode_tps": round(decode_tokens / t_decode, 2) if t_decode > 0 else 0.0,
-        "total_tps": round(total / (t_end - t0), 2),
-        "tokens": total,
-    }
+    run = Run(engine, prompts, greedy(ntg))
+    return run.timing(), run.replies
 
 
 def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between=None) -> list[dict]:
@@ -224,7 +178,7 @@ def compare(a) -> dict:
                 "total_ratio": round(ours["total_tps"] / theirs["total_tps"], 3) if theirs["total_tps"] else None,
             }
         )
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        emit("compare", rows[-1])
     print(
         "| at once | kinfer decode tok/s | mlx-lm decode tok/s | ratio "
         "| kinfer total tok/s | mlx-lm total tok/s | ratio |"
@@ -283,7 +237,7 @@ def invariance(a) -> dict:
                 "tokens_each": a.ntg,
             }
         )
-        print(json.dumps(out[-1]), flush=True)
+        emit("invariance", out[-1])
     return {"rows": out}
 
 
@@ -316,7 +270,7 @@ def main():
         help="mlx-lm runs the model as stored (its own default) while kinfer takes --weights: each "
         "side's defaults in one run",
     )
-    ap.add_argument("--phases", action="store_true", help="also where kinfer's decode steps go (bench/phases.py)")
+    ap.add_argument("--phases", action="store_true", help="also where kinfer's decode steps go (harness.PhaseTimer)")
     a = ap.parse_args()
     global WEIGHTS, MLX_LM_AS_STORED, PHASES
     MLX_LM_AS_STORED, PHASES = a.mlx_lm_as_stored, a.phases

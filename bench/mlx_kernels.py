@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+import mlx.core as mx
+import numpy as np
+from harness import emit
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kinfer_rpc.default_plugins.mlx import attention as att  # noqa: E402
+from kinfer_rpc.default_plugins.mlx import attention as att
 
 
 def check_attention() -> list[dict]:
@@ -82,7 +78,7 @@ def check_attention() -> list[dict]:
                 "counter_zero": not mx.any(counter).item(),
             }
         )
-        print(json.dumps(out[-1]), flush=True)
+        emit("attention", out[-1])
     return out
 
 
@@ -122,7 +118,7 @@ def time_attention() -> list[dict]:
                 mx.eval([fn() for _ in range(32)])
             row[name] = round((time.perf_counter() - t) * 1000 / 5, 3)
         out.append(row)
-        print(json.dumps(row), flush=True)
+        emit("attention_time", row)
     return out
 
 
@@ -186,7 +182,7 @@ def time_writes(slots: int = 128, cells: int = 256, B: int = 32) -> list[dict]:
             del bufs
             mx.clear_cache()
         out.append(row)
-        print(json.dumps(row), flush=True)
+        emit("cell_writes", row)
     return out
 
 

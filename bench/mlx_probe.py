@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import mlx.core as mx
+import numpy as np
+from harness import distinct_prompts as prompts_for
+from harness import emit
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_bench import prompts_for  # noqa: E402
-
-from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
-from kinfer_rpc.default_plugins.mlx import cells as mlx_cells  # noqa: E402
-from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx
+from kinfer_rpc.default_plugins.mlx import cells as mlx_cells
+from kinfer_rpc.types import LoadOptions, SeqChunk
 
 
 def timed(fn, steps: int) -> tuple[float, float]:
@@ -273,7 +270,7 @@ def main() -> None:
     m = kinfer_mlx.MlxBackend().load(a.model, opts, lambda p: None)
     print(f"load {time.perf_counter() - t:.1f} s, weights {m.weights}, device {m.device}", file=sys.stderr, flush=True)
     if a.graph:
-        print(json.dumps(graph(m, a.npp)), flush=True)
+        emit("graph", graph(m, a.npp))
         return
     results = {}
     for B in rows:
@@ -283,7 +280,7 @@ def main() -> None:
             r.update({k: v for k, v in mlx_lm_rows(m.model, B, a.npp, a.steps).items() if "first" not in k})
             r.update(batch_kv(m.model, B, a.npp, a.steps))
             results[B] = {k: round(v, 2) for k, v in r.items()}
-            print(json.dumps({"rows": B, **results[B]}), flush=True)
+            emit("pass", {"rows": B, **results[B]})
             continue
         if "kinfer" not in skip:
             r.update(kinfer_rows(m, B, a.npp, a.steps))
@@ -314,7 +311,7 @@ def main() -> None:
         if "mlx-lm" not in skip:
             r.update(mlx_lm_rows(m.model, B, a.npp, a.steps))
         results[B] = {k: round(v, 2) for k, v in r.items()}
-        print(json.dumps({"rows": B, **results[B]}), flush=True)
+        emit("pass", {"rows": B, **results[B]})
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -17,20 +17,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+from harness import emit, greedy, run_one, start_engine
 
-
-from kinfer_rpc.default_plugins import placements as kinfer_placements  # noqa: E402
-from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.host.runtime import model_facts  # noqa: E402
-from kinfer_rpc.types import LoadOptions  # noqa: E402
+from kinfer_rpc.default_plugins import placements as kinfer_placements
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.host.runtime import model_facts
+from kinfer_rpc.types import LoadOptions
 
 PLACEMENTS = {p.name: p for p in (kinfer_placements.Auto(), kinfer_placements.Gpu(), kinfer_placements.ExpertsHost())}
 
@@ -52,32 +46,14 @@ def run_case(path: str, placement: str, pass_size: int | None, args, seed: int) 
         gpu_layers=plan.gpu_layers,
         host_tensors=plan.host_tensors,
     )
-    ready = threading.Event()
     t_load = time.perf_counter()
-    engine = Engine(
-        lambda p: backend.load(path, opts, p), lambda fn: fn(), batch=batch, on_ready=lambda exc: ready.set(), prefix=0
-    )
-    engine.start()
-    ready.wait()
+    engine = start_engine(lambda p: backend.load(path, opts, p), what=f"{placement} {pass_size}", batch=batch, prefix=0)
     t_load = time.perf_counter() - t_load
-    if engine.model is None:
-        raise SystemExit(f"load failed: {placement} {pass_size}")
     vocab = engine.model.info.n_vocab
-    greedy = SamplingOptions(temperature=0.0)
 
     def one(prompt, ntg):
-        done = threading.Event()
-        times: list[float] = []
-        job = Job(
-            prompt,
-            GenerateOptions(max_tokens=ntg, ignore_eos=True, sampling=greedy),
-            on_done=lambda j: done.set(),
-            on_piece=lambda text, toks: times.extend([time.perf_counter()] * len(toks)),
-        )
-        t0 = time.perf_counter()
-        engine.submit(job)
-        done.wait()
-        return t0, times
+        run = run_one(engine, prompt, greedy(ntg))
+        return run.t0, run.times[0]
 
     one([(17 * j + seed) % (vocab - 100) + 50 for j in range(64)], 4)  # warm-up
     results = []
@@ -163,10 +139,10 @@ def main():
         name, _, size = case.partition(":")
         if not args.anchor_only:
             r = run_case(args.model, name, int(size) if size else None, args, seed=i)
-            print(json.dumps(r), flush=True)
+            emit("kinfer", r)
         if args.anchor:
             host = name == "experts-host"
-            print(json.dumps(anchor(args.model, args.anchor, host, int(size) if size else 2048, args)), flush=True)
+            emit("llama-bench", anchor(args.model, args.anchor, host, int(size) if size else 2048, args))
 
 
 if __name__ == "__main__":

@@ -11,20 +11,11 @@ checks the replies are the same both ways.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import threading
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+from harness import Run, emit, greedy, start_engine
 
-
-from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
-from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
-from kinfer_rpc.types import LoadOptions  # noqa: E402
+from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.types import LoadOptions
 
 
 def run(args, prefix: int) -> dict:
@@ -36,32 +27,12 @@ def run(args, prefix: int) -> dict:
         threads=args.threads,
         gpu_layers=args.gpu_layers,
     )
-    ready = threading.Event()
-    engine = Engine(
-        lambda p: LlamaBackend().load(args.model, opts, p),
-        lambda fn: fn(),
-        batch=args.batch,
-        on_ready=lambda e: ready.set(),
-        prefix=prefix,
-    )
-    engine.start()
-    ready.wait()
+    engine = start_engine(lambda p: LlamaBackend().load(args.model, opts, p), batch=args.batch, prefix=prefix)
     vocab = engine.model.info.n_vocab
     system = [(31 * i) % (vocab - 200) + 100 for i in range(args.system)]
-    options = GenerateOptions(max_tokens=args.ntg, ignore_eos=True, sampling=SamplingOptions(temperature=0.0))
-
-    def go(prompts):
-        done = threading.Semaphore(0)
-        jobs = [Job(p, options, on_done=lambda j: done.release()) for p in prompts]
-        t0 = time.perf_counter()
-        for job in jobs:
-            engine.submit(job)
-        for _ in jobs:
-            done.acquire()
-        return jobs, t0
-
-    go([system + [7, 8, 9]])  # the first conversation: computes the system prompt, then finishes
-    jobs, t0 = go([system + [(13 * i + k) % vocab for k in range(12)] for i in range(args.n)])
+    Run(engine, [system + [7, 8, 9]], greedy(args.ntg))  # the first conversation computes the system prompt
+    run = Run(engine, [system + [(13 * i + k) % vocab for k in range(12)] for i in range(args.n)], greedy(args.ntg))
+    jobs, t0 = run.jobs, run.t0
     ttft = sorted(j.t_first - t0 for j in jobs)
     out = {
         "prefix": prefix,
@@ -89,17 +60,14 @@ def main():
     pool = run(args, 1 << 30)
     plain = run(args, -1)
     same = pool.pop("replies") == plain.pop("replies")
-    print(
-        json.dumps(
-            {
-                "case": "agent",
-                "pool": pool,
-                "no_pool": plain,
-                "same_replies": same,
-                "ttft_speedup": round(plain["ttft_mean_s"] / pool["ttft_mean_s"], 2),
-            }
-        ),
-        flush=True,
+    emit(
+        "agent",
+        {
+            "pool": pool,
+            "no_pool": plain,
+            "same_replies": same,
+            "ttft_speedup": round(plain["ttft_mean_s"] / pool["ttft_mean_s"], 2),
+        },
     )
 
 

@@ -9,13 +9,17 @@ under llama_decode (three frames deep), which is where llama.cpp prepares and qu
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
-import sys
 
 
 def main():
-    path, *keep = sys.argv[1:]
+    ap = argparse.ArgumentParser(description="where a py-spy profile's time goes")
+    ap.add_argument("profile", help="py-spy record --native -f raw output")
+    ap.add_argument("keep", nargs="*", help="only stacks holding one of these substrings")
+    args = ap.parse_args()
+    path, keep = args.profile, args.keep
     total = 0
     incl: collections.Counter = collections.Counter()
     leaf: collections.Counter = collections.Counter()

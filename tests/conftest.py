@@ -6,8 +6,9 @@ import pytest
 # llama.cpp's OpenMP workers spin while waiting; on a shared 2-core machine that makes every
 # model in the suite (in-process or a spawned server) many times slower. Set before any load.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Test helpers (rpcclient, engine_helpers, reliability_helpers...) are imported as plain modules.
-sys.path.insert(0, os.path.dirname(__file__))
+# Test helpers (rpcclient, engine_helpers, reliability_helpers...) and the model generators
+# (modelgen/make_*.py, also run as scripts) are imported as plain modules.
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "modelgen")]
 
 # kinfer's patched llama.cpp (patches/build_llama.sh, run by the README's test command): load it
 # instead of the wheel's library where it was built.

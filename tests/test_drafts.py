@@ -141,10 +141,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=1)
 def synthetic_draft() -> str:
-    """A 2-layer random model with SmolLM2's vocabulary (bench/make_draft_model.py)."""
+    """A 2-layer random model with SmolLM2's vocabulary (tests/modelgen/make_draft_model.py)."""
     path = os.path.join(tempfile.mkdtemp(prefix="kinfer-draft-"), "draft.gguf")
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "make_draft_model.py"), embedded_default_path(), path], check=True
+        [sys.executable, os.path.join(ROOT, "tests", "modelgen", "make_draft_model.py"), embedded_default_path(), path],
+        check=True,
     )
     return path
 
@@ -221,7 +222,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
 
     other = tmp_path / "other.gguf"
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "make_model.py"), str(other), "--shape", "tiny"],
+        [sys.executable, os.path.join(ROOT, "tests", "modelgen", "make_model.py"), str(other), "--shape", "tiny"],
         check=True,
         env={**os.environ, "PYTHONPATH": ""},
     )

@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("mlx.core")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
 from engine_helpers import WORDS, run_until_done  # noqa: E402
 from protocol_fixtures import server, spawn  # noqa: E402,F401

@@ -2,7 +2,7 @@
 llama.cpp's MTP context (kinfer_rpc/default_plugins/llama_mtp.py, the policy in
 kinfer_rpc/default_plugins/llama.py), on the real llama.cpp CPU backend.
 
-The models are tiny glm4moe GGUFs with one NextN block written by bench/make_mtp_model.py:
+The models are tiny glm4moe GGUFs with one NextN block written by tests/modelgen/make_mtp_model.py:
 `random` (the MTP head guesses unrelated tokens: drafts are rejected) and `aligned` (target and
 MTP head always predict the same token: every draft is accepted). Replies must be the same with
 drafting on and off, whatever the batching, slot moves and prefix-pool hits.
@@ -40,7 +40,7 @@ def models(tmp_path_factory):
     for name, extra in (("random", []), ("aligned", ["--aligned"])):
         paths[name] = str(folder / f"{name}.gguf")
         subprocess.run(
-            [sys.executable, os.path.join(ROOT, "bench", "make_mtp_model.py"), paths[name], *extra],
+            [sys.executable, os.path.join(ROOT, "tests", "modelgen", "make_mtp_model.py"), paths[name], *extra],
             check=True,
             capture_output=True,
         )

@@ -1,6 +1,6 @@
 """Placements (issue 8): the built-in plans, the tensor_buft_overrides patch, and loads through the
 server on real models: the embedded SmolLM2 (dense) and a Qwen3-MoE-shaped GGUF written by
-bench/make_moe_model.py (random weights, real llama.cpp).
+tests/modelgen/make_moe_model.py (random weights, real llama.cpp).
 
 The plan tests feed the built-in placements the facts read from the real files' headers and the
 machines a placement must handle (this machine has no GPU, so a GPU's free memory is stated);
@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def moe_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "make_moe_model.py"), str(path), "--shape", "tiny"], check=True
+        [sys.executable, os.path.join(ROOT, "tests", "modelgen", "make_moe_model.py"), str(path), "--shape", "tiny"],
+        check=True,
     )
     return str(path)
 

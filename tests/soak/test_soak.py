@@ -1,9 +1,9 @@
 """Long runs, marked slow (pytest.ini's addopts skips them: run with `pytest -m slow tests/soak`).
 
-- test_soak_64_streams: bench/soak.py for KINFER_SOAK_SECONDS (default 600) with 64 concurrent streams
+- test_soak_64_streams: tests/soak/soak.py for KINFER_SOAK_SECONDS (default 600) with 64 concurrent streams
   (KINFER_SOAK_STREAMS): nothing lost or duplicated, replies identical per request, memory flat after
   the warm-up, throughput steady minute to minute. The JSON summary goes to KINFER_SOAK_OUT (default
-  bench/out/soak.json).
+  the temporary folder's kinfer-soak.json).
 - test_long_cancel_storm: the cancel storm of tests/test_reliability_cancel.py with KINFER_LONG_STORM_REQUESTS
   (default 5000) requests.
 """
@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 
 import pytest
 import reliability_helpers as rel
@@ -22,11 +23,13 @@ from rpcclient import DEFAULT_MODEL
 
 pytestmark = pytest.mark.model  # every test here loads a real model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _soak_module():
-    spec = importlib.util.spec_from_file_location("kinfer_bench_soak", os.path.join(ROOT, "bench", "soak.py"))
+    spec = importlib.util.spec_from_file_location(
+        "kinfer_bench_soak", os.path.join(os.path.dirname(os.path.abspath(__file__)), "soak.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -37,7 +40,7 @@ def test_soak_64_streams():
     seconds = float(os.environ.get("KINFER_SOAK_SECONDS", "600"))
     streams = int(os.environ.get("KINFER_SOAK_STREAMS", "64"))
     threads = int(os.environ["KINFER_SOAK_THREADS"]) if os.environ.get("KINFER_SOAK_THREADS") else None
-    out = os.environ.get("KINFER_SOAK_OUT", os.path.join(ROOT, "bench", "out", "soak.json"))
+    out = os.environ.get("KINFER_SOAK_OUT", os.path.join(tempfile.gettempdir(), "kinfer-soak.json"))
     summary = _soak_module().run(seconds, streams, threads=threads)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

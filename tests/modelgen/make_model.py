@@ -1,7 +1,7 @@
 """Write a Llama-shaped GGUF with random weights (F16), for benchmarks where no weights can be
 downloaded. Quantize it afterwards with llama-quantize.
 
-    python bench/make_model.py OUT.gguf --shape 1b|7b|7.4b
+    python tests/modelgen/make_model.py OUT.gguf --shape 1b|7b|7.4b
 
 Needs the `gguf` package (llama.cpp vendors it as gguf-py). Speed does not depend on the values,
 so every tensor reuses slices of one random block.

@@ -2,7 +2,7 @@
 # Decode with many sequences at once against llama-batched-bench, the prefix pool and the agent
 # case, in one run on a CUDA machine (an H200 for docs/performance.md), from the repo root, with
 # .gpu prepared as bench/gpu_setup.sh says:
-#   [OUT=dir] JOBS="prefix loop pool agent" bash bench/gpu_issue4.sh [shapes...]     default: 1b 7b
+#   [OUT=dir] JOBS="prefix loop pool agent" bash bench/gpu_bench.sh [shapes...]     default: 1b 7b
 # For each shape (synthesised, Q4_K_M), the jobs named (default: prefix ab loop pool agent), each
 # writing to OUT (default /tmp/out) as it goes:
 #   prefix: kinfer with `prefix -1` vs llama-batched-bench without -kvu, 32/64/128 at once (compare.py),
@@ -23,7 +23,7 @@ shapes=${*:-1b 7b}
 jobs=" ${JOBS:-prefix ab loop pool agent} "
 for s in $shapes; do
   if [ ! -f /tmp/m-$s.gguf ]; then
-    python3 bench/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
+    python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
     /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
     rm -f /tmp/m-$s-f16.gguf
   fi

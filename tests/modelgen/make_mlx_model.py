@@ -1,9 +1,9 @@
 """Write an MLX model folder (config.json, model.safetensors, tokenizer files) with mlx-lm's own
 save functions, for machines that cannot download one.
 
-    python bench/make_mlx_model.py OUT --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \\
+    python tests/modelgen/make_mlx_model.py OUT --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \\
         --intermediate 14336 --vocab 49152 --bits 4          # a random-weight 7.4B Llama shape
-    python bench/make_mlx_model.py OUT --from-gguf [PATH]    # the embedded SmolLM2 GGUF, re-quantized
+    python tests/modelgen/make_mlx_model.py OUT --from-gguf [PATH]    # the embedded SmolLM2 GGUF, re-quantized
 
 Random weights: mlx-lm's llama model, its own initialisation, quantized by mlx_lm.utils.quantize_model
 (affine, group 64). The tokenizer is SmolLM2's (from the embedded GGUF, rebuilt as tokenizer.json);
@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.utils import dequantize_model, quantize_model, save_config, save_model
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.utils import dequantize_model, quantize_model, save_config, save_model  # noqa: E402
-
-from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
-from kinfer_rpc.default_plugins.mlx import loading as mlx_loading  # noqa: E402
-from kinfer_rpc.host.store import embedded_default_path  # noqa: E402
+from kinfer_rpc.default_plugins import mlx as kinfer_mlx
+from kinfer_rpc.default_plugins.mlx import loading as mlx_loading
+from kinfer_rpc.host.store import embedded_default_path
 
 
 def write_tokenizer(out: Path, vocab: kinfer_mlx.Vocab, size: int) -> None:
@@ -107,7 +102,7 @@ def main():
         "--tokenizer-gguf",
         default=None,
         help="take the tokenizer from this GGUF (default: the embedded SmolLM2; on a machine "
-        "without it, e.g. bench/make_draft_model.py's small copy of its vocabulary)",
+        "without it, e.g. tests/modelgen/make_draft_model.py's small copy of its vocabulary)",
     )
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)

@@ -1,6 +1,6 @@
 """Soak: many concurrent streams against ONE `kinfer-rpc` for a long time.
 
-    python bench/soak.py --seconds 600 --streams 64 --out bench/out/soak.json
+    python tests/soak/soak.py --seconds 600 --streams 64 --out /tmp/soak.json
 
 Each of --streams clients sends a request, waits for its response, sends the next, for --seconds.
 Requests come from a pool of distinct ones (generate from text or tokens, chat; greedy and seeded
@@ -26,11 +26,11 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+# The test helpers beside this folder (tests/rpcclient.py), when run as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rpcclient import DEFAULT_MODEL, RpcClient, send_together  # noqa: E402
+from rpcclient import DEFAULT_MODEL, RpcClient, send_together
 
 SAMPLE_EVERY = 10.0
 TEXT = (

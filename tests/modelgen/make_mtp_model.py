@@ -1,6 +1,6 @@
 """Write a tiny GGUF with a multi-token-prediction (NextN) block, for the `mtp` draft policy.
 
-    python bench/make_mtp_model.py OUT.gguf [--aligned] [--embd 128] [--trunk 2] [--seed 0]
+    python tests/modelgen/make_mtp_model.py OUT.gguf [--aligned] [--embd 128] [--trunk 2] [--seed 0]
 
 The architecture is `glm4moe` (GLM-4.5's, llama.cpp's reference MTP model): `--trunk` dense
 blocks, then one NextN block (block index `trunk`: `nextn_predict_layers` = 1, MoE FFN as
@@ -28,7 +28,7 @@ import argparse
 import gguf
 import numpy as np
 from gguf import quants
-from make_model import add_spm_vocab  # bench/ is the script's folder
+from make_model import add_spm_vocab  # a neighbour: this folder is on the path
 
 ALIGNED_TOKEN = 300
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

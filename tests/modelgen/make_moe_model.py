@@ -1,7 +1,7 @@
 """Write a Qwen3-MoE-shaped GGUF with random weights, for placement benchmarks and tests.
 
-    python bench/make_moe_model.py OUT.gguf --shape 30b-a3b   # Qwen3-30B-A3B's shape, Q4_K (~17 GiB)
-    python bench/make_moe_model.py OUT.gguf --shape tiny      # 2 layers, 8 experts, F32 (for tests)
+    python tests/modelgen/make_moe_model.py OUT.gguf --shape 30b-a3b   # Qwen3-30B-A3B's shape, Q4_K (~17 GiB)
+    python tests/modelgen/make_moe_model.py OUT.gguf --shape tiny      # 2 layers, 8 experts, F32 (for tests)
 
 No weights can be downloaded on the GPU machine, and quantizing a 30B F16 file would take longer
 than writing it: the big shape is written directly as Q4_K blocks (random 4-bit values and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from make_model import add_spm_vocab  # bench/ is the script's folder
+from make_model import add_spm_vocab  # a neighbour: this folder is on the path
 
 SHAPES = {
     # Qwen3-30B-A3B: 48 layers, 128 experts (8 used), expert FFN 768, 32 query / 4 KV heads of 128

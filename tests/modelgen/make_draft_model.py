@@ -1,6 +1,6 @@
 """Write a small random-weight Llama GGUF with another model's vocabulary: a synthetic draft model.
 
-    python bench/make_draft_model.py SOURCE.gguf OUT.gguf [--layers 2 --embd 128]
+    python tests/modelgen/make_draft_model.py SOURCE.gguf OUT.gguf [--layers 2 --embd 128]
 
 No smaller real model shares SmolLM2's vocabulary here, so the draft-model policy is tested and
 measured with this one (fast, drafts badly) and with SmolLM2 drafting for itself (slow, drafts

@@ -18,25 +18,28 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__
-from kinfer_rpc.client import AsyncClient, Client, RpcError, server_command
+from kinfer_rpc.client import AsyncClient, Client, LoadedModel, RpcError, server_command
 from kinfer_rpc.client import Progress as WorkProgress
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _emit(obj) -> None:
+def _emit(obj: object) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
-def _size(n: int | None) -> str:
+def _size(n: float | None) -> str:
     if not n:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -46,7 +49,7 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> None:
+def _table(headers: list[str], rows: list[list[str]], right: AbstractSet[int] = frozenset()) -> None:
     """Aligned columns, nothing cut (paths are long); the header bold on a terminal."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     for n, row in enumerate([headers] + rows):
@@ -54,8 +57,8 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
         out.print(line, style="bold" if n == 0 else None, markup=False, highlight=False, soft_wrap=True)
 
 
-def _load_options(args) -> dict:
-    options = {}
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
     for attr, name in (
         ("threads", "threads"),
         ("gpu_layers", "gpuLayers"),
@@ -81,12 +84,12 @@ def _bar(transient: bool = True, quiet: bool = False) -> Progress:
     )
 
 
-def _load(kinfer: Client, model: str | None, args):
+def _load(kinfer: Client, model: str | None, args: argparse.Namespace) -> LoadedModel:
     """model/load with a progress bar fed by the server's work-done $/progress."""
     with _bar(quiet=args.json) as bar:
         task = bar.add_task(f"loading {model or 'the default model'}", total=100)
 
-        def on_progress(p: WorkProgress):
+        def on_progress(p: WorkProgress) -> None:
             if p.title:
                 bar.update(task, description=p.title)
             if p.percentage is not None:
@@ -105,7 +108,7 @@ def _is_model(kinfer: Client, name: str) -> bool:
     return name in names or len([n for n in names if n.startswith(name)]) == 1
 
 
-def _chat(args) -> int:
+def _chat(args: argparse.Namespace) -> int:
     options = {"maxTokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
         options["seed"] = args.seed
@@ -121,7 +124,7 @@ def _chat(args) -> int:
                 f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
                 "Ctrl-C stops a reply.[/dim]"
             )
-        history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
         while True:
             if not interactive:
                 if prompt is None:
@@ -171,6 +174,7 @@ def _chat(args) -> int:
                         sys.stdout.flush()
                     sys.stdout.write("\n")
                     sys.stdout.flush()
+                    assert stream.result is not None  # set when the stream ran to its end
                     result = stream.result
                     if args.verbose:
                         t = result.timings
@@ -189,7 +193,7 @@ def _chat(args) -> int:
 
 
 # -- list --------------------------------------------------------------------------------------
-def _human(n, units, step=1000.0, digits=1) -> str:
+def _human(n: float | None, units: list[str], step: float = 1000.0, digits: int = 1) -> str:
     if n is None:
         return "-"
     for unit in units:
@@ -199,13 +203,13 @@ def _human(n, units, step=1000.0, digits=1) -> str:
     return "-"
 
 
-def _list(args) -> int:
+def _list(args: argparse.Namespace) -> int:
     with Client() as kinfer:
         models = kinfer.request("model/list", {})["models"]
     if args.json:
         _emit(models)
         return 0
-    rows = []
+    rows: list[list[str]] = []
     for m in models:
         rows.append(
             [
@@ -235,7 +239,7 @@ def _is_server(argv: list[str]) -> bool:
     return any(a == "-m" and b == "kinfer_rpc" for a, b in zip(argv, argv[1:]))
 
 
-def _servers() -> list[dict]:
+def _servers() -> list[dict[str, Any]]:
     """kinfer-rpc processes on this machine, from /proc. What a server holds is its own (it
     answers only its client), so the models are read from what it has mapped: the model files."""
     from kinfer_rpc.host.store import ModelStore
@@ -301,7 +305,7 @@ def _servers() -> list[dict]:
     return sorted(found, key=lambda s: s["pid"])
 
 
-def _ps(args) -> int:
+def _ps(args: argparse.Namespace) -> int:
     servers = _servers()
     if args.json:
         _emit(servers)
@@ -310,7 +314,7 @@ def _ps(args) -> int:
         print("no kinfer-rpc is running on this machine (each client spawns its own)")
         return 0
 
-    def uptime(s):
+    def uptime(s: dict[str, Any]) -> str:
         u = s["uptimeSeconds"]
         return "-" if u is None else f"{u:.0f}s" if u < 120 else f"{u / 60:.0f}m" if u < 7200 else f"{u / 3600:.1f}h"
 
@@ -331,21 +335,21 @@ def _ps(args) -> int:
 
 
 # -- bench -------------------------------------------------------------------------------------
-async def _bench_async(args) -> dict:
+async def _bench_async(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
     messages = [{"role": "user", "content": args.prompt}]
-    options = {"maxTokens": args.max_tokens, "ignoreEos": True}
+    options: dict[str, Any] = {"maxTokens": args.max_tokens, "ignoreEos": True}
     if args.temperature is not None:
         options["temperature"] = args.temperature
     load_options = _load_options(args)
     load_options.setdefault("slots", max(4, args.concurrency))
-    runs: list[dict] = []
+    runs: list[dict[str, float]] = []
     async with AsyncClient() as kinfer:
         with _bar(transient=False, quiet=args.json) as bar:
             loading = bar.add_task(f"loading {args.model or 'the default model'}", total=100)
 
-            def on_progress(p: WorkProgress):
+            def on_progress(p: WorkProgress) -> None:
                 if p.percentage is not None:
                     bar.update(loading, completed=p.percentage)
                 if p.kind == "end":
@@ -360,7 +364,7 @@ async def _bench_async(args) -> dict:
             )
             limiter = anyio.Semaphore(args.concurrency)
 
-            async def one(i: int):
+            async def one(i: int) -> None:
                 async with limiter:
                     start = time.perf_counter()
                     first = None
@@ -368,6 +372,7 @@ async def _bench_async(args) -> dict:
                         async for _piece in stream:
                             if first is None:
                                 first = time.perf_counter()
+                        assert stream.result is not None  # set when the stream ran to its end
                         result = stream.result
                     end = time.perf_counter()
                     bar.update(task, advance=result.usage.completion_tokens)
@@ -389,7 +394,7 @@ async def _bench_async(args) -> dict:
             status = (await kinfer.status(loaded.model))[0]
     completion = sum(r["completionTokens"] for r in runs)
 
-    def mean(key):
+    def mean(key: str) -> float:
         return round(sum(r[key] for r in runs) / len(runs), 2) if runs else 0.0
 
     return {
@@ -413,7 +418,7 @@ async def _bench_async(args) -> dict:
     }
 
 
-def _bench(args) -> int:
+def _bench(args: argparse.Namespace) -> int:
     import anyio
 
     if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
@@ -439,7 +444,7 @@ def _bench(args) -> int:
 _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 
 
-def _devices() -> dict:
+def _devices() -> dict[str, Any]:
     """llama.cpp's (ggml's) backend devices, from the library kinfer loads."""
     try:
         from kinfer_rpc.default_plugins import llama_buft, llama_native
@@ -460,8 +465,8 @@ def _devices() -> dict:
         return {"devices": [], "gpuOffload": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _meminfo() -> dict:
-    info = {}
+def _meminfo() -> dict[str, int | None]:
+    info: dict[str, int] = {}
     try:
         for line in open("/proc/meminfo"):
             key, _, value = line.partition(":")
@@ -477,11 +482,11 @@ def _meminfo() -> dict:
     }
 
 
-def _doctor(args) -> int:
+def _doctor(args: argparse.Namespace) -> int:
     from kinfer_rpc.host.store import kinfer_dir
 
     problems: list[str] = []
-    report: dict = {
+    report: dict[str, Any] = {
         "version": __version__,
         "protocolVersion": PROTOCOL_VERSION,
         "python": platform.python_version(),
@@ -545,7 +550,7 @@ def _doctor(args) -> int:
         _emit(report)
         return 0 if report["ok"] else 1
 
-    def line(label, value):
+    def line(label: str, value: str) -> None:
         out.print(f"[bold]{label:<12}[/bold] {value}")
 
     line("kinfer-rpc", f"{__version__} (protocol {PROTOCOL_VERSION}), Python {report['python']}, {report['platform']}")
@@ -589,7 +594,7 @@ def _doctor(args) -> int:
 
 
 # -- main --------------------------------------------------------------------------------------
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kinfer", description="kinfer-rpc for people")
     parser.add_argument("--json", action="store_true", help="machine-readable output (one JSON document per line)")
     parser.add_argument("--version", action="version", version=f"kinfer {__version__}")

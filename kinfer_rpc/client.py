@@ -36,24 +36,32 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, Self, TypeAlias
 
 import anyio
 import attrs
 
 from kinfer_rpc.protocol.framing import encode
 
+if TYPE_CHECKING:
+    from anyio.abc import Process, TaskGroup
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
 REQUEST_CANCELLED = -32800
 SERVER_GONE = -32099  # a client-side code: the server exited before it answered
+
+_Params: TypeAlias = "dict[str, Any] | list[Any]"  # a request's params: a JSON object or array
 
 
 # -- errors and typed results ------------------------------------------------------------------
 class RpcError(Exception):
-    """An error response. `data` is the error's data (for -32800, the partial result)."""
+    """An error response. `data` is the error's data (for -32800, the partial result).
 
-    def __init__(self, code: int, message: str, data=None):
+    `code` and `message` are None only when the server sent an error object without them."""
+
+    def __init__(self, code: int | None, message: str | None, data: Any = None):
         super().__init__(f"{message} ({code})")
         self.code, self.message, self.data = code, message, data
 
@@ -81,7 +89,7 @@ class Timings:
     tokens_per_second: float = 0.0
 
     @classmethod
-    def from_json(cls, t: dict) -> Timings:
+    def from_json(cls, t: dict[str, Any]) -> Timings:
         return cls(
             t.get("queueMs", 0.0), t.get("promptMs", 0.0), t.get("generateMs", 0.0), t.get("tokensPerSecond", 0.0)
         )
@@ -92,7 +100,7 @@ class Result:
     """A finished reply."""
 
     text: str
-    tokens: list
+    tokens: list[int]
     stop_reason: str
     usage: Usage
     timings: Timings
@@ -100,7 +108,7 @@ class Result:
     model: str | None = None
 
     @classmethod
-    def from_json(cls, r: dict) -> Result:
+    def from_json(cls, r: dict[str, Any]) -> Result:
         u = r.get("usage") or {}
         return cls(
             r.get("text", ""),
@@ -130,7 +138,7 @@ class Model:
     error: str | None = None  # set when the file could not be read
 
     @classmethod
-    def from_json(cls, m: dict) -> Model:
+    def from_json(cls, m: dict[str, Any]) -> Model:
         return cls(
             m["name"],
             m["source"],
@@ -166,7 +174,7 @@ class LoadedModel:
     flash_attention: bool
 
     @classmethod
-    def from_json(cls, m: dict) -> LoadedModel:
+    def from_json(cls, m: dict[str, Any]) -> LoadedModel:
         return cls(
             m["model"],
             m["backend"],
@@ -198,10 +206,10 @@ class ModelStatus:
     cells_used: int = 0
     tokens_per_second: float = 0.0
     steps: int = 0
-    memory: dict = attrs.field(factory=dict)
+    memory: dict[str, Any] = attrs.field(factory=dict)
 
     @classmethod
-    def from_json(cls, m: dict) -> ModelStatus:
+    def from_json(cls, m: dict[str, Any]) -> ModelStatus:
         return cls(
             m["model"],
             m["backend"],
@@ -226,7 +234,7 @@ class Progress:
     percentage: int | None = None
 
     @classmethod
-    def from_json(cls, v: dict) -> Progress:
+    def from_json(cls, v: dict[str, Any]) -> Progress:
         return cls(v.get("kind", "report"), v.get("title"), v.get("message"), v.get("percentage"))
 
 
@@ -242,7 +250,7 @@ def server_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "kinfer_rpc"]
 
 
-def _params(model, options, **fields):
+def _params(model: str | None, options: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
     params = {k: v for k, v in fields.items() if v is not None}
     if model is not None:
         params["model"] = model
@@ -251,13 +259,13 @@ def _params(model, options, **fields):
     return params
 
 
-def _error(response: dict) -> RpcError:
-    e = response.get("error") or {}
+def _error(response: dict[str, Any]) -> RpcError:
+    e: dict[str, Any] = response.get("error") or {}
     cls = Cancelled if e.get("code") == REQUEST_CANCELLED else RpcError
     return cls(e.get("code"), e.get("message"), e.get("data"))
 
 
-def _unwrap(response: dict):
+def _unwrap(response: dict[str, Any]) -> Any:
     if "error" in response:
         raise _error(response)
     return response.get("result")
@@ -271,7 +279,7 @@ def _content_length(headers: bytes) -> int:
     raise ValueError(f"a frame without Content-Length: {headers!r}")
 
 
-def _initialize_params(initialization_options) -> dict:
+def _initialize_params(initialization_options: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "processId": os.getpid(),
         "clientInfo": {"name": "kinfer_rpc.client"},
@@ -287,26 +295,35 @@ _DONE = object()
 class _Wire:
     """The process and its frames. Holds no reference to the Client, so a Client can be collected."""
 
-    def __init__(self, argv, env, stderr, cwd):
+    def __init__(
+        self,
+        argv: list[str],
+        env: Mapping[str, str] | None,
+        stderr: int | IO[Any] | None,
+        cwd: str | os.PathLike[str] | None,
+    ):
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are PIPE
+        self.stdin: IO[bytes] = self.proc.stdin
         self.ids = itertools.count(1)
-        self.pending: dict[int, Future] = {}
-        self.tokens: dict[str, queue.Queue] = {}  # $/progress tokens -> their queue
+        self.pending: dict[int, Future[dict[str, Any]]] = {}
+        self.tokens: dict[str, queue.Queue[Any]] = {}  # $/progress tokens -> their queue
         self.lock = threading.Lock()
-        self.notifications: queue.Queue = queue.Queue()
+        self.notifications: queue.Queue[dict[str, Any]] = queue.Queue()
         self.closed = False
         threading.Thread(target=self._read, name="kinfer-client-reader", daemon=True).start()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: dict[str, Any]) -> None:
         data = encode(message)
         with self.lock:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
+            self.stdin.write(data)
+            self.stdin.flush()
 
     def _read(self) -> None:
         out = self.proc.stdout
+        assert out is not None  # stdout is PIPE
         try:
             while True:
                 headers = b""
@@ -341,11 +358,11 @@ class _Wire:
                     fut.set_result(gone)
             self.pending.clear()
 
-    def request(self, method: str, params) -> tuple[int, Future]:
+    def request(self, method: str, params: _Params | None) -> tuple[int, Future[dict[str, Any]]]:
         rid = next(self.ids)
-        fut: Future = Future()
+        fut: Future[dict[str, Any]] = Future()
         self.pending[rid] = fut
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             message["params"] = params
         try:
@@ -355,8 +372,8 @@ class _Wire:
             fut.set_result({"error": {"code": SERVER_GONE, "message": "the server exited"}})
         return rid, fut
 
-    def notify(self, method: str, params=None) -> None:
-        message = {"jsonrpc": "2.0", "method": method}
+    def notify(self, method: str, params: _Params | None = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
         self.send(message)
@@ -380,7 +397,7 @@ class _Wire:
             except Exception:
                 pass
             try:
-                self.proc.stdin.close()
+                self.stdin.close()
             except Exception:
                 pass
         try:
@@ -397,10 +414,10 @@ class Stream:
     before the end sends `$/cancelRequest`. `response` is the request's Future (the raw response).
     """
 
-    def __init__(self, wire: _Wire, method: str, params: dict):
+    def __init__(self, wire: _Wire, method: str, params: dict[str, Any]):
         self._wire = wire
         self.token = f"stream-{next(wire.ids)}"
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[Any] = queue.Queue()
         wire.tokens[self.token] = self._queue
         self.id, self.response = wire.request(method, {**params, "partialResultToken": self.token})
         q = self._queue  # the callback must not hold the stream: a dropped stream is collected, and cancels
@@ -409,7 +426,7 @@ class Stream:
         self.result: Result | None = None
         self._finished = False
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> str:
@@ -424,8 +441,9 @@ class Stream:
                     self.result = Result.from_json(_unwrap(self.response.result()))
                     raise StopIteration
                 if value and value.get("text"):
-                    self.text += value["text"]
-                    return value["text"]
+                    piece: str = value["text"]
+                    self.text += piece
+                    return piece
         except (StopIteration, RpcError):
             raise
         except BaseException:  # Ctrl-C while waiting
@@ -446,13 +464,13 @@ class Stream:
             self.cancel()
             self._wire.tokens.pop(self.token, None)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
@@ -463,13 +481,21 @@ class Client:
     """A `kinfer-rpc` process of our own, initialized. Thread-safe: calls may come from many threads."""
 
     def __init__(
-        self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None
+        self,
+        command: list[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        initialization_options: dict[str, Any] | None = None,
+        stderr: int | IO[Any] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ):
         argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
         self._wire = _Wire(argv, env, stderr, cwd)
         self._finalizer = weakref.finalize(self, self._wire.close, 5.0)
         try:
-            self.server_info = self.request("initialize", _initialize_params(initialization_options), timeout=60)
+            self.server_info: dict[str, Any] = self.request(
+                "initialize", _initialize_params(initialization_options), timeout=60
+            )
             self.notify("initialized", {})
         except BaseException:
             self.close(timeout=2.0)
@@ -480,23 +506,24 @@ class Client:
         return self._wire.proc.pid
 
     @property
-    def capabilities(self) -> dict:
-        return self.server_info.get("capabilities", {})
+    def capabilities(self) -> dict[str, Any]:
+        capabilities: dict[str, Any] = self.server_info.get("capabilities", {})
+        return capabilities
 
     @property
-    def notifications(self) -> queue.Queue:
+    def notifications(self) -> queue.Queue[dict[str, Any]]:
         """Everything else the server sends (window/logMessage, ...)."""
         return self._wire.notifications
 
     # -- raw messages ------------------------------------------------------------------------
-    def notify(self, method: str, params=None) -> None:
+    def notify(self, method: str, params: _Params | None = None) -> None:
         self._wire.notify(method, params)
 
-    def request_future(self, method: str, params=None) -> tuple[int, Future]:
+    def request_future(self, method: str, params: _Params | None = None) -> tuple[int, Future[dict[str, Any]]]:
         """Send a request; returns its id and a Future of the raw response message."""
         return self._wire.request(method, params)
 
-    def request(self, method: str, params=None, timeout: float | None = None):
+    def request(self, method: str, params: _Params | None = None, timeout: float | None = None) -> Any:
         """Send a request and wait for its result (raises RpcError). Ctrl-C cancels it."""
         rid, fut = self._wire.request(method, params)
         try:
@@ -519,14 +546,14 @@ class Client:
         *,
         backend: str | None = None,
         progress: Callable[[Progress], Any] | None = None,
-        **options,
+        **options: Any,
     ) -> LoadedModel:
         """Load a model (the default one without a name); `progress` is called with Progress values."""
         params = _params(model, options, backend=backend)
         if progress is None:
             return LoadedModel.from_json(self.request("model/load", params))
         token = f"load-{next(self._wire.ids)}"
-        q: queue.Queue = queue.Queue()
+        q: queue.Queue[Any] = queue.Queue()
         self._wire.tokens[token] = q
         try:
             rid, fut = self._wire.request("model/load", {**params, "workDoneToken": token})
@@ -548,16 +575,16 @@ class Client:
         return [ModelStatus.from_json(m) for m in self.request("model/status", _params(model, None))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
-    def generate(self, prompt: str, model: str | None = None, **options) -> Result:
+    def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
         return Result.from_json(self.request("inference/generate", _params(model, options, prompt=prompt)))
 
-    def chat(self, messages: list[dict], model: str | None = None, **options) -> Result:
+    def chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Result:
         return Result.from_json(self.request("inference/chat", _params(model, options, messages=messages)))
 
-    def stream_generate(self, prompt: str, model: str | None = None, **options) -> Stream:
+    def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> Stream:
         return Stream(self._wire, "inference/generate", _params(model, options, prompt=prompt))
 
-    def stream_chat(self, messages: list[dict], model: str | None = None, **options) -> Stream:
+    def stream_chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Stream:
         return Stream(self._wire, "inference/chat", _params(model, options, messages=messages))
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -566,10 +593,10 @@ class Client:
         self._finalizer.detach()
         return self._wire.close(timeout)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -581,14 +608,17 @@ class AsyncStream:
     `async with` block early, or cancelling the task that iterates sends `$/cancelRequest`.
     """
 
-    def __init__(self, client: AsyncClient, method: str, params: dict):
+    def __init__(self, client: AsyncClient, method: str, params: dict[str, Any]):
         self._client = client
         self.token = token = f"stream-{next(client._ids)}"
+        send: MemoryObjectSendStream[Any]
+        self._recv: MemoryObjectReceiveStream[Any]
         send, self._recv = anyio.create_memory_object_stream(float("inf"))
         client._tokens[token] = send
-        box = self._box = []
+        box: list[dict[str, Any]] = []
+        self._box = box
 
-        def on_response(response: dict) -> None:  # holds no reference to the stream
+        def on_response(response: dict[str, Any]) -> None:  # holds no reference to the stream
             box.append(response)
             client._tokens.pop(token, None)
             try:
@@ -603,11 +633,11 @@ class AsyncStream:
         self._finished = False
 
     @property
-    def response(self) -> dict | None:
+    def response(self) -> dict[str, Any] | None:
         """The raw response message once it came."""
         return self._box[0] if self._box else None
 
-    def __aiter__(self):
+    def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> str:
@@ -626,16 +656,18 @@ class AsyncStream:
                     )
                     raise StopAsyncIteration
                 if value and value.get("text"):
-                    self.text += value["text"]
-                    return value["text"]
+                    piece: str = value["text"]
+                    self.text += piece
+                    return piece
         except (StopAsyncIteration, RpcError):
             raise
         except BaseException:  # our task was cancelled
             self.cancel()
             raise
 
-    async def wait(self) -> Result:
-        """Read to the end and return the Result (raises Cancelled if it was cancelled)."""
+    async def wait(self) -> Result | None:
+        """Read to the end and return the Result (raises Cancelled if it was cancelled). None when
+        this side ended the stream first (`cancel()`, `aclose()`) and no Result had come."""
         async for _ in self:
             pass
         return self.result
@@ -649,13 +681,13 @@ class AsyncStream:
         self.cancel()
         self._finished = True
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             if self.response is None and not self._finished and threading.get_ident() == self._client._thread:
                 self.cancel()
@@ -668,21 +700,30 @@ class AsyncClient:
     leaving the block shuts it down. Runs on asyncio or trio (anyio)."""
 
     def __init__(
-        self, command: list[str] | None = None, *, env=None, initialization_options=None, stderr=None, cwd=None
+        self,
+        command: list[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        initialization_options: dict[str, Any] | None = None,
+        stderr: int | IO[Any] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ):
         self._argv = list(command or server_command()) + ["--clientProcessId", str(os.getpid())]
         self._env, self._init, self._stderr, self._cwd = env, initialization_options, stderr, cwd
         self._ids = itertools.count(1)
-        self._pending: dict[int, Callable[[dict], None]] = {}
-        self._tokens: dict[str, Any] = {}  # $/progress token -> a send stream or a callable
+        self._pending: dict[int, Callable[[dict[str, Any]], None]] = {}
+        # $/progress token -> a send stream or a callable
+        self._tokens: dict[str, MemoryObjectSendStream[Any] | Callable[[Any], None]] = {}
+        self._out_send: MemoryObjectSendStream[bytes]
+        self._out_recv: MemoryObjectReceiveStream[bytes]
         self._out_send, self._out_recv = anyio.create_memory_object_stream(float("inf"))
-        self._proc = None
-        self._tg = None
+        self._proc: Process | None = None
+        self._tg: TaskGroup | None = None
         self._writer_done = anyio.Event()
         self._closed = False
         self._thread = threading.get_ident()
-        self.notifications: list[dict] = []  # everything else the server sends
-        self.server_info: dict = {}
+        self.notifications: list[dict[str, Any]] = []  # everything else the server sends
+        self.server_info: dict[str, Any] = {}
 
     @property
     def pid(self) -> int:
@@ -695,8 +736,9 @@ class AsyncClient:
         return self._proc.returncode if self._proc else None
 
     @property
-    def capabilities(self) -> dict:
-        return self.server_info.get("capabilities", {})
+    def capabilities(self) -> dict[str, Any]:
+        capabilities: dict[str, Any] = self.server_info.get("capabilities", {})
+        return capabilities
 
     async def __aenter__(self) -> AsyncClient:
         self._thread = threading.get_ident()
@@ -717,24 +759,27 @@ class AsyncClient:
             raise
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: Any) -> None:
         try:
             await self.aclose()
         finally:
+            assert self._tg is not None  # set by __aenter__
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(*exc)
 
     # -- wire --------------------------------------------------------------------------------
     async def _writer(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None  # __aenter__ started it, stdin a PIPE
+        stdin = self._proc.stdin
         try:
             async for data in self._out_recv:
-                await self._proc.stdin.send(data)
+                await stdin.send(data)
         except Exception:
             pass
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._proc.stdin.aclose()
+                    await stdin.aclose()
                 except Exception:
                     pass
             self._writer_done.set()
@@ -742,6 +787,7 @@ class AsyncClient:
     async def _reader(self) -> None:
         from anyio.streams.buffered import BufferedByteReceiveStream
 
+        assert self._proc is not None and self._proc.stdout is not None  # __aenter__ started it, stdout a PIPE
         stream = BufferedByteReceiveStream(self._proc.stdout)
         try:
             while True:
@@ -764,7 +810,7 @@ class AsyncClient:
                 callback(gone)
             self._pending.clear()
 
-    def _dispatch(self, message: dict) -> None:
+    def _dispatch(self, message: dict[str, Any]) -> None:
         if "id" in message and "method" not in message:
             callback = self._pending.pop(message["id"], None)
             if callback is not None:
@@ -783,19 +829,21 @@ class AsyncClient:
             return
         self.notifications.append(message)
 
-    def _send_nowait(self, message: dict) -> None:
+    def _send_nowait(self, message: dict[str, Any]) -> None:
         try:
             self._out_send.send_nowait(encode(message))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
 
-    def _request_nowait(self, method: str, params, on_response: Callable[[dict], None]) -> int:
+    def _request_nowait(
+        self, method: str, params: _Params | None, on_response: Callable[[dict[str, Any]], None]
+    ) -> int:
         rid = next(self._ids)
         if self._closed and method != "shutdown" or self._proc is None or self._proc.returncode is not None:
             on_response({"error": {"code": SERVER_GONE, "message": "the client is closed"}})
             return rid
         self._pending[rid] = on_response
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             message["params"] = params
         self._send_nowait(message)
@@ -805,19 +853,19 @@ class AsyncClient:
         self._send_nowait({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": rid}})
 
     # -- raw messages ------------------------------------------------------------------------
-    async def notify(self, method: str, params=None) -> None:
-        message = {"jsonrpc": "2.0", "method": method}
+    async def notify(self, method: str, params: _Params | None = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
         self._send_nowait(message)
 
-    async def request(self, method: str, params=None):
+    async def request(self, method: str, params: _Params | None = None) -> Any:
         """Send a request and wait for its result (raises RpcError). Cancelling the waiting
         task sends `$/cancelRequest`."""
         done = anyio.Event()
-        box: list[dict] = []
+        box: list[dict[str, Any]] = []
 
-        def on_response(response):
+        def on_response(response: dict[str, Any]) -> None:
             box.append(response)
             done.set()
 
@@ -841,7 +889,7 @@ class AsyncClient:
         *,
         backend: str | None = None,
         progress: Callable[[Progress], Any] | None = None,
-        **options,
+        **options: Any,
     ) -> LoadedModel:
         params = _params(model, options, backend=backend)
         if progress is None:
@@ -860,16 +908,16 @@ class AsyncClient:
         return [ModelStatus.from_json(m) for m in (await self.request("model/status", _params(model, None)))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
-    async def generate(self, prompt: str, model: str | None = None, **options) -> Result:
+    async def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
         return Result.from_json(await self.request("inference/generate", _params(model, options, prompt=prompt)))
 
-    async def chat(self, messages: list[dict], model: str | None = None, **options) -> Result:
+    async def chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Result:
         return Result.from_json(await self.request("inference/chat", _params(model, options, messages=messages)))
 
-    def stream_generate(self, prompt: str, model: str | None = None, **options) -> AsyncStream:
+    def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> AsyncStream:
         return AsyncStream(self, "inference/generate", _params(model, options, prompt=prompt))
 
-    def stream_chat(self, messages: list[dict], model: str | None = None, **options) -> AsyncStream:
+    def stream_chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> AsyncStream:
         return AsyncStream(self, "inference/chat", _params(model, options, messages=messages))
 
     # -- lifetime ----------------------------------------------------------------------------

@@ -27,8 +27,8 @@ and answers -32800. Options are the protocol's camelCase ones (`maxTokens`, `tem
 
 from __future__ import annotations
 
+import io
 import itertools
-import json
 import os
 import queue
 import shutil
@@ -43,7 +43,7 @@ from typing import IO, TYPE_CHECKING, Any, Self, TypeAlias
 import anyio
 import attrs
 
-from kinfer_rpc.protocol.framing import encode
+from kinfer_rpc.protocol.framing import FrameError, FrameParser, FrameReader, encode
 
 if TYPE_CHECKING:
     from anyio.abc import Process, TaskGroup
@@ -271,14 +271,6 @@ def _unwrap(response: dict[str, Any]) -> Any:
     return response.get("result")
 
 
-def _content_length(headers: bytes) -> int:
-    for line in headers.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    raise ValueError(f"a frame without Content-Length: {headers!r}")
-
-
 def _initialize_params(initialization_options: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "processId": os.getpid(),
@@ -322,21 +314,20 @@ class _Wire:
             self.stdin.flush()
 
     def _read(self) -> None:
+        assert isinstance(self.proc.stdout, io.BufferedReader)  # stdout is PIPE, buffered
         out = self.proc.stdout
-        assert out is not None  # stdout is PIPE
+        parser = FrameParser()
         try:
             while True:
-                headers = b""
-                while True:
-                    line = out.readline()
-                    if not line:
+                message = parser.next()
+                if message is None:
+                    data = out.read1(65536)
+                    if not data:
                         return
-                    if not line.strip():
-                        if headers:
-                            break
-                        continue
-                    headers += line
-                message = json.loads(out.read(_content_length(headers)))
+                    parser.feed(data)
+                    continue
+                if isinstance(message, FrameError):  # the server broke the protocol: treat as its end
+                    return
                 if "id" in message and "method" not in message:
                     fut = self.pending.pop(message["id"], None)
                     if fut is not None and not fut.done():
@@ -785,25 +776,12 @@ class AsyncClient:
             self._writer_done.set()
 
     async def _reader(self) -> None:
-        from anyio.streams.buffered import BufferedByteReceiveStream
-
         assert self._proc is not None and self._proc.stdout is not None  # __aenter__ started it, stdout a PIPE
-        stream = BufferedByteReceiveStream(self._proc.stdout)
         try:
-            while True:
-                headers = await stream.receive_until(b"\r\n\r\n", 65536)
-                if not headers.strip():
-                    continue
-                message = json.loads(await stream.receive_exactly(_content_length(headers)))
+            async for message in FrameReader(self._proc.stdout):
+                if isinstance(message, FrameError):  # the server broke the protocol: treat as its end
+                    break
                 self._dispatch(message)
-        except (
-            anyio.EndOfStream,
-            anyio.IncompleteRead,
-            anyio.ClosedResourceError,
-            anyio.BrokenResourceError,
-            ValueError,
-        ):
-            pass
         finally:
             gone = {"error": {"code": SERVER_GONE, "message": "the server exited"}}
             for callback in list(self._pending.values()):

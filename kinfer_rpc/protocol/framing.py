@@ -58,33 +58,71 @@ def _parse_body(body: bytes) -> dict[str, Any] | FrameError:
     return message
 
 
-class ByteSource(Protocol):
-    """What FrameReader reads from: anything with `async receive() -> bytes`."""
+class FrameParser:
+    """Frames out of bytes fed in any pieces, with no I/O of its own (the server's async reader
+    and the Python client's blocking and async readers all use it).
 
-    async def receive(self) -> bytes: ...
+    `feed(data)` adds bytes; `next()` gives the next message or FrameError, or None when it
+    needs more bytes; `end()` says what the stream's end left unfinished, if anything."""
 
-
-class FrameReader:
-    """Reads frames from a byte stream (anything with `async receive() -> bytes`)."""
-
-    def __init__(self, stream: ByteSource, max_frame: int = MAX_FRAME_BYTES):
-        self._stream = stream
-        self._buf = bytearray()
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
         self.max_frame = max_frame
-        self._eof = False
+        self._buf = bytearray()
+        self._body: int | None = None  # the length of the body being read, its headers taken
+        self._skip = 0  # bytes of a refused frame still to drop
 
-    async def _fill(self) -> bool:
-        if self._eof:
-            return False
-        try:
-            data = await self._stream.receive()
-        except Exception:  # EndOfStream, ClosedResourceError, BrokenResourceError
-            data = b""
-        if not data:
-            self._eof = True
-            return False
+    def feed(self, data: bytes) -> None:
         self._buf += data
-        return True
+
+    def next(self) -> dict[str, Any] | FrameError | None:
+        buf = self._buf
+        while True:
+            if self._skip:
+                n = min(self._skip, len(buf))
+                del buf[:n]
+                self._skip -= n
+                if self._skip:
+                    return None
+            if self._body is not None:
+                if len(buf) < self._body:
+                    return None
+                body = bytes(buf[: self._body])
+                del buf[: self._body]
+                self._body = None
+                return _parse_body(body)
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEADER_BYTES:
+                    self._resync(1)
+                    return FrameError(errors.PARSE_ERROR, "headers too long or missing the blank line")
+                return None
+            length, problem = _content_length(bytes(buf[:end]))
+            if problem:
+                if length is None:
+                    # No length to trust: a Content-Length header later in this block may start
+                    # a frame (garbage glued in front of it); else look after this block.
+                    inner = _HEADER_START.search(buf, 1, end)
+                    self._resync(inner.start() if inner else end + 4)
+                else:  # the length is known: skip the refused frame whole, body included
+                    del buf[: end + 4]
+                    self._skip = length
+                return FrameError(errors.PARSE_ERROR, problem)
+            del buf[: end + 4]
+            assert length is not None  # _content_length gives no problem only with a length
+            if length > self.max_frame:
+                self._skip = length
+                return FrameError(
+                    errors.INVALID_REQUEST, f"frame of {length} bytes is over the limit of {self.max_frame} bytes"
+                )
+            self._body = length
+
+    def end(self) -> FrameError | None:
+        """At the stream's end: what it cut short (call once next() gives None)."""
+        if self._body is not None:
+            return FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's body")
+        if not self._skip and self._buf.strip():
+            return FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's headers")
+        return None
 
     def _resync(self, start: int) -> None:
         """Drop bytes up to the next Content-Length header at or after `start`.
@@ -100,61 +138,41 @@ class FrameReader:
             if end >= 0:
                 del self._buf[: end + 4]
 
-    async def __aiter__(self) -> AsyncIterator[dict[str, Any] | FrameError]:
-        while True:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEADER_BYTES:
-                    yield FrameError(errors.PARSE_ERROR, "headers too long or missing the blank line")
-                    self._resync(1)
-                    continue
-                if not await self._fill():
-                    if self._buf.strip():
-                        yield FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's headers")
-                    return
-                continue
-            headers = bytes(self._buf[:end])
-            length, problem = _content_length(headers)
-            if problem:
-                yield FrameError(errors.PARSE_ERROR, problem)
-                if length is None:
-                    # No length to trust: a Content-Length header later in this block may start
-                    # a frame (garbage glued in front of it); else look after this block.
-                    inner = _HEADER_START.search(self._buf, 1, end)
-                    self._resync(inner.start() if inner else end + 4)
-                    continue
-                # The length is known: skip the refused frame whole, body included.
-                del self._buf[: end + 4]
-                if not await self._skip(length):
-                    return
-                continue
-            del self._buf[: end + 4]
-            assert length is not None  # _content_length gives no problem only with a length
-            if length > self.max_frame:
-                yield FrameError(
-                    errors.INVALID_REQUEST,
-                    f"frame of {length} bytes is over the limit of {self.max_frame} bytes",
-                )
-                if not await self._skip(length):
-                    return
-                continue
-            while len(self._buf) < length:
-                if not await self._fill():
-                    yield FrameError(errors.PARSE_ERROR, "the stream ended inside a frame's body")
-                    return
-            body = bytes(self._buf[:length])
-            del self._buf[:length]
-            yield _parse_body(body)
 
-    async def _skip(self, n: int) -> bool:
+class ByteSource(Protocol):
+    """What FrameReader reads from: anything with `async receive() -> bytes`."""
+
+    async def receive(self) -> bytes: ...
+
+
+class FrameReader:
+    """Reads frames from a byte stream (anything with `async receive() -> bytes`)."""
+
+    def __init__(self, stream: ByteSource, max_frame: int = MAX_FRAME_BYTES):
+        self._stream = stream
+        self._parser = FrameParser(max_frame)
+
+    @property
+    def max_frame(self) -> int:
+        return self._parser.max_frame
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any] | FrameError]:
+        parser = self._parser
         while True:
-            if len(self._buf) >= n:
-                del self._buf[:n]
-                return True
-            n -= len(self._buf)
-            self._buf.clear()
-            if not await self._fill():
-                return False
+            item = parser.next()
+            if item is not None:
+                yield item
+                continue
+            try:
+                data = await self._stream.receive()
+            except Exception:  # EndOfStream, ClosedResourceError, BrokenResourceError
+                data = b""
+            if not data:
+                cut = parser.end()
+                if cut is not None:
+                    yield cut
+                return
+            parser.feed(data)
 
 
 # A petabyte: lengths past it are garbage, not frames to skip (and past 4,300 digits int() refuses).

@@ -17,21 +17,35 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import kinfer_rpc
 from kinfer_rpc.default_plugins import llama_buft, llama_native
-from kinfer_rpc.types import LoadOptions, MachineInfo, ModelInfo, SeqChunk
+from kinfer_rpc.types import (
+    Backend,
+    DraftPolicy,
+    DraftRequest,
+    LoadedModel,
+    LoadOptions,
+    MachineInfo,
+    ModelInfo,
+    SeqChunk,
+)
+
+if TYPE_CHECKING:
+    from kinfer_rpc.default_plugins.llama_mtp import Mtp
 
 log = logging.getLogger("kinfer_rpc.llama")
 _init_lock = threading.Lock()
 _initialised = False
-_log_callback = None  # kept alive: llama.cpp holds the pointer
+_log_callback: object = None  # kept alive: llama.cpp holds the pointer
 _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 
 
-def _llama():
+def _llama() -> ModuleType:
     """Import llama_cpp lazily and once: it loads a native library and may print. Through
     kinfer_llama_native, which refuses a library that would crash this process."""
     global _initialised, _log_callback
@@ -40,15 +54,14 @@ def _llama():
     with _init_lock:
         if not _initialised:
 
-            @L.llama_log_callback
-            def forward(level, text, _user):
+            def forward(level: int, text: bytes, _user: Any) -> None:
                 # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Loads log a lot:
                 # keep info at debug so a user sees only what needs them.
                 msg = text.decode("utf-8", "replace").rstrip()
                 if msg:
                     log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), "%s", msg)
 
-            _log_callback = forward
+            _log_callback = L.llama_log_callback(forward)
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
             # llama-cpp-python 0.3.36 leaves tensor_buft_overrides unbound (patches/README.md).
@@ -62,7 +75,7 @@ def _llama():
 class _Batch:
     """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
 
-    def __init__(self, L, capacity: int):
+    def __init__(self, L: ModuleType, capacity: int) -> None:
         self.capacity = capacity
         self.token = np.zeros(capacity, dtype=np.int32)
         self.pos = np.zeros(capacity, dtype=np.int32)
@@ -85,7 +98,10 @@ class _Batch:
     def fill(self, chunks: Sequence[SeqChunk]) -> int:
         # One numpy assignment per array for the whole pass: per-chunk slicing costs more than
         # the pass itself when 128 sequences each bring one token.
-        tokens, pos, seq, out = [], [], [], []
+        tokens: list[int] = []
+        pos: list[int] = []
+        seq: list[int] = []
+        out: list[int] = []
         for c in chunks:
             k = len(c.tokens)
             tokens.extend(c.tokens)
@@ -109,14 +125,14 @@ class _Batch:
 class LlamaModel:
     """A GGUF model loaded into one llama.cpp context (the LoadedModel contract)."""
 
-    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]):
+    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
         L = self.L = _llama()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
         self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
         # On a GPU llama_decode returns once the pass is queued (see decode).
         self.decode_async = not self.on_cpu
-        self._overrides = None
+        self._overrides: llama_buft.Overrides | None = None
         if options.host_tensors:
             # Tensors matching these patterns stay in host memory (the CPU buffer type); on a
             # GPU, big passes still run their matrix products there, copying the weights over
@@ -126,19 +142,18 @@ class LlamaModel:
             mparams.tensor_buft_overrides = self._overrides.pointer
             mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
 
-        @L.llama_progress_callback
-        def on_progress(fraction, _user):
+        def on_progress(fraction: float, _user: Any) -> bool:
             progress(float(fraction))
             return True
 
-        self._progress_cb = on_progress
-        mparams.progress_callback = on_progress
+        self._progress_cb = L.llama_progress_callback(on_progress)
+        mparams.progress_callback = self._progress_cb
         if options.mtp:
             mparams.load_mtp = True  # otherwise llama.cpp skips the NextN tensors
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path!r} (not a GGUF file it can read?)")
-        self._mtp = None
+        self._mtp: Mtp | None = None
         # With the patched llama.cpp the pass takes greedy rows' argmax (set_device_greedy).
         self.device_greedy = _set_output_argmax is not None
         self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
@@ -290,11 +305,11 @@ class LlamaModel:
             piece = self._pieces[token] = buf.raw[:n]
         return piece
 
-    def eog_tokens(self):
+    def eog_tokens(self) -> frozenset[int]:
         return self._eog
 
     # -- decoding ---------------------------------------------------------------------------
-    def decode(self, chunks: Sequence[SeqChunk]):
+    def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:
         total = sum(len(c.tokens) for c in chunks)
         if total > self._batch.capacity:
             raise ValueError(f"a pass of {total} tokens exceeds the batch size {self._batch.capacity}")
@@ -303,7 +318,7 @@ class LlamaModel:
         self._next_ok = self._mtp is None and n_out == total
         return self._launch(chunks, total, n_out)
 
-    def decode_next(self, tokens: Sequence[int]):
+    def decode_next(self, tokens: Sequence[int]) -> Callable[[], np.ndarray]:
         """The last pass's rows again, each one token further on: row i's sequence gets tokens[i]
         at the next position. Only after a pass of one token a row, each asking for its logits
         (the engine's steady decode step); the batch is updated in place, with no chunks to read."""
@@ -316,7 +331,7 @@ class LlamaModel:
         b.pos[:n] += 1
         return self._launch(None, n, n)
 
-    def _launch(self, chunks, total, n_out):
+    def _launch(self, chunks: Sequence[SeqChunk] | None, total: int, n_out: int) -> Callable[[], np.ndarray]:
         if self._argmax_mode and chunks is not None:  # decode_next: the rows, so the mode, are the same
             # Every row greedy: only the token ids come back, not n_vocab logits a row.
             greedy = self._greedy
@@ -324,6 +339,7 @@ class LlamaModel:
             # Which rows the pass samples, for a pass that also copies logits back.
             self._rows_greedy = None if mode == 2 else [c.seq in greedy for c in chunks for _ in range(c.outputs)]
             if mode != self._argmax_mode:
+                assert _set_output_argmax is not None, "an argmax mode is set only through it"
                 _set_output_argmax(self.ctx, mode)
                 self._argmax_mode = mode
         # On a GPU llama_decode returns once the pass is queued; reading the logits waits for it.
@@ -343,6 +359,7 @@ class LlamaModel:
         if self._mtp is None:
             return logits
         mtp = self._mtp
+        assert chunks is not None, "decode_next is refused while the MTP context follows the target"
 
         def logits_and_mirror() -> np.ndarray:
             # The MTP pass needs the target's hidden states, so it is started once the target's
@@ -378,10 +395,11 @@ class LlamaModel:
         n_out = self._n_out
         if not self._argmax_mode or not n_out:
             return [-1] * n_out
+        assert _get_output_argmax is not None, "an argmax mode is set only with the patched library"
         ptr = _get_output_argmax(self.ctx)
         if not ptr:
             return [-1] * n_out
-        ids = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
+        ids: list[int] = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
         if self._rows_greedy is None:  # mode 2: no logits came back to fall back on
             if min(ids) < 0:  # a row of NaN or -inf logits has no argmax
                 raise RuntimeError("the model produced logits without a largest value (NaN) for a greedy row")
@@ -400,7 +418,7 @@ class LlamaModel:
         if self._mtp is not None:
             self._mtp.seq_copy(src, dst, start, end)
 
-    def memory(self) -> dict:
+    def memory(self) -> dict[str, Any]:
         return {
             "modelBytes": self.info.size_bytes,
             "contextCells": int(self.L.llama_n_ctx(self.ctx)),
@@ -420,7 +438,7 @@ class LlamaModel:
             self.model = None
 
 
-def _bind_output_argmax():
+def _bind_output_argmax() -> tuple[Callable[[Any, int], None] | None, Callable[[Any], Any] | None]:
     """llama_set_output_argmax / llama_get_output_argmax where the loaded libllama has them
     (patches/llama-output-argmax.patch), else None."""
     import llama_cpp.llama_cpp as raw
@@ -435,14 +453,16 @@ def _bind_output_argmax():
     return set_fn, get_fn
 
 
-_set_output_argmax = _get_output_argmax = None
+# (ctx, mode) and (ctx) -> the rows' int32 token ids; None without the patch
+_set_output_argmax: Callable[[Any, int], None] | None = None
+_get_output_argmax: Callable[[Any], Any] | None = None
 
 
 class LlamaBackend:
     """llama.cpp: reads GGUF."""
 
     name = "llama"
-    formats = ("gguf",)
+    formats: tuple[str, ...] = ("gguf",)
 
     def machine(self) -> MachineInfo:
         """GPU memory as ggml's devices report it, and the host's available memory."""
@@ -467,15 +487,15 @@ class MtpPolicy:
 
     name = "mtp"
 
-    def propose(self, history, k: int) -> list[int]:
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
         raise RuntimeError("mtp drafts through a session (kinfer_rpc.types.DraftSession)")
 
-    def session(self, target, backend, options):
+    def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> MtpSession:
         return MtpSession(target)
 
 
 class MtpSession:
-    def __init__(self, target):
+    def __init__(self, target: LoadedModel) -> None:
         if not isinstance(target, LlamaModel):
             raise ValueError("draftPolicy mtp needs the llama backend (llama.cpp's multi-token-prediction API)")
         if target._mtp is None:
@@ -483,9 +503,9 @@ class MtpSession:
                 "draftPolicy mtp needs the model loaded with its multi-token-prediction layers "
                 '(model/load with draftPolicy "mtp")'
             )
-        self.target = target
+        self.target: LlamaModel = target
 
-    def propose_many(self, requests):
+    def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         mtp = self.target._mtp
         if mtp is None:
             raise RuntimeError("the model's multi-token-prediction context is closed")
@@ -496,10 +516,10 @@ class MtpSession:
 
 
 @kinfer_rpc.hookimpl
-def register_backends(register):
+def register_backends(register: Callable[[Backend], None]) -> None:
     register(LlamaBackend())
 
 
 @kinfer_rpc.hookimpl
-def register_draft_policies(register):
+def register_draft_policies(register: Callable[[DraftPolicy], None]) -> None:
     register(MtpPolicy())

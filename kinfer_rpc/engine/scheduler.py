@@ -14,11 +14,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import enum
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -31,7 +33,9 @@ from kinfer_rpc.types import (
     AsyncDecode,
     DecodeNext,
     DeviceGreedy,
+    DraftPolicy,
     DraftRequest,
+    DraftSession,
     LoadedModel,
     SeqChunk,
     SessionPolicy,
@@ -53,7 +57,9 @@ class GenerateOptions:
     # draft tokens checked per step (0: no speculative decoding; None: as many as the load's, which
     # the host settles before the job reaches the engine)
     drafts: int | None = 0
-    draft_policy: object = None  # a kinfer_rpc.types.DraftPolicy
+    # The policy's name as a request gives it; the host puts the DraftPolicy itself in its place
+    # before the job reaches the engine.
+    draft_policy: str | DraftPolicy | None = None
     sampling: SamplingOptions = SamplingOptions()
 
 
@@ -81,35 +87,35 @@ class Job:
     """One request, from the queue to its last token. Fields written by the worker only; `state`
     changes only through move()."""
 
-    prompt: list
+    prompt: list[int]
     options: GenerateOptions
-    on_piece: Callable[[str, list], None] | None = None  # runs on the host loop
+    on_piece: Callable[[str, list[int]], None] | None = None  # runs on the host loop
     on_done: Callable[[Job], None] | None = None  # runs on the host loop
     slot: int = -1
     n_past: int = 0  # tokens of this job already in its slot's KV cache
-    generated: list = attrs.field(factory=list)
+    generated: list[int] = attrs.field(factory=list)
     n_text: int = 0  # how many of `generated` have been turned into text
     stop_reason: str | None = None
     error: Exception | None = None
     cancelled: bool = False  # set from any thread; seen at the next step
-    stream: TextStream = None
+    stream: TextStream = attrs.field(init=False)  # made from the options' stop strings
     text: str = ""
     t_submit: float = attrs.field(factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
-    drafts: list = attrs.field(factory=list)  # proposed for the pass in flight
+    drafts: list[int] = attrs.field(factory=list)  # proposed for the pass in flight
     drafted: int = 0  # draft tokens proposed over the whole reply
     accepted: int = 0  # ... and accepted
     draft_pause: int = 0  # steps left without drafting (the low-acceptance fallback)
     draft_backoff: int = 32  # the next pause's length: doubles after every losing window
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
-    window: list = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
+    window: list[int] = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
     plain: bool = attrs.field(init=False, default=False)  # greedy without a penalty: a row's argmax
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         self.stream = TextStream(self.options.stop)
         sampling = self.options.sampling
         self.plain = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0
@@ -120,6 +126,14 @@ class Job:
         if to not in _MOVES[self.state]:
             raise RuntimeError(f"a job cannot move from {self.state.value} to {to.value}")
         self.state = to
+
+
+# What a step hands the host loop: on_piece with its text and tokens, or on_done with its job.
+_Event = tuple[Callable[[str, list[int]], None], str, list[int]] | tuple[Callable[[Job], None], Job]
+
+# The invariant behind the checks that the model is there: it is, from a load until the worker
+# ends, which is all the time jobs are submitted and steps run.
+_LOADED = "jobs are submitted and steps run only while the model is loaded"
 
 
 @attrs.frozen
@@ -137,7 +151,7 @@ class EngineStats:
     steps: int
     draft_tokens: int
     draft_accepted: int
-    memory: dict
+    memory: dict[str, Any]
 
 
 class Engine:
@@ -150,24 +164,24 @@ class Engine:
     def __init__(
         self,
         load: Callable[[Callable[[float], None]], LoadedModel],
-        post: Callable[[Callable[[], None]], None],
+        post: Callable[[Callable[[], None]], object],
         *,
         batch: int = 2048,
         max_queue: int = 4096,
         prefix: int = -1,
         on_progress: Callable[[float], None] | None = None,
         on_ready: Callable[[Exception | None], None] | None = None,
-        draft_session: Callable[[object, LoadedModel], object] | None = None,
-        draft_policy: object = None,
+        draft_session: Callable[[SessionPolicy, LoadedModel], DraftSession] | None = None,
+        draft_policy: DraftPolicy | None = None,
         start_ahead: bool | None = None,
     ):
         self._load = load
         # Draft policies that draft for all requests at once (a draft model, an MTP head) get
         # one session per load, made on the worker thread by `draft_session(policy, model)`.
         self._draft_session = draft_session
-        self._sessions: dict[str, object] = {}
+        self._sessions: dict[str, DraftSession] = {}
         self._default_policy = draft_policy  # the load's: its session starts with the load
-        self._greedy: dict | None = None  # set at load: see _sync_greedy
+        self._greedy: dict[int, bool] | None = None  # set at load: see _sync_greedy
         self._decode_next = False  # set at load: whether the model has decode_next
         self._post = post
         self.batch = batch
@@ -181,19 +195,21 @@ class Engine:
         self._queue: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []  # in admission order
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
-        self._eog: frozenset = frozenset()
-        self._pool = None  # threads for the argmax of large passes
+        self._eog: frozenset[int] = frozenset()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # threads for the argmax of large passes
         self._drafts_total = [0, 0]  # drafted, accepted over the life of the load
         self.slots: Slots | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
-        self._decoded = collections.deque(maxlen=64)  # (time, tokens generated) per step
+        # (time, tokens generated) per step
+        self._decoded: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         # Start a pass before taking the last one's tokens (_start_next): None follows the
         # model (its decode_async); False never (a reference to compare with, benchmarks).
         self.start_ahead = start_ahead
         self._ahead = False
         self._steady = False  # the last planned pass: every job one greedy token (_start_next)
-        self._running = None  # (chunks, owners, wait) of a pass started ahead by _start_next
+        # (chunks, owners, wait) of a pass started ahead by _start_next
+        self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
         self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
 
@@ -208,6 +224,7 @@ class Engine:
             threading.stack_size(previous)
 
     def submit(self, job: Job) -> None:
+        assert self.model is not None, _LOADED
         info = self.model.info
         if not job.prompt:
             raise errors.invalid_params("the prompt is empty (0 tokens)")
@@ -222,8 +239,9 @@ class Engine:
             job.move(JobState.DONE)
             job.stop_reason = "length"
             job.t_start = job.t_end = time.perf_counter()
-            if job.on_done:
-                self._post(lambda: job.on_done(job))
+            on_done = job.on_done
+            if on_done:
+                self._post(lambda: on_done(job))
             return
         with self._cond:
             if len(self._queue) >= self.max_queue:
@@ -270,7 +288,11 @@ class Engine:
     def load_model(self) -> None:
         """Load the model on the calling thread (the worker's, or a test's driving step())."""
         progress = self._on_progress or (lambda f: None)
-        self.model = self._load(lambda f: self._post(lambda: progress(f)))
+
+        def report(f: float) -> None:
+            self._post(lambda: progress(f))
+
+        self.model = self._load(report)
         problems = contract_problems(self.model, "model")
         if problems:  # a backend's bug, named, rather than a feature quietly off or a crash later
             model, self.model = self.model, None
@@ -302,10 +324,10 @@ class Engine:
         except Exception as exc:
             log.exception("model load failed")
             if self._on_ready:
-                self._post(lambda error=exc: self._on_ready(error))  # `exc` is unbound after except
+                self._post(functools.partial(self._on_ready, exc))  # `exc` is unbound after except
             return
         if self._on_ready:
-            self._post(lambda: self._on_ready(None))
+            self._post(functools.partial(self._on_ready, None))
         try:
             while True:
                 with self._cond:
@@ -344,7 +366,7 @@ class Engine:
                 log.exception("the pass started ahead failed")
 
     def _fail_all(self, exc: Exception) -> None:
-        events = []
+        events: list[_Event] = []
         with self._cond:
             jobs = list(self._active) + list(self._queue)
             self._active.clear()
@@ -360,9 +382,9 @@ class Engine:
         """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle.
 
         The pass may already be running: the previous step started it (see _start_next)."""
-        events: list = []
+        events: list[_Event] = []
         running, self._running = self._running, None
-        ended = []
+        ended: list[Job] = []
         with self._cond:
             # Leave: cancelled jobs free their slot before anything runs (or once the pass
             # already running, which holds their row, is done; the row is thrown away).
@@ -375,17 +397,21 @@ class Engine:
                 self._finish(job, "cancelled", events)
             if running is None:
                 # Join: each waiting job takes a slot (and whatever prefix the pool holds for it).
-                while self._queue and self.slots.free:
+                slots = self.slots
+                assert slots is not None, _LOADED
+                while self._queue and slots.free:
                     job = self._queue.popleft()
                     job.t_start = time.perf_counter()
-                    self.slots.take(job, self._active)
+                    slots.take(job, self._active)
                     job.move(JobState.PROMPT)
                     self._active.append(job)
-                self.slots.compact(self._active)
+                slots.compact(self._active)
                 if self._greedy is not None:
                     self._sync_greedy()
+        wait: Callable[[], np.ndarray] | None
         if running is None:
             chunks, owners = self._plan()
+            assert self.model is not None, _LOADED
             wait = self.model.decode(chunks) if chunks else None
         else:
             chunks, owners, wait = running
@@ -405,8 +431,9 @@ class Engine:
             self._flush(events)
         return bool(chunks)
 
-    def _plan(self):
+    def _plan(self) -> tuple[list[SeqChunk], list[Job]]:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
+        assert self.model is not None, _LOADED
         budget = self.batch
         context = self.model.info.context_length
         decoding = [job for job in self._active if job.state is JobState.GENERATING]
@@ -414,13 +441,13 @@ class Engine:
         if drafting:
             # Room for drafts: every decoding job's own token first, then drafts in admission order.
             room = budget - len(decoding)
-            wanted = []
+            wanted: list[int] = []
             for job in decoding:
                 k = self._draft_count(job, min(room, context - job.n_past - 2))
                 room -= k
                 wanted.append(k)
             self._propose_all(decoding, wanted)
-            chunks = []
+            chunks: list[SeqChunk] = []
             for job in decoding:  # decoding: feed the last sampled token and its drafts
                 chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
                 budget -= 1 + len(job.drafts)
@@ -450,12 +477,13 @@ class Engine:
             chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
         return chunks, owners
 
-    def _take(self, chunks, owners, logits, events) -> None:
+    def _take(self, chunks: list[SeqChunk], owners: list[Job], logits: np.ndarray, events: list[_Event]) -> None:
         """Sample every row that asked for logits; the text work waits for the next pass."""
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
-        best = self._best(logits, plain, chunks) if any(plain) else None
-        if self._steady and best is not None:
+        some_plain = any(plain)
+        best = self._best(logits, plain, chunks) if some_plain else []  # read by plain rows only
+        if self._steady and some_plain:
             self._start_next(chunks, owners, best)
         row = 0
         produced = 0
@@ -520,10 +548,11 @@ class Engine:
         self._pause_if_unlucky(job)
         if job.stop_reason is None:
             job.n_past = base + taken
+            assert self.model is not None, _LOADED
             self.model.seq_remove(job.slot, job.n_past, -1)
         job.drafts = []
 
-    def _start_next(self, chunks, owners, best) -> None:
+    def _start_next(self, chunks: list[SeqChunk], owners: list[Job], best: list[int]) -> None:
         """Start the next pass now, before this one's tokens are taken, when it is exactly the
         pass the next step would plan: every row a greedy job's one token, none of them ending
         here (end-of-generation, max_tokens, the context), none cancelled or stopped, nobody
@@ -531,9 +560,11 @@ class Engine:
         the bookkeeping, the text and the events; the rows and their positions are the same,
         so the reply is too. A job cancelled or ended by a stop string meanwhile has its row
         thrown away, as a stop string's always was."""
-        if self._queue and self.slots.free:  # someone joins at the next step
+        model, slots = self.model, self.slots
+        assert model is not None and slots is not None, _LOADED
+        if self._queue and slots.free:  # someone joins at the next step
             return
-        if not self.slots.settled(owners):
+        if not slots.settled(owners):
             return
         ends, full = self._ends, self._full
         for chunk, job, token in zip(chunks, owners, best):
@@ -548,12 +579,13 @@ class Engine:
         # The device waits from the last pass's end until this call: a backend that can repeat
         # the last pass one token further (decode_next) is spared reading chunks, which are
         # built once the pass runs.
-        wait = self.model.decode_next(best) if self._decode_next else None
+        # (_decode_next: the model was a DecodeNext at load)
+        wait = cast(DecodeNext, model).decode_next(best) if self._decode_next else None
         nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
-        self._running = (nxt, owners, wait or self.model.decode(nxt))
+        self._running = (nxt, owners, wait or model.decode(nxt))
         self.started_ahead += 1
 
-    def _append(self, job: Job, token: int, next_pos: int, events) -> bool:
+    def _append(self, job: Job, token: int, next_pos: int, events: list[_Event]) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""
         if self._ends(job, token):
             self._text(job, events)
@@ -575,7 +607,9 @@ class Engine:
         """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached
         its max_tokens or the context."""
         limit = job.options.max_tokens
-        return (limit is not None and generated >= limit) or next_pos + 1 >= self.model.info.context_length
+        model = self.model
+        assert model is not None, _LOADED
+        return (limit is not None and generated >= limit) or next_pos + 1 >= model.info.context_length
 
     def _draft_count(self, job: Job, room: int) -> int:
         """How many drafts this job checks this step (0: none)."""
@@ -589,12 +623,13 @@ class Engine:
             room = min(room, opts.max_tokens - len(job.generated) - 1)
         return max(0, min(opts.drafts or 0, room))  # drafting: a count was settled
 
-    def _propose_all(self, jobs: list, counts: list) -> None:
+    def _propose_all(self, jobs: list[Job], counts: list[int]) -> None:
         """Drafts for this step, each only from its job's own history, so replies never depend
         on neighbours (and verification makes them not depend on the drafts either). Policies
         with a session draft for all their jobs at once."""
+        assert self.model is not None, _LOADED
         vocab = self.model.info.n_vocab
-        grouped: dict[str, list] = {}
+        grouped: dict[str, list[tuple[Job, int]]] = {}
         for job, k in zip(jobs, counts):
             job.drafts = []
             if k <= 0:
@@ -603,10 +638,12 @@ class Engine:
             if isinstance(policy, SessionPolicy):
                 grouped.setdefault(policy.name, []).append((job, k))
             else:
+                assert policy is not None and not isinstance(policy, str), "the host settles a job's draft policy"
                 job.drafts = self._clean(policy.propose(job.prompt + job.generated, k), k, vocab)
         for name, items in grouped.items():
             try:
-                session = self._session(items[0][0].options.draft_policy)
+                # (grouped: only jobs whose policy is a SessionPolicy)
+                session = self._session(cast(SessionPolicy, items[0][0].options.draft_policy))
                 proposals = session.propose_many(
                     [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items]
                 )
@@ -618,14 +655,15 @@ class Engine:
                 job.drafts = self._clean(drafts, k, vocab)
 
     @staticmethod
-    def _clean(drafts, k: int, vocab: int) -> list:
+    def _clean(drafts: Iterable[int], k: int, vocab: int) -> list[int]:
         return [int(t) for t in list(drafts)[:k] if 0 <= int(t) < vocab]
 
-    def _session(self, policy):
+    def _session(self, policy: SessionPolicy) -> DraftSession:
         session = self._sessions.get(policy.name)
         if session is None:
             if self._draft_session is None:
                 raise RuntimeError(f"draft policy {policy.name} needs a session and this engine makes none")
+            assert self.model is not None, _LOADED
             session = self._sessions[policy.name] = self._draft_session(policy, self.model)
         return session
 
@@ -652,24 +690,27 @@ class Engine:
         then a pass of greedy requests copies token ids back instead of every row's logits. A
         slot keeps its setting while idle; it changes only when a request of the other kind
         takes it (each change costs the backend a new graph plan)."""
+        greedy = self._greedy
+        assert greedy is not None, "called only while the device takes the argmax"
+        model = cast(DeviceGreedy, self.model)  # _greedy is set only for a DeviceGreedy model
         for job in self._active:
             want = job.plain
-            if self._greedy.get(job.slot) != want:
-                if not self.model.set_device_greedy(job.slot, want) and want:
+            if greedy.get(job.slot) != want:
+                if not model.set_device_greedy(job.slot, want) and want:
                     # Every row's logits must come back again: no slot may stay sampled there.
                     log.warning("the backend cannot take the argmax on its device; taking it here")
-                    for slot, on in self._greedy.items():
+                    for slot, on in greedy.items():
                         if on:
-                            self.model.set_device_greedy(slot, False)
+                            model.set_device_greedy(slot, False)
                     self._greedy = None
                     return
-                self._greedy[job.slot] = want
+                greedy[job.slot] = want
 
-    def _best(self, logits, plain, chunks) -> list:
+    def _best(self, logits: np.ndarray, plain: list[bool], chunks: list[SeqChunk]) -> list[int]:
         """Each row's argmax: from the device where it took it, else computed here."""
         if self._greedy is None:
             return self._argmax(logits)
-        best = self.model.sampled_tokens()
+        best = cast(DeviceGreedy, self.model).sampled_tokens()  # _greedy is set only for a DeviceGreedy model
         missing = [i for i, t in enumerate(best) if t < 0]
         if missing:
             # Rows of slots the device does not sample; their logits were copied back.
@@ -684,7 +725,7 @@ class Engine:
                     best[i] = int(logits[i].argmax())
         return best
 
-    def _argmax(self, logits) -> list:
+    def _argmax(self, logits: np.ndarray) -> list[int]:
         """Row-wise argmax. It is on the step's critical path (the device waits for it) and
         bound by memory bandwidth: a big pass (128 rows of a 32k vocabulary are 16 MB) is split
         over up to _ARGMAX_PARTS threads, this one taking a part too (numpy lets go of the GIL); a small one
@@ -692,28 +733,31 @@ class Engine:
         on the H200's host: 128 rows 0.69 ms on one thread, 0.33 on 4, 0.52 on 8)."""
         parts = min(_ARGMAX_PARTS, _CPUS, logits.size >> 19)
         if parts <= 1 or logits.shape[0] < 2 * parts:
-            return logits.argmax(axis=1).tolist()
+            best: list[int] = logits.argmax(axis=1).tolist()
+            return best
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(_ARGMAX_PARTS - 1, "kinfer-argmax")
         rows = logits.shape[0]
         bounds = [rows * i // parts for i in range(parts + 1)]
         futures = [self._pool.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]
         first = logits[: bounds[1]].argmax(axis=1)
-        return np.concatenate([first] + [f.result() for f in futures]).tolist()
+        best = np.concatenate([first] + [f.result() for f in futures]).tolist()
+        return best
 
-    def _drain_text(self, events) -> list:
+    def _drain_text(self, events: list[_Event]) -> list[Job]:
         """Text of the tokens taken last step; returns the jobs a stop string ended."""
         pending, self._pending = self._pending, []
-        ended = []
+        ended: list[Job] = []
         for job in pending:
             if job.stop_reason is None and self._text(job, events):
                 self._finish(job, "stop", events, release=False)
                 ended.append(job)
         return ended
 
-    def _text(self, job: Job, events) -> bool:
+    def _text(self, job: Job, events: list[_Event]) -> bool:
         """Push the job's tokens not yet turned into text; True if a stop string ended it."""
         model = self.model
+        assert model is not None, _LOADED
         while job.n_text < len(job.generated):
             token = job.generated[job.n_text]
             job.n_text += 1
@@ -728,7 +772,7 @@ class Engine:
                 return True
         return False
 
-    def _finish(self, job: Job, reason: str | None, events, release: bool = True) -> None:
+    def _finish(self, job: Job, reason: str | None, events: list[_Event], release: bool = True) -> None:
         job.move(JobState.DONE)
         if reason is None and job.stop_reason is None:
             job.stop_reason = "error"  # job.error says what; nothing more is done for it
@@ -751,12 +795,13 @@ class Engine:
         if job in self._active:
             self._active.remove(job)
             if self.model is not None:
+                assert self.slots is not None, "the slots are made with the model"
                 self.slots.give_back(job, self._active)
 
-    def _flush(self, events) -> None:
+    def _flush(self, events: list[_Event]) -> None:
         if events:
 
-            def deliver(events=events):
+            def deliver(events: list[_Event] = events) -> None:
                 for fn, *args in events:
                     try:
                         fn(*args)

@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypedDict
 
 import anyio
 import attrs
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import load_options
 from kinfer_rpc.host.plugins import Plugins
-from kinfer_rpc.host.store import ModelStore
-from kinfer_rpc.types import LoadOptions, MachineAware, ModelFacts, PlacementPlan, SessionPolicy, WeightForms
+from kinfer_rpc.host.store import ModelRef, ModelStore
+from kinfer_rpc.types import (
+    Backend,
+    LoadOptions,
+    MachineAware,
+    ModelFacts,
+    PlacementPlan,
+    SessionPolicy,
+    WeightForms,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,7 @@ class Loaded:
     draft_policy: str | None = None
     placement: str | None = None  # the placement that decided, or None when the backend places its own
     placement_reason: str = ""
-    defaults: dict = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
+    defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
 
 
@@ -77,6 +86,15 @@ class LoadProgress(Protocol):
     def end(self, message: str) -> None: ...
 
 
+class _Placed(TypedDict, total=False):
+    """The load options a placement's plan changes (attrs.evolve's keywords)."""
+
+    host_tensors: tuple[str, ...]
+    gpu_layers: int
+    batch: int
+    ubatch: int
+
+
 class Runtime:
     def __init__(self, plugins: Plugins, store: ModelStore | None = None):
         self.plugins = plugins
@@ -84,7 +102,9 @@ class Runtime:
         self.loaded: dict[str, Loaded] = {}
         self._last: str | None = None
 
-    async def load(self, name, backend_name, options, progress: LoadProgress | None = None) -> Loaded:
+    async def load(
+        self, name: str | None, backend_name: str | None, options: object, progress: LoadProgress | None = None
+    ) -> Loaded:
         """Load (or join the load of) a model by name with raw load options; returns once ready."""
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
@@ -100,7 +120,7 @@ class Runtime:
                     f"the {backend.name} backend runs the weights as the model stores them; weights "
                     f"{opts.weights!r} needs a backend that can expand them at load (mlx)",
                 )
-            policy = extra["draftPolicy"]
+            policy: str | None = extra["draftPolicy"]
             if policy is not None and policy != "none" and policy not in self.plugins.draft_policies:
                 raise errors.invalid_params(
                     f"unknown draft policy {policy!r}; available: "
@@ -110,7 +130,7 @@ class Runtime:
             # device; the count is fixed for the life of the load either way.
             draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra["draftModel"])
             opts = attrs.evolve(opts, drafts=extra["drafts"], mtp=policy == "mtp", draft_model=draft_model)
-            placement = extra["placement"]
+            placement: str | None = extra["placement"]
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
                     f"unknown placement {placement!r}; "
@@ -130,9 +150,10 @@ class Runtime:
             return existing
         loop = asyncio.get_running_loop()
         ready = anyio.Event()
-        entry = None
+        entry: Loaded | None = None
 
-        def on_ready(exc):
+        def on_ready(exc: Exception | None) -> None:
+            assert entry is not None, "the entry is made before its engine starts"
             entry.error = (
                 None
                 if exc is None
@@ -144,7 +165,7 @@ class Runtime:
 
         progress_sent = [0]
 
-        def on_progress(fraction):
+        def on_progress(fraction: float) -> None:
             pct = int(fraction * 100)
             if progress_sent[0] < 0:  # the request was cancelled: its progress has ended
                 return
@@ -198,7 +219,9 @@ class Runtime:
             self.loaded.pop(ref.name, None)
             raise entry.error
         self._last = ref.name
-        log.info("loaded %s with %s: %s", ref.name, backend.name, engine.model.info.description)
+        model = engine.model
+        assert model is not None, "a loaded engine holds its model"
+        log.info("loaded %s with %s: %s", ref.name, backend.name, model.info.description)
         return entry
 
     def _draft_model(self, policy: str | None, name: str | None) -> str | None:
@@ -217,7 +240,9 @@ class Runtime:
         self.store.prepare(ref, None)
         return ref.path
 
-    def _place(self, ref, backend, opts: LoadOptions, name: str | None, given: frozenset):
+    def _place(
+        self, ref: ModelRef, backend: Backend, opts: LoadOptions, name: str | None, given: frozenset[str]
+    ) -> tuple[LoadOptions, tuple[str | None, str]]:
         """Ask the placement what goes where; the options the user set win. Off the loop: the
         backend's machine() loads its library and asks the devices."""
         machine_of = backend.machine if isinstance(backend, MachineAware) else None
@@ -255,8 +280,8 @@ class Runtime:
                 f"placement {name!r} returned {type(plan).__name__}, not a PlacementPlan",
                 {"path": ref.path},
             )
-        changes = {"host_tensors": tuple(plan.host_tensors)}
-        notes = []
+        changes: _Placed = {"host_tensors": tuple(plan.host_tensors)}
+        notes: list[str] = []
         if "gpuLayers" in given:
             notes.append(f"gpuLayers {opts.gpu_layers} set by the load options")
         else:
@@ -265,13 +290,13 @@ class Runtime:
         if "batch" in given and plan.batch and plan.batch != batch:
             notes.append(f"batch {batch} set by the load options")
         ubatch = opts.ubatch if "ubatch" in given else min(plan.ubatch or opts.ubatch, batch)
-        changes.update(batch=batch, ubatch=ubatch)
+        changes.update({"batch": batch, "ubatch": ubatch})
         if opts.slots > batch:
             raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed the pass size ({batch})")
         reason = plan.reason + "".join(f"; {n}" for n in notes)
         return attrs.evolve(opts, **changes), (name, reason)
 
-    def _backend_for(self, fmt: str, wanted: str | None):
+    def _backend_for(self, fmt: str, wanted: str | None) -> Backend:
         backends = self.plugins.backends
         if wanted is not None:
             if wanted not in backends:
@@ -297,16 +322,18 @@ class Runtime:
         self.loaded.clear()
 
     # -- inference ---------------------------------------------------------------------------
-    async def model_for(self, name) -> Loaded:
+    async def model_for(self, name: str | None) -> Loaded:
         """The model a request names, else the one used last; loaded with its defaults if need be."""
         if name is None and self._last is not None and self._last in self.loaded:
             name = self._last
         return await self.load(name, None, None)
 
-    def drafting(self, entry: Loaded, opts):
+    def drafting(self, entry: Loaded, opts: GenerateOptions) -> GenerateOptions:
         """The request's draft policy and count: the load's, unless the request overrides."""
-        name = opts.draft_policy if opts.draft_policy is not None else entry.draft_policy
-        if name in (None, "none"):
+        requested = opts.draft_policy
+        assert requested is None or isinstance(requested, str), "a request names its draft policy"
+        name = requested if requested is not None else entry.draft_policy
+        if name is None or name == "none":
             return attrs.evolve(opts, draft_policy=None, drafts=0)
         policy = self.plugins.draft_policies.get(name)
         if policy is None:
@@ -318,7 +345,9 @@ class Runtime:
                 f"draft policy {name!r} keeps state per load (a draft model, an MTP head): load the model "
                 f"with draftPolicy {name!r} to use it"
             )
-        loaded_for = entry.engine.model.info.drafts
+        model = entry.engine.model
+        assert model is not None, "a loaded engine holds its model"
+        loaded_for = model.info.drafts
         drafts = loaded_for if opts.drafts is None else opts.drafts
         if drafts > loaded_for:
             raise errors.invalid_params(
@@ -327,7 +356,14 @@ class Runtime:
             )
         return attrs.evolve(opts, draft_policy=policy, drafts=drafts)
 
-    def start(self, entry: Loaded, ids: list[int], opts, on_piece=None, on_done=None) -> Job:
+    def start(
+        self,
+        entry: Loaded,
+        ids: list[int],
+        opts: GenerateOptions,
+        on_piece: Callable[[str, list[int]], None] | None = None,
+        on_done: Callable[[Job], None] | None = None,
+    ) -> Job:
         """Submit a job of `ids` with generate options `opts` to the entry's engine."""
         job = Job(ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done)
         entry.engine.submit(job)

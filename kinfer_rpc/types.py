@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -123,7 +123,7 @@ class LoadedModel(Protocol):
 
     def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None: ...
 
-    def memory(self) -> dict: ...
+    def memory(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 

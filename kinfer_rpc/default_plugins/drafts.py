@@ -11,20 +11,26 @@ llama.cpp's own multi-token-prediction API.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 import kinfer_rpc
 from kinfer_rpc.types import common_prefix
 
+if TYPE_CHECKING:
+    from kinfer_rpc.types import Backend, DraftPolicy, DraftRequest, LoadedModel, LoadOptions
+
 
 class NgramPolicy:
     name = "ngram"
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, history, k: int) -> list[int]:
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
         n_hist = len(history)
         if k <= 0 or n_hist < 2:
             return []
@@ -39,7 +45,8 @@ class NgramPolicy:
             hits = np.flatnonzero(match)
             if hits.size:
                 start = int(hits[-1]) + n
-                return h[start : start + k].tolist()
+                drafts: list[int] = h[start : start + k].tolist()
+                return drafts
         return []
 
 
@@ -54,15 +61,15 @@ class DraftModelPolicy:
 
     name = "draft-model"
 
-    def propose(self, history, k: int) -> list[int]:
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
         raise RuntimeError("draft-model drafts through a session (kinfer_rpc.types.DraftSession)")
 
-    def session(self, target, backend, options):
+    def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> DraftModelSession:
         return DraftModelSession(target, backend, options)
 
 
 class DraftModelSession:
-    def __init__(self, target, backend, options):
+    def __init__(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> None:
         from kinfer_rpc.types import LoadOptions
 
         if not options.draft_model:
@@ -91,7 +98,7 @@ class DraftModelSession:
         self.capacity = options.batch
         self.cached: dict[int, list[int]] = {}
 
-    def _check_vocabulary(self, target) -> None:
+    def _check_vocabulary(self, target: LoadedModel) -> None:
         n = target.info.n_vocab
         if self.draft.info.n_vocab != n:
             raise ValueError(
@@ -106,12 +113,12 @@ class DraftModelSession:
                     f"{self.draft.token_bytes(t)!r} in the draft model: a draft model needs the same vocabulary"
                 )
 
-    def propose_many(self, requests):
+    def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         from kinfer_rpc.types import SeqChunk
 
-        out = [[] for _ in requests]
+        out: list[list[int]] = [[] for _ in requests]
         # Catch up: each sequence's cells must hold its history; the last token asks for logits.
-        todo = []  # (request index, seq, position, tokens still to feed)
+        todo: list[list[Any]] = []  # (request index, seq, position, tokens still to feed)
         for i, r in enumerate(requests):
             h = list(r.history)
             have = self.cached.get(r.seq, [])
@@ -120,9 +127,11 @@ class DraftModelSession:
                 self.draft.seq_remove(r.seq, p, -1)
             self.cached[r.seq] = h[:p]
             todo.append([i, r.seq, p, h[p:]])
-        last = {}
+        last: dict[int, int] = {}
         while any(t[3] for t in todo):
-            chunks, rows, room = [], [], self.capacity
+            chunks: list[SeqChunk] = []
+            rows: list[int] = []
+            room = self.capacity
             for t in todo:
                 if not t[3] or room <= 0:
                     continue
@@ -158,6 +167,6 @@ class DraftModelSession:
 
 
 @kinfer_rpc.hookimpl
-def register_draft_policies(register):
+def register_draft_policies(register: Callable[[DraftPolicy], None]) -> None:
     register(NgramPolicy())
     register(DraftModelPolicy())

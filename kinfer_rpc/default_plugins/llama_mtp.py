@@ -7,11 +7,15 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kinfer_rpc.default_plugins.llama import LlamaModel, _Batch
 from kinfer_rpc.types import SeqChunk
+
+if TYPE_CHECKING:
+    from kinfer_rpc.types import DraftRequest
 
 log = logging.getLogger("kinfer_rpc.llama")
 
@@ -21,7 +25,7 @@ class MtpBatch(_Batch):
     the token and the target's hidden state of the position before (a legacy llama_batch may
     carry both; llama_decode turns it into the MTP graph's inputs)."""
 
-    def __init__(self, L, capacity: int, n_embd: int):
+    def __init__(self, L: Any, capacity: int, n_embd: int) -> None:  # L: the llama_cpp module
         super().__init__(L, capacity)
         self.embd = np.zeros((capacity, n_embd), dtype=np.float32)
         self.batch.embd = self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
@@ -50,7 +54,7 @@ class Mtp:
 
     KEPT_ROWS = 64
 
-    def __init__(self, target: LlamaModel, cparams, capacity: int, unified: bool):
+    def __init__(self, target: LlamaModel, cparams: Any, capacity: int, unified: bool) -> None:
         from llama_cpp import llama_cpp_ext as LX
 
         L = self.L = target.L
@@ -77,7 +81,7 @@ class Mtp:
         LX.llama_set_embeddings_nextn(self.ctx, True, True)
         self.batch = MtpBatch(L, capacity, self.n_embd)
         self.zeros = np.zeros(self.n_embd, dtype=np.float32)
-        self.tokens: dict[int, list | None] = {}  # seq -> tokens of its cells (None: unknown)
+        self.tokens: dict[int, list[int] | None] = {}  # seq -> tokens of its cells (None: unknown)
         self.hidden: dict[int, tuple[int, np.ndarray]] = {}  # seq -> (position of rows[0], rows)
         self.passes = 0  # MTP passes run (catch-up and draft), for tests and figures
 
@@ -88,7 +92,8 @@ class Mtp:
         if kept is not None and pos >= 0:
             p0, rows = kept
             if p0 <= pos < p0 + len(rows):
-                return rows[pos - p0]
+                row: np.ndarray = rows[pos - p0]
+                return row
         return self.zeros
 
     def follow(self, chunks: Sequence[SeqChunk], total: int) -> None:
@@ -174,11 +179,11 @@ class Mtp:
                 self.hidden[dst] = (lo, rows[lo - p0 : hi - p0])
 
     # -- drafting -----------------------------------------------------------------------------
-    def propose_many(self, requests) -> list[list[int]]:
+    def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Greedy drafts from the MTP head: round j is one pass over every request still drafting."""
         L, b = self.L, self.batch
         out: list[list[int]] = [[] for _ in requests]
-        live = []  # (request index, seq, position of the next input)
+        live: list[tuple[int, int, int]] = []  # (request index, seq, position of the next input)
         for i, r in enumerate(requests):
             n = len(r.history) - 1
             have = self.tokens.get(r.seq)
@@ -209,7 +214,8 @@ class Mtp:
                 best = logits.argmax(axis=1).tolist()
                 hidden = np.ctypeslib.as_array(self.LX.llama_get_embeddings_nextn(self.ctx), shape=(m, self.n_embd))
                 step += 1
-                nxt, token = [], []
+                nxt: list[tuple[int, int, int]] = []
+                token = []
                 for row, (i, seq, n) in enumerate(live):
                     out[i].append(int(best[row]))
                     if len(out[i]) < requests[i].k:

@@ -13,12 +13,14 @@ import importlib
 import importlib.metadata
 import logging
 import os
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 import pluggy
 
 from kinfer_rpc import __version__, hookspecs
-from kinfer_rpc.types import contract_problems
+from kinfer_rpc.types import Backend, DraftPolicy, Placement, contract_problems
 
 log = logging.getLogger(__name__)
 GROUP = "kinfer_rpc"
@@ -30,6 +32,25 @@ DEFAULT_PLUGINS = {  # name -> module
 }
 
 
+class Distribution(Protocol):
+    """What load_plugins uses of an entry point's importlib.metadata.Distribution: .version."""
+
+    @property
+    def version(self) -> str: ...
+
+
+class EntryPoint(Protocol):
+    """What load_plugins uses of an importlib.metadata.EntryPoint: .name, .load(), .dist."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dist(self) -> Distribution | None: ...
+
+    def load(self) -> Any: ...
+
+
 @attrs.frozen
 class BuiltinPlugin:
     """A built-in plugin, looked at as an entry point: .name, .load(), .dist."""
@@ -38,11 +59,11 @@ class BuiltinPlugin:
     module: str
     dist = None
 
-    def load(self):
+    def load(self) -> Any:
         return importlib.import_module(self.module)
 
 
-def default_entry_points() -> list:
+def default_entry_points() -> list[EntryPoint]:
     """The built-ins, then every installed `kinfer_rpc` entry point."""
     return [BuiltinPlugin(name, module) for name, module in DEFAULT_PLUGINS.items()] + list(
         importlib.metadata.entry_points(group=GROUP)
@@ -53,13 +74,13 @@ def default_entry_points() -> list:
 class Plugins:
     """Everything the plugins registered, by kind and name."""
 
-    backends: dict = attrs.field(factory=dict)
-    draft_policies: dict = attrs.field(factory=dict)
-    placements: dict = attrs.field(factory=dict)
-    loaded: list = attrs.field(factory=list)  # [{name, version}]
-    broken: list = attrs.field(factory=list)  # [{name, error}]
+    backends: dict[str, Backend] = attrs.field(factory=dict)
+    draft_policies: dict[str, DraftPolicy] = attrs.field(factory=dict)
+    placements: dict[str, Placement] = attrs.field(factory=dict)
+    loaded: list[dict[str, str | None]] = attrs.field(factory=list)  # [{name, version}]
+    broken: list[dict[str, str]] = attrs.field(factory=list)  # [{name, error}]
 
-    def capabilities(self) -> dict:
+    def capabilities(self) -> dict[str, Any]:
         return {
             "backends": sorted(self.backends),
             "draftPolicies": sorted(self.draft_policies),
@@ -79,7 +100,7 @@ def _wanted() -> set[str] | None:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
-def load_plugins(entry_points=None) -> Plugins:
+def load_plugins(entry_points: Iterable[EntryPoint] | None = None) -> Plugins:
     """Import every wanted entry point, register it with pluggy, and collect what it registers."""
     pm = pluggy.PluginManager(GROUP)
     pm.add_hookspecs(hookspecs)
@@ -87,7 +108,7 @@ def load_plugins(entry_points=None) -> Plugins:
     wanted = _wanted()
     if entry_points is None:
         entry_points = default_entry_points()
-    owners = {}
+    owners: dict[str, dict[str, str | None]] = {}
     for ep in entry_points:
         if wanted is not None and ep.name not in wanted:
             continue
@@ -107,16 +128,16 @@ def load_plugins(entry_points=None) -> Plugins:
 
     # Collect each plugin's registrations apart, and keep them only if all of its hooks worked:
     # a plugin that fails halfway must not leave half of itself behind.
-    staged: dict[str, dict[str, list]] = {}
+    staged: dict[str, dict[str, list[Backend | DraftPolicy | Placement]]] = {}
     failed: dict[str, str] = {}
     for kind in _NOUN:
         for impl in getattr(pm.hook, f"register_{kind}").get_hookimpls():
             name = impl.plugin_name
             if name in failed:
                 continue
-            found: list = []
+            found: list[Backend | DraftPolicy | Placement] = []
 
-            def register(obj, _kind=kind, _found=found):
+            def register(obj: Any, _kind: str = kind, _found: list[Backend | DraftPolicy | Placement] = found) -> None:
                 problems = contract_problems(obj, _NOUN[_kind])
                 if problems:
                     raise TypeError(f"{_NOUN[_kind]} {obj!r} {'; '.join(problems)}")

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from types import ModuleType
 
 import kinfer_rpc
-from kinfer_rpc.types import LoadOptions
+from kinfer_rpc.types import Backend, LoadOptions
 
 log = logging.getLogger("kinfer_rpc.mlx")
 
+mx: ModuleType | None  # mlx.core, None where MLX is not installed
+_IMPORT_ERROR: str | None  # why the backend is not available
 try:
     # mlx_lm.utils imports transformers (about a second): it is imported when a model loads,
     # so the server still answers `initialize` at once; here only whether it is installed.
@@ -54,15 +57,15 @@ class MlxBackend:
     """MLX with mlx-lm's models: reads MLX folders, Ollama safetensors models and GGUF."""
 
     name = "mlx"
-    formats = ("mlx", "gguf")
-    weights = ("quantized", "dense")
+    formats: tuple[str, ...] = ("mlx", "gguf")
+    weights: tuple[str, ...] = ("quantized", "dense")
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> MlxModel:
         return MlxModel(path, options, progress)
 
 
 @kinfer_rpc.hookimpl
-def register_backends(register):
+def register_backends(register: Callable[[Backend], None]) -> None:
     if _IMPORT_ERROR is not None:
         log.warning("the mlx backend is not available: %s", _IMPORT_ERROR)
         return

@@ -31,6 +31,9 @@ part of the pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import mlx.core as mx
 
 NT = 128  # threads a block: one cell each while scoring, one output dimension each after
@@ -253,7 +256,7 @@ _SOURCE = """
     }
 """
 
-_kernel = None
+_kernel: Callable[..., list[mx.array]] | None = None  # the compiled kernel: its outputs, by output_names
 
 
 def available() -> bool:
@@ -265,18 +268,18 @@ def available() -> bool:
 
 
 def attention(
-    queries,
-    new_keys,
-    new_values,
-    keys,
-    values,
-    slots,
-    cols,
+    queries: mx.array,
+    new_keys: mx.array,
+    new_values: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    slots: mx.array,
+    cols: mx.array,
     scale: float,
-    counter,
+    counter: mx.array,
     heads: int | None = None,
     splits: int | None = None,
-):
+) -> mx.array:
     """One decode pass's attention for one layer, and its KV writes.
 
     queries (B, Hq, L, D); new_keys and new_values (B, Hkv, L, D): the pass's own cells, row b's
@@ -291,12 +294,13 @@ def attention(
     backend fixes it per load from its context length."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
+        kernel = mx.fast.cuda_kernel(
             name="kinfer_decode_attention",
             input_names=["queries", "new_keys", "new_values", "keys", "values", "slots", "cols", "scale", "counter"],
             output_names=["out", "partial", "row_max", "row_sum"],
             source=_SOURCE,
         )
+        _kernel = cast("Callable[..., list[mx.array]]", kernel)  # MLX's stubs type it as a plain object
     B, HQ, L, D = queries.shape
     S, HKV, C, Dk = keys.shape
     if (
@@ -340,14 +344,25 @@ def attention(
     return out
 
 
-def write(keys, values, new_keys, new_values, slots, cols) -> None:
+def write(
+    keys: mx.array, values: mx.array, new_keys: mx.array, new_values: mx.array, slots: mx.array, cols: mx.array
+) -> None:
     """The kernel's KV writes by MLX's operations: each row's new cells into its slot's cells at
     cols (the arrays `keys` and `values` are updated, as `a[i] = x` updates an MLX array)."""
     keys[slots[:, None], :, cols] = new_keys.transpose(0, 2, 1, 3)
     values[slots[:, None], :, cols] = new_values.transpose(0, 2, 1, 3)
 
 
-def reference(queries, new_keys, new_values, keys, values, slots, cols, scale: float):
+def reference(
+    queries: mx.array,
+    new_keys: mx.array,
+    new_values: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    slots: mx.array,
+    cols: mx.array,
+    scale: float,
+) -> mx.array:
     """What `attention` does, by MLX's own operations (a write, then a mask over the gathered
     cells): what the kernel is checked against."""
     write(keys, values, new_keys, new_values, slots, cols)
@@ -355,7 +370,7 @@ def reference(queries, new_keys, new_values, keys, values, slots, cols, scale: f
     return mx.fast.scaled_dot_product_attention(queries, keys[slots], values[slots], scale=scale, mask=mask)
 
 
-def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
+def self_check(dtype: mx.Dtype = mx.float16, head_dim: int = 128, group: int = 4) -> float:
     """The kernel against plain MLX operations (matrix products and a softmax over the row's
     cells, no fused attention, no host read) on fixed pseudo-random cells, rows at several
     positions, one over several chunks, rows of three tokens (drafts), both block shapes; returns
@@ -368,7 +383,7 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
     ends = [1, 2, 5, CHUNK + 18, C]
     B = len(order)
 
-    def data(shape, seed):
+    def data(shape: tuple[int, ...], seed: int) -> mx.array:
         n = 1
         for x in shape:
             n *= x
@@ -390,7 +405,7 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
         return float("inf")
     write(kr, vr, nk, nv, slots, cols)
 
-    def plain(slot, n, query):  # softmax over the row's first n cells, every query head
+    def plain(slot: int, n: int, query: mx.array) -> mx.array:  # softmax over the row's first n cells, every query head
         kk = mx.repeat(kr[slot, :, :n].astype(mx.float32), group, axis=0)  # (HQ, n, D)
         vv = mx.repeat(vr[slot, :, :n].astype(mx.float32), group, axis=0)
         s = (query.astype(mx.float32)[:, None] * scale * kk).sum(-1)  # (HQ, n)
@@ -413,4 +428,6 @@ def self_check(dtype=mx.float16, head_dim: int = 128, group: int = 4) -> float:
             worst = mx.maximum(worst, mx.max(mx.abs(got3[b, :, i] - plain(slot, n + i, q3[b, :, i]))))
     if not (mx.array_equal(k, kr).item() and mx.array_equal(v, vr).item() and not mx.any(counter).item()):
         return float("inf")
-    return float(worst.item())
+    value = worst.item()
+    assert isinstance(value, (int, float))  # a float32 scalar's item
+    return float(value)

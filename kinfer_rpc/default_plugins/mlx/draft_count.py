@@ -43,7 +43,7 @@ def pick_drafts(costs: list[float], acceptance: float = 0.7) -> int:
     """The draft count that gives the most expected tokens per second of pass, at an acceptance
     rate typical of edits (each draft accepted with `acceptance` given the ones before it)."""
 
-    def gain(k):
+    def gain(k: int) -> float:
         return sum(acceptance**i for i in range(k + 1)) / costs[k]
 
     return max(range(len(costs)), key=gain)

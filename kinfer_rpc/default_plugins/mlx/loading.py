@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+
+# From the module that defines them: mlx.nn has these names from mlx.nn.layers, which imports them
+# without re-exporting them (no __all__, no `as`), so a strict type check does not see them in mlx.nn
+from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantize
 
 from kinfer_rpc.default_plugins.mlx.vocab import Vocab
 from kinfer_rpc.types import MachineInfo
+
+if TYPE_CHECKING:
+    from mlx.nn.layers.base import Module
 
 # GGUF tensor names -> mlx-lm's llama module paths.
 _GGUF_NAMES = {
@@ -41,7 +48,7 @@ _GGUF_NAMES = {
 }
 
 
-def _build(config: dict, weights: dict):
+def _build(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
     """An mlx-lm model from its config and weights, quantized where the weights are."""
     from mlx_lm.utils import _get_classes
 
@@ -50,7 +57,7 @@ def _build(config: dict, weights: dict):
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
 
-    def quantized(path, module):
+    def quantized(path: str, module: Module) -> bool | dict[str, Any]:
         w, s = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
         if s is None or w is None or not hasattr(module, "to_quantized"):
             return False
@@ -58,14 +65,14 @@ def _build(config: dict, weights: dict):
         bits = w.shape[-1] * 32 // (s.shape[-1] * group)
         return {"group_size": group, "bits": bits}
 
-    nn.quantize(model, class_predicate=quantized)
+    quantize(model, class_predicate=quantized)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model
 
 
-def _float_type(model, dtype) -> None:
+def _float_type(model: Any, dtype: mx.Dtype) -> None:
     """Every float parameter in `dtype`: float16 on a GPU; float32 on the CPU, where MLX's float16
     and bfloat16 kernels are emulated (a quantized matmul with float16 scales is 40x slower)."""
     from mlx.utils import tree_map
@@ -74,28 +81,32 @@ def _float_type(model, dtype) -> None:
     mx.eval(model.parameters())
 
 
-def _quantized(model) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+def _quantized(model: Any) -> bool:
+    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def _dense_bytes(model, on_gpu: bool) -> int:
+def _dense_bytes(model: Any, on_gpu: bool) -> int:
     """Bytes the weights take expanded to the float type (float16 on a GPU, float32 on the CPU)."""
     per = 2 if on_gpu else 4
     total = 0
     for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
             total += m.scales.size * m.group_size * per + sum(
-                v.nbytes for k, v in m.parameters().items() if k not in ("weight", "scales", "biases")
+                v.nbytes for k, v in _parameters(m).items() if k not in ("weight", "scales", "biases")
             )
         elif not m.children():
             total += sum(v.size * per for v in _leaves(m.parameters()))
     return total
 
 
-def _leaves(tree):
-    from mlx.utils import tree_flatten
+def _parameters(module: Any) -> dict[str, Any]:
+    """module.parameters(), of a module taken as Any: mlx.nn's Module.parameters is unannotated."""
+    params: dict[str, Any] = module.parameters()
+    return params
 
-    return [v for _, v in tree_flatten(tree)]
+
+def _leaves(tree: Any) -> list[Any]:
+    return [v for _, v in _flat(tree)]
 
 
 def _gpu_free() -> int | None:
@@ -111,7 +122,7 @@ def _gpu_free() -> int | None:
     return int(total) - mx.get_active_memory() if total else None
 
 
-def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
+def _weights_form(model: Any, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
     """ "dense" or "quantized", and why. A model stored without quantized weights is dense
     whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
     a GPU, float32 on the CPU) take at most half the device's free memory (what is left holds the
@@ -136,8 +147,10 @@ def _weights_form(model, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
     return "quantized", f"dense {kind} would take {need / gib:.2f} GiB, over half {where} {free / gib:.1f} GiB free"
 
 
-def _load_gguf(path: str):
-    weights, meta = mx.load(path, return_metadata=True)
+def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
+    loaded = mx.load(path, return_metadata=True)
+    assert isinstance(loaded, tuple)  # with return_metadata: (arrays, metadata)
+    weights, meta = loaded
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(
@@ -145,13 +158,13 @@ def _load_gguf(path: str):
             " load this model with the llama backend"
         )
 
-    def num(key, default=None):
+    def num(key: str, default: float | None = None) -> Any:  # a number of the GGUF's metadata, or default
         v = meta.get(f"llama.{key}")
         return default if v is None else np.asarray(v).item()
 
     heads = int(num("attention.head_count"))
     hidden = int(num("embedding_length"))
-    mapped = {}
+    mapped: dict[str, mx.array] = {}
     for name, w in weights.items():
         parts = name.split(".")
         if parts[0] == "blk":
@@ -186,19 +199,20 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {n: (folder / n).read_bytes() for n in names if (folder / n).is_file()}
 
 
-def _load_folder(path: str):
+def _load_folder(path: str) -> tuple[Any, dict[str, Any], Vocab]:
     from mlx_lm.utils import load_model
 
     model, config = load_model(Path(path))
     return model, config, Vocab.from_files(_files(Path(path)), config)
 
 
-def _load_ollama(manifest: str):
+def _load_ollama(manifest: str) -> tuple[Any, dict[str, Any], Vocab]:
     """An Ollama safetensors model: json layers hold config.json and the tokenizer files, each
     tensor layer a safetensors blob of one tensor (or a packed group, names inside the blob)."""
     doc = json.loads(Path(manifest).read_bytes())
     blobs = Path(manifest).parents[4] / "blobs"  # <models>/manifests/<host>/<namespace>/<model>/<tag>
-    files, weights = {}, {}
+    files: dict[str, bytes] = {}
+    weights: dict[str, mx.array] = {}
     for layer in doc["layers"]:
         blob = blobs / layer["digest"].replace(":", "-")
         media = layer.get("mediaType", "")
@@ -206,12 +220,13 @@ def _load_ollama(manifest: str):
             files[layer.get("name", "")] = blob.read_bytes()
         elif media.startswith("application/vnd.ollama.image.tensor"):
             inner = mx.load(str(blob), format="safetensors")
+            assert isinstance(inner, dict)  # safetensors: name -> array
             if list(inner) == ["weight"] or len(inner) == 1 and layer.get("name"):
                 inner = {layer["name"]: next(iter(inner.values()))}
             weights.update(inner)
     if "config.json" not in files:
         raise ValueError(f"{manifest}: no config.json layer")
-    config = json.loads(files["config.json"])
+    config: dict[str, Any] = json.loads(files["config.json"])
     return _build(config, weights), config, Vocab.from_files(files, config)
 
 
@@ -220,7 +235,9 @@ def _is_gguf(path: Path) -> bool:
         return fh.read(4) == b"GGUF"
 
 
-def _flat(params):
+def _flat(params: Any) -> list[tuple[str, Any]]:
     from mlx.utils import tree_flatten
 
-    return tree_flatten(params)
+    flat = tree_flatten(params)
+    assert isinstance(flat, list)  # a dict only when given one to fill (`destination`)
+    return flat

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +33,16 @@ from kinfer_rpc.default_plugins.mlx.loading import (
 from kinfer_rpc.default_plugins.mlx.routing import _attention_kernel
 from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
 
+if TYPE_CHECKING:
+    # Every layer's key (or value) buffer, None until the layer's first pass (_Cells).
+    _Buffers = list[mx.array | None]
+    # A decode pass (_step_fn): tokens, slots, cols, pos, rows, keys, values -> logits, keys, values.
+    _Step = Callable[
+        [mx.array, mx.array, mx.array, mx.array, mx.array, _Buffers, _Buffers], tuple[mx.array, _Buffers, _Buffers]
+    ]
+    # A pass queued ahead (_build_ahead): (seq, position) of each chunk, its tokens, the next tokens.
+    _Ahead = tuple[list[tuple[int, int]], mx.array, mx.array]
+
 log = logging.getLogger("kinfer_rpc.mlx")
 
 # Architectures whose Model.__call__ is exactly `head(model.model(x))`: the head then runs only on
@@ -42,7 +53,7 @@ _SPLIT_HEAD = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granit
 class MlxModel:
     """A model loaded into MLX (the LoadedModel contract)."""
 
-    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]):
+    def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
         if options.host_tensors:
             raise NotImplementedError("keeping tensors in host memory is not supported by the mlx backend")
         if options.kv_type not in (None, "f16"):
@@ -75,10 +86,11 @@ class MlxModel:
         self.layers = len(self.model.layers)
         self.split_head = self.config.get("model_type") in _SPLIT_HEAD and hasattr(self.model, "model")
         self.cells = _Cells(options.slots, self.layers)
-        self._compiled: dict = {}  # (slots consecutive, span) -> the compiled decode step
+        self._compiled: dict[tuple[bool, int], _Step] = {}  # (slots consecutive, span) -> the compiled decode step
         self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
-        self._sampled: tuple = (None, [])  # the last pass's token ids (device) and greedy rows
-        self._ahead = None  # the next pass, queued (see _build_ahead)
+        # the last pass's token ids (device) and greedy rows
+        self._sampled: tuple[mx.array | None, list[bool]] = (None, [])
+        self._ahead: _Ahead | None = None  # the next pass, queued (see _build_ahead)
         self.context = options.context_length
         drafts = (
             options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
@@ -86,7 +98,8 @@ class MlxModel:
         self.drafts = drafts
         # With the attention kernel: the thread blocks a row (chunks of cells), enough for the
         # context length, and the kernel's counter; 0: MLX's attention.
-        self.kernel, self.counter = 0, None
+        self.kernel = 0
+        self.counter: mx.array | None = None
         if on_gpu and self.split_head and _attention_kernel(self.model, self.config):
             self._use_kernel()
         self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
@@ -99,6 +112,7 @@ class MlxModel:
         )
         size = sum(v.nbytes for v in flat.values())
         v = self.vocab
+        mlx_version = mx.__dict__["__version__"]  # which MLX's stubs leave out
         self.info = ModelInfo(
             name=p.name,
             path=path,
@@ -110,7 +124,7 @@ class MlxModel:
             parameters=int(params),
             size_bytes=int(size),
             context_train=int(self.config.get("max_position_embeddings") or 0),
-            description=f"{self.config.get('model_type', '')} on MLX {mx.__version__} ({'gpu' if on_gpu else 'cpu'})",
+            description=f"{self.config.get('model_type', '')} on MLX {mlx_version} ({'gpu' if on_gpu else 'cpu'})",
             bos_text=v.pieces[v.bos].decode("utf-8", "replace") if v.bos is not None else "",
             eos_text=v.pieces[v.eos[0]].decode("utf-8", "replace") if v.eos else "",
             add_bos=v.add_bos,
@@ -136,23 +150,24 @@ class MlxModel:
     def token_bytes(self, token: int) -> bytes:
         return self.vocab.pieces[token] if 0 <= token < len(self.vocab.pieces) else b""
 
-    def eog_tokens(self):
+    def eog_tokens(self) -> frozenset[int]:
         return self.vocab.eog
 
     def chat_template(self) -> str | None:
         return self.vocab.template
 
     # -- decoding ---------------------------------------------------------------------------
-    def _logits(self, inputs, cache, rows=None):
+    def _logits(self, inputs: mx.array, cache: Sequence[_Rows | _Traced], rows: mx.array | None = None) -> mx.array:
         """Logits of the forward over `inputs`; only `rows` (flat indices) when given."""
         if self.split_head:
-            h = self.model.model(inputs, cache)
+            h: mx.array = self.model.model(inputs, cache)
             h = h.reshape(-1, h.shape[-1])
             if rows is not None:
                 h = h[rows]
             m = self.model
-            return m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
-        out = self.model(inputs, cache=cache)
+            logits: mx.array = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
+            return logits
+        out: mx.array = self.model(inputs, cache=cache)
         out = out.reshape(-1, out.shape[-1])
         return out if rows is None else out[rows]
 
@@ -162,7 +177,8 @@ class MlxModel:
         Each group is one weight read; every chunk, alone or not, takes the same path."""
         short = sorted((c for c in chunks if len(c.tokens) <= self.drafts + 1), key=lambda c: c.seq)
         groups = [short] if short else []
-        group, tokens = [], 0
+        group: list[SeqChunk] = []
+        tokens = 0
         for c in sorted((c for c in chunks if len(c.tokens) > self.drafts + 1), key=lambda c: -len(c.tokens)):
             if group and len(group[0].tokens) * (len(group) + 1) * 4 > (tokens + len(c.tokens)) * 5:
                 groups.append(group)
@@ -172,13 +188,21 @@ class MlxModel:
         groups += [group] if group else []
         return [sorted(g, key=lambda c: c.seq) for g in groups]
 
-    def _step_fn(self, consecutive: bool, span: int):
+    def _step_fn(self, consecutive: bool, span: int) -> _Step:
         """A decode pass as a function of arrays only (for mx.compile): tokens (B, L), slots (B,),
         cols (B, L), pos (B,), the flat rows that want logits, and every layer's buffers; returns
         the logits and the updated buffers."""
         layers = self.layers
 
-        def step(tokens, slots, cols, pos, rows, keys, values):
+        def step(
+            tokens: mx.array,
+            slots: mx.array,
+            cols: mx.array,
+            pos: mx.array,
+            rows: mx.array,
+            keys: _Buffers,
+            values: _Buffers,
+        ) -> tuple[mx.array, _Buffers, _Buffers]:
             keys, values = list(keys), list(values)
             mask = None if self.kernel else (mx.arange(span, dtype=mx.int32)[None, None] <= cols[:, :, None])[:, None]
             first = slots[:1] if consecutive else None
@@ -192,7 +216,8 @@ class MlxModel:
                 # the buffers handed on depend on the pass (every layer's kernel is upstream of
                 # the logits), so that whatever reads them next (the next pass, a prompt's
                 # scatter, a copy) runs after it, and evaluating them runs the pass.
-                bufs = mx.depends(keys + values, [logits])
+                # (a compiled pass runs only once every layer has its buffers: no None among them)
+                bufs = mx.depends(cast("list[mx.array]", keys + values), [logits])
                 keys, values = bufs[:layers], bufs[layers:]
             return logits, keys, values
 
@@ -204,7 +229,7 @@ class MlxModel:
         want = self.cells.want
         return all(k is not None and k.shape[2] >= want for k in self.cells.keys)
 
-    def _compiled_step(self, seqs: list[int], last: int):
+    def _compiled_step(self, seqs: list[int], last: int) -> _Step:
         """The compiled decode pass for rows of slots `seqs` whose last position is `last`: its
         trace replayed, not rebuilt op by op in Python, one per (slots consecutive or not, span)
         shape. The span is the cells a pass reads: up to `last` in blocks of STEP, or with the
@@ -217,14 +242,14 @@ class MlxModel:
             fn = self._compiled[(consecutive, span)] = mx.compile(self._step_fn(consecutive, span))
         return fn
 
-    def _forward(self, group: Sequence[SeqChunk]):
+    def _forward(self, group: Sequence[SeqChunk]) -> mx.array | None:
         """One forward over a group (row b: chunk b, padded to the longest); the logits of the
         rows that asked for them, in the group's order, or None."""
         cells = self.cells
         B, L = len(group), max(len(c.tokens) for c in group)
         pos = np.array([c.pos for c in group], dtype=np.int32)
         tokens = np.zeros((B, L), dtype=np.int32)
-        want = []
+        want: list[int] = []
         for b, c in enumerate(group):
             tokens[b, : len(c.tokens)] = c.tokens
             want.extend(range(b * L + len(c.tokens) - c.outputs, b * L + len(c.tokens)))
@@ -249,7 +274,7 @@ class MlxModel:
         out = self._logits(mx.array(tokens), cache, rows)
         return out if want else None
 
-    def decode(self, chunks: Sequence[SeqChunk]):
+    def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:
         cells = self.cells
         for c in chunks:
             if c.pos != cells.length[c.seq]:
@@ -257,9 +282,11 @@ class MlxModel:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and self._ahead_matches(ahead, chunks):
             return self._take_ahead(ahead, chunks)
-        pieces, starts, n_out = [], {}, 0
+        pieces: list[mx.array] = []
+        starts: dict[int, int] = {}
+        n_out = 0
         with mx.stream(self.device):
-            out = None
+            out: mx.array | None = None
             for group in self._groups(chunks):
                 out = self._forward(group)
                 if out is not None:
@@ -269,7 +296,8 @@ class MlxModel:
                     n_out += c.outputs
             for c in chunks:
                 cells.length[c.seq] = c.pos + len(c.tokens)
-            result = ids = None
+            result: mx.array | None = None
+            ids: mx.array | None = None
             greedy = [c.seq in self._greedy for c in chunks for _ in range(c.outputs)]
             host = [i for i, g in enumerate(greedy) if not g]  # rows whose logits come back
             if n_out:
@@ -288,7 +316,8 @@ class MlxModel:
             # mlx-lm does (naming 64 buffers too costs host time on every step). Otherwise the
             # cells are named.
             named = [a for a in (result, ids) if a is not None]
-            mx.async_eval(*named, *(cells.arrays() if out is None or not named else ()))
+            async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
+            async_eval(*named, *(cells.arrays() if out is None or not named else ()))
             if ids is not None and all(greedy):
                 self._build_ahead(chunks, ids)
         n_vocab = self.n_vocab
@@ -326,7 +355,7 @@ class MlxModel:
     # unless a request ended or joined); otherwise it is dropped. A dropped pass wrote each
     # sequence's cell after its last one, which the engine's next pass over that position
     # overwrites before anything reads it.
-    def _build_ahead(self, chunks: Sequence[SeqChunk], ids) -> None:
+    def _build_ahead(self, chunks: Sequence[SeqChunk], ids: mx.array) -> None:
         cells = self.cells
         if any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
             return
@@ -352,16 +381,18 @@ class MlxModel:
         nxt = mx.argmax(out, axis=1)
         if order != list(range(B)):
             nxt = nxt[mx.array(np.argsort(order))]
-        mx.async_eval(nxt)  # every layer's written cells are upstream of it
+        async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
+        async_eval(nxt)  # every layer's written cells are upstream of it
         self._ahead = ([(c.seq, c.pos + 1) for c in chunks], ids, nxt)
 
-    def _ahead_matches(self, ahead, chunks: Sequence[SeqChunk]) -> bool:
+    def _ahead_matches(self, ahead: _Ahead, chunks: Sequence[SeqChunk]) -> bool:
         where, ids, _ = ahead
         if [(c.seq, c.pos) for c in chunks] != where or any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
             return False
-        return [c.tokens[0] for c in chunks] == np.asarray(ids).tolist()
+        tokens: list[int] = np.asarray(ids).tolist()
+        return [c.tokens[0] for c in chunks] == tokens
 
-    def _take_ahead(self, ahead, chunks: Sequence[SeqChunk]):
+    def _take_ahead(self, ahead: _Ahead, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:
         _, _, ids = ahead
         for c in chunks:
             self.cells.length[c.seq] = c.pos + 1
@@ -398,12 +429,14 @@ class MlxModel:
         n = c.length[src] if end < 0 else min(end, c.length[src])
         with mx.stream(self.device):
             for i in range(self.layers):
-                if c.keys[i] is not None:
-                    c.keys[i][dst] = c.keys[i][src]
-                    c.values[i][dst] = c.values[i][src]
+                keys, values = c.keys[i], c.values[i]
+                if keys is not None:
+                    assert values is not None  # made with the keys
+                    keys[dst] = keys[src]
+                    values[dst] = values[src]
         c.length[dst] = n
 
-    def memory(self) -> dict:
+    def memory(self) -> dict[str, Any]:
         return {
             "modelBytes": self.info.size_bytes,
             "contextCells": self.cells.slots * self.context,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import mlx.core as mx
 
@@ -16,7 +17,7 @@ from kinfer_rpc.default_plugins.mlx.loading import _flat
 log = logging.getLogger("kinfer_rpc.mlx")
 
 
-def _attention_kernel(model, config: dict) -> bool:
+def _attention_kernel(model: Any, config: dict[str, Any]) -> bool:  # model: an mlx-lm model
     """Route the decode passes' attention of `model` to kinfer_mlx_attention's kernel (CUDA only;
     KINFER_MLX_ATTENTION=0 keeps MLX's masked attention, for comparison), once the kernel has
     passed its check against MLX's operations here. False when the kernel cannot run here, fails
@@ -45,7 +46,7 @@ def _attention_kernel(model, config: dict) -> bool:
     return _route_attention(model)
 
 
-def _route_attention(model) -> bool:
+def _route_attention(model: Any) -> bool:
     """mlx-lm's attention layers call their module's `scaled_dot_product_attention` (mlx_lm.models.
     base's); that name is wrapped in the module of the model's attention layer, so that a layer
     whose cache is a _Traced with the kernel on calls the kernel (with the layer's new cells, which
@@ -60,31 +61,42 @@ def _route_attention(model) -> bool:
     attn = getattr(layers[0], "self_attn", None) if layers else None
     if attn is None or hasattr(attn, "sinks"):
         return False
-    module = sys.modules.get(type(attn).__module__)
+    module: Any = sys.modules.get(type(attn).__module__)  # Any: a name is assigned to it below
     original = getattr(module, "scaled_dot_product_attention", None)
     if original is None:
         return False
     original = getattr(original, "kinfer_original", original)
 
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
         if isinstance(cache, _Traced) and cache.kernel:
             if sinks is not None:
                 raise NotImplementedError("attention sinks are not supported by the decode attention kernel")
             i = cache.layer
+            cache_keys, cache_values, counter = cache.keys[i], cache.values[i], cache.counter
+            assert cache_keys is not None and cache_values is not None and counter is not None  # set with the kernel
             return mlx_attention.attention(
                 queries,
                 keys,
                 values,
-                cache.keys[i],
-                cache.values[i],
+                cache_keys,
+                cache_values,
                 cache.slots,
                 cache.cols,
                 scale,
-                cache.counter,
+                counter,
                 splits=cache.kernel,
             )
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        out: mx.array = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return out
 
-    scaled_dot_product_attention.kinfer_original = original
+    scaled_dot_product_attention.__dict__["kinfer_original"] = original  # a function attribute
     module.scaled_dot_product_attention = scaled_dot_product_attention
     return True

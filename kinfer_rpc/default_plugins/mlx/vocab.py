@@ -7,6 +7,7 @@ tokenizer.json.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -57,7 +58,7 @@ _PRE = {
 }
 
 
-def _byte_decoder() -> dict:
+def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses -> byte."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -79,7 +80,7 @@ class Vocab:
 
     def __init__(
         self,
-        spec: dict,
+        spec: dict[str, Any],
         pieces: list[bytes],
         *,
         bos: int | None,
@@ -88,7 +89,7 @@ class Vocab:
         add_eos: bool,
         template: str | None,
         manual_specials: bool,
-    ):
+    ) -> None:
         self.spec = spec
         self.parse = Tokenizer.from_str(json.dumps(spec))
         self.plain = Tokenizer.from_str(json.dumps(spec))
@@ -114,7 +115,7 @@ class Vocab:
         return ids
 
     @classmethod
-    def from_gguf(cls, meta: dict) -> Vocab:
+    def from_gguf(cls, meta: dict[str, Any]) -> Vocab:
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(
@@ -145,7 +146,7 @@ class Vocab:
             for i, (t, ty) in enumerate(zip(tokens, types))
             if ty in (3, 4)
         ]
-        splits = []
+        splits: list[dict[str, Any]] = []
         for part in _PRE[pre]:
             splits.append(
                 {"type": "Digits", "individual_digits": True}
@@ -203,7 +204,7 @@ class Vocab:
         )
 
     @classmethod
-    def from_files(cls, files: dict[str, bytes], config: dict) -> Vocab:
+    def from_files(cls, files: dict[str, bytes], config: dict[str, Any]) -> Vocab:
         """From a Hugging Face tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
         if "tokenizer.json" not in files:
             raise ValueError("the model has no tokenizer.json (the mlx backend reads only fast tokenizers)")
@@ -228,7 +229,7 @@ class Vocab:
                 pieces[i] = bytes([int(text[3:5], 16)])
             else:
                 pieces[i] = text.replace("\u2581", " ").encode()
-        eos = []
+        eos: list[int] = []
         for src in (config.get("eos_token_id"), gconf.get("eos_token_id")):
             eos.extend(x for x in (src if isinstance(src, list) else [src]) if isinstance(x, int))
         eos_text = _token_text(tconf.get("eos_token"))
@@ -254,11 +255,11 @@ class Vocab:
         return vocab_obj
 
 
-def _token_text(value) -> str | None:
+def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-def _int(value) -> int | None:
+def _int(value: Any) -> int | None:
     if value is None:
         return None
     try:
@@ -267,5 +268,8 @@ def _int(value) -> int | None:
         return None
 
 
-def _ints(value, default: list) -> list:
-    return default if value is None else np.asarray(value).astype(int).tolist()
+def _ints(value: Any, default: list[int]) -> list[int]:
+    if value is None:
+        return default
+    ints: list[int] = np.asarray(value).astype(int).tolist()
+    return ints

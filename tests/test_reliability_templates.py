@@ -249,3 +249,107 @@ def test_a_template_that_loops_forever_does_not_stop_the_server(spawn, tmp_path)
         assert error_of(c.response(rid, timeout=5))["code"] in (REQUEST_CANCELLED, NOT_SUPPORTED)
     finally:
         c.kill()
+
+
+# -- renders bounded in time, output and memory, and stoppable ---------------------------------
+# The server renders in worker processes (kinfer_rpc/host/render.py); KINFER_RENDER_SECONDS sets
+# the time limit, 1 s here.
+BOUNDED = {
+    "slow": "{% set s = 'x' * 2000 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}{% endfor %}"
+    "{% endfor %}",
+    "huge-value": "{{ 'a' * 4000000000 }}",
+    "huge-power": "{{ 7 ** 100000000 }}",
+    "huge-output": "{% for i in range(100) %}{{ 'a' * 1000000 }}{% endfor %}",
+    "huge-memory": "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "object": "{{ raise_exception }}",
+    "object-in-list": "{{ [1, cycler] }}",
+}
+
+
+def _render_workers(server_pid: int) -> list[int]:
+    """The server's render worker processes."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"kinfer_rpc.host.render" in cmd:
+            out.append(int(pid))
+    return out
+
+
+@pytest.fixture
+def bounded(spawn, tmp_path):
+    path = str(tmp_path / "bounded.gguf")
+    gguf_with_string(embedded_gguf(), path, "tokenizer.chat_template", hostile_template("", BOUNDED))
+    c = spawn(env={"KINFER_RENDER_SECONDS": "1"})
+    c.initialize()
+    c.call("model/load", {"model": path, "options": {"contextLength": 256, "slots": 2}}, timeout=60)
+    c.path = path
+    return c
+
+
+def test_a_render_over_the_time_limit_is_32602_and_the_protocol_keeps_answering(bounded):
+    c = bounded
+    t0 = time.monotonic()
+    rids = [c.request_async("inference/chat", _probe_params(c.path, "slow")) for _ in range(6)]
+    time.sleep(0.3)
+    worst = 0.0
+    for _ in range(10):  # every worker busy, two renders waiting: status answers at once
+        t = time.monotonic()
+        assert "result" in c.request("model/status", timeout=3)
+        worst = max(worst, time.monotonic() - t)
+    assert worst < 0.1, worst
+    for rid in rids:
+        err = error_of(c.response(rid, timeout=10))
+        assert err["code"] == INVALID_PARAMS and "limit of 1 s" in err["message"], err
+    assert time.monotonic() - t0 < 6  # four at once, then two: about 2 s
+    assert result_of(c.request("inference/chat", _probe_params(c.path, "benign")))
+
+
+@pytest.mark.parametrize(
+    "probe", ["huge-value", "huge-power", "huge-output", "huge-memory", "object", "object-in-list"]
+)
+def test_a_render_too_big_or_writing_objects_is_32602(bounded, probe):
+    c = bounded
+    r = c.request("inference/chat", _probe_params(c.path, probe), timeout=30)
+    err = error_of(r)
+    assert err["code"] == INVALID_PARAMS, err
+    words = {"huge-memory": "memory", "object": "object", "object-in-list": "object"}
+    assert words.get(probe, "over the limit") in err["message"], err
+    assert len(json.dumps(r)) < 2000  # the error names the limit, it does not echo the output
+    assert result_of(c.request("inference/chat", _probe_params(c.path, "benign")))
+
+
+def test_cancel_unload_and_exit_stop_a_render_at_once(bounded):
+    c = bounded
+    rid = c.request_async("inference/chat", _probe_params(c.path, "slow"))
+    time.sleep(0.3)
+    assert len(_render_workers(c.proc.pid)) == 1
+    c.cancel(rid)
+    assert error_of(c.response(rid, timeout=0.5))["code"] == REQUEST_CANCELLED
+    time.sleep(0.2)
+    assert _render_workers(c.proc.pid) == []  # the busy worker was killed, not left spinning
+
+    rid = c.request_async("inference/chat", _probe_params(c.path, "slow"))
+    time.sleep(0.3)
+    c.call("model/unload", {"model": c.path}, timeout=10)
+    err = error_of(c.response(rid, timeout=0.5))
+    assert err["code"] == REQUEST_CANCELLED and "unloaded" in err["message"], err
+
+    c.call("model/load", {"model": c.path, "options": {"contextLength": 256, "slots": 1}}, timeout=60)
+    rid = c.request_async("inference/chat", _probe_params(c.path, "slow"))
+    time.sleep(0.3)
+    workers = _render_workers(c.proc.pid)
+    t = time.monotonic()
+    c.call("shutdown")
+    c.notify("exit")
+    assert c.proc.wait(5) == 0 and time.monotonic() - t < 2
+    time.sleep(0.2)
+    assert not [p for p in workers if os.path.exists(f"/proc/{p}")]

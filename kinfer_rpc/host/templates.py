@@ -1,7 +1,10 @@
 """Chat templates: a model file's Jinja template, rendered in jinja2's sandbox.
 
 A template comes from a model file someone downloaded: it is untrusted code. The immutable
-sandbox refuses attribute access to Python internals and mutation of what we pass in.
+sandbox refuses attribute access to Python internals and mutation of what we pass in; a value
+that is not data (a function, a class, any object whose text would be its address) cannot be
+written into the prompt. The server renders in worker processes it can kill
+(kinfer_rpc.host.render), which bound a render's time and memory; `max_chars` bounds its output.
 """
 
 from __future__ import annotations
@@ -50,9 +53,57 @@ def _range(*args: int) -> Iterator[int]:
     return walk()
 
 
+_DATA = (str, int, float, bool, type(None), jinja2.Undefined)
+
+
+def _only_data(value: Any) -> Any:
+    """What `{{ ... }}` may write: data, never an object's repr (which would put a memory address,
+    different in every process, into the prompt)."""
+    stack, seen = [value], 0
+    while stack:
+        v = stack.pop()
+        seen += 1
+        if isinstance(v, _DATA) or seen > 100_000:
+            continue
+        if isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        else:
+            raise jinja2.TemplateError(f"the template writes a {type(v).__name__} object into the prompt")
+    return value
+
+
+MAX_VALUE = 1 << 24  # the longest string or list `*` may make, the most bits `**` may
+_SEQUENCES = (str, list, tuple)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` sized before they run: they work in C, where no
+    time limit reaches, and intercepting them also keeps them out of compile-time folding."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            seq, n = (left, right) if isinstance(left, _SEQUENCES) else (right, left)
+            if isinstance(seq, _SEQUENCES) and isinstance(n, int) and len(seq) * n > MAX_VALUE:
+                raise errors.invalid_params(
+                    f"the chat template's `*` would make a value of {len(seq) * n} items, over the limit of {MAX_VALUE}"
+                )
+        elif isinstance(left, int) and isinstance(right, int) and right > 0:
+            if max(1, abs(left).bit_length()) * right > MAX_VALUE:
+                raise errors.invalid_params(
+                    f"the chat template's `**` would make a number of about {abs(left).bit_length() * right} bits,"
+                    f" over the limit of {MAX_VALUE}"
+                )
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, finalize=_only_data)
     env.globals["raise_exception"] = _raise
     env.globals["range"] = _range
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -60,19 +111,37 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def render(
-    template: str | None, messages: list[dict[str, Any]], *, bos: str = "", eos: str = "", tools: Any = None
+    template: str | None,
+    messages: list[dict[str, Any]],
+    *,
+    bos: str = "",
+    eos: str = "",
+    tools: Any = None,
+    max_chars: int | None = None,
 ) -> str:
-    """Render `messages` with the model's template, ending with the assistant's turn opened."""
+    """Render `messages` with the model's template, ending with the assistant's turn opened; a
+    prompt over `max_chars` characters is refused (-32602)."""
     _budget.left = LOOP_BUDGET
     try:
         compiled = _compile(template or CHATML)
-        return compiled.render(
+        pieces = compiled.generate(
             messages=messages,
             add_generation_prompt=True,
             bos_token=bos,
             eos_token=eos,
             tools=tools,
         )
+        if max_chars is None:
+            return "".join(pieces)
+        out, size = [], 0
+        for piece in pieces:
+            size += len(piece)
+            if size > max_chars:
+                raise errors.invalid_params(f"the chat template's prompt is over the limit of {max_chars} characters")
+            out.append(piece)
+        return "".join(out)
+    except MemoryError as exc:
+        raise errors.invalid_params("the chat template used too much memory") from exc
     except SecurityError as exc:
         raise errors.KinferError(
             errors.NOT_SUPPORTED, f"the model's chat template tried an unsafe operation: {exc}"

@@ -15,8 +15,8 @@ import anyio
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
-from kinfer_rpc.host import templates
 from kinfer_rpc.host.options import Fields, generate_options, with_defaults
+from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
@@ -46,6 +46,7 @@ class Handlers:
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
+        self.renderer = Renderer()
 
     # -- models ------------------------------------------------------------------------------
     async def model_list(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -103,7 +104,10 @@ class Handlers:
         f.done()
         if not name:
             raise errors.invalid_params("params.model is required (the name of a loaded model)")
+        before = dict(self.runtime.loaded)
         await self.runtime.unload(name)
+        for gone in (e for n, e in before.items() if self.runtime.loaded.get(n) is not e):
+            self.renderer.stop(gone)  # its chats' renders end now, with an error
         return None
 
     async def model_status(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -171,13 +175,13 @@ class Handlers:
             messages = [{"role": "system", "content": entry.system}, *messages]
         model = entry.engine.model
         assert model is not None  # a loaded entry's engine holds its model
-        # Off the event loop: a model file's template is untrusted and may be slow; the server
-        # keeps answering everyone else meanwhile (the sandbox also caps its loops).
-        text = await anyio.to_thread.run_sync(
-            functools.partial(
-                templates.render, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text
-            )
+        # In a worker process: a model file's template is untrusted and may be slow or huge; the
+        # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
+        text = await self.renderer.render(
+            entry, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text
         )
+        if self.runtime.loaded.get(entry.name) is not entry:  # unloaded while it rendered
+            raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {entry.name!r} was unloaded")
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
         ids = model.tokenize(text, add_bos, True)
         return await self._stream(ctx, entry, ids, opts)

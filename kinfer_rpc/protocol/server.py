@@ -71,7 +71,7 @@ class Server:
         self.log_handler = ClientLogHandler(self)
         self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         self._stop = anyio.Event()
-        r = Handlers(self.runtime)
+        r = self.handlers = Handlers(self.runtime)
         self.connection = Connection(
             self.send,
             {
@@ -176,6 +176,7 @@ class Server:
 
         Fields(p, "params").done()
         self.state = "shutdown"
+        await self.handlers.renderer.aclose()
         await anyio.to_thread.run_sync(self.runtime.close)
         return None
 
@@ -210,6 +211,7 @@ class Server:
             tg.start_soon(read)
             await self._stop.wait()
             self.loop = None
+            await self.handlers.renderer.aclose()
             await anyio.to_thread.run_sync(self.runtime.close)
             # Let what is queued reach the client, briefly.
             self._out_send.close()

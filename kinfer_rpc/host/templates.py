@@ -151,7 +151,6 @@ def render(
         TypeError,
         ValueError,
         OverflowError,
-        MemoryError,
         RecursionError,
         LookupError,
         ArithmeticError,

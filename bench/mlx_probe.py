@@ -8,7 +8,8 @@ a sequence are timed (ms a pass, each pass evaluated before the next unless said
 - `mlx-lm`: the model called on (B, 1) tokens with mlx-lm's own KVCache (every row at the same
   offset, no mask): the step mlx-lm's generators build, less their bookkeeping.
 - `kinfer step`: MlxModel.decode over the B rows, logits of every row read (host argmax).
-- `kinfer greedy`: every row greedy (device argmax), the next pass queued ahead, as the engine runs.
+- `kinfer greedy`: every row greedy (device argmax), the next pass chained on the device, as the
+  engine runs.
 - `... first`: the first pass at that shape (the compile and, on CUDA, kernel JIT cost).
 - variants of the compiled pass with parts taken out, to see what each costs: `no kv write`,
   `uncompiled`.
@@ -99,20 +100,21 @@ def kinfer_rows(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int, label: str
         m.set_device_greedy(b, True)
     tokens = [1] * B
 
-    split = {"call": 0.0, "wait": 0.0, "ahead": 0}
-    take = m._take_ahead
-
-    def counted(*a):
-        split["ahead"] += 1
-        return take(*a)
-
-    m._take_ahead = counted
+    split = {"call": 0.0, "wait": 0.0, "chained": 0}
+    chained = None  # the pass chained to the one running, as the engine's _chain makes
 
     def greedy(i):
-        nonlocal tokens
-        chunks = [SeqChunk(b, pos[b], [tokens[b]], 1) for b in range(B)]
+        nonlocal tokens, chained
         t = time.perf_counter()
-        wait = m.decode(chunks)
+        if chained is None:
+            wait = m.decode([SeqChunk(b, pos[b], [tokens[b]], 1) for b in range(B)])
+        else:
+            wait = chained
+        try:
+            chained = m.decode_chained()
+            split["chained"] += 1
+        except ValueError:
+            chained = None
         t1 = time.perf_counter()
         wait()
         tokens = m.sampled_tokens()
@@ -122,19 +124,22 @@ def kinfer_rows(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int, label: str
             pos[b] += 1
 
     out[f"{label} greedy first"], out[f"{label} greedy"] = timed(greedy, steps)
-    del m._take_ahead
-    # host time inside decode() (building and queuing the pass) vs waiting, and passes taken
-    # from the queue (mlx-lm-style pipelining) out of steps + 1
-    out[f"{label} greedy: ms in decode()"] = split["call"] * 1000 / (steps + 1)
+    if chained is not None:  # the last chained pass, not used: its cells go
+        chained()
+        for b in range(B):
+            m.seq_remove(b, pos[b], -1)
+    # host time launching passes vs waiting, and passes chained on the device (the engine's
+    # steady state) out of steps + 1
+    out[f"{label} greedy: ms launching"] = split["call"] * 1000 / (steps + 1)
     out[f"{label} greedy: ms waiting"] = split["wait"] * 1000 / (steps + 1)
-    out[f"{label} greedy: passes queued ahead"] = split["ahead"]
+    out[f"{label} greedy: passes chained"] = split["chained"]
     for b in range(B):
         m.set_device_greedy(b, False)
     return out
 
 
 def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
-    """The decode pass (uncompiled, every row greedy on the device, no pass queued ahead) with
+    """The decode pass (uncompiled, every row greedy on the device, no pass chained) with
     parts of the attention swapped for mlx-lm's, to see which part costs what at B rows."""
     if m.kernel:
         raise SystemExit(
@@ -143,9 +148,13 @@ def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
         )
     T = mlx_cells._Traced
     init, upd, mask = T.__init__, T.update_and_fetch, T.make_mask
-    compile_, ahead = kinfer_mlx.mx.compile, kinfer_mlx.MlxModel._build_ahead
+    compile_, chain = kinfer_mlx.mx.compile, kinfer_mlx.MlxModel.decode_chained
     kinfer_mlx.mx.compile = lambda f, **k: f
-    kinfer_mlx.MlxModel._build_ahead = lambda self, c, i: None
+
+    def unchained(self):
+        raise ValueError("no pass chained")
+
+    kinfer_mlx.MlxModel.decode_chained = unchained
 
     def int_offset(self, *a):  # rope at one int offset for every row (mlx-lm's KVCache)
         init(self, *a)
@@ -183,7 +192,7 @@ def ablate(m: kinfer_mlx.MlxModel, B: int, npp: int, steps: int) -> dict:
             T.__init__, T.update_and_fetch, T.make_mask = init, upd, mask
     finally:
         T.__init__, T.update_and_fetch, T.make_mask = init, upd, mask
-        kinfer_mlx.mx.compile, kinfer_mlx.MlxModel._build_ahead = compile_, ahead
+        kinfer_mlx.mx.compile, kinfer_mlx.MlxModel.decode_chained = compile_, chain
         m._compiled.clear()
     return out
 

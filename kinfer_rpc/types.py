@@ -164,6 +164,19 @@ class DecodeNext(Protocol):
     def decode_next(self, tokens: Sequence[int]) -> Callable[[], np.ndarray]: ...
 
 
+@runtime_checkable
+class DecodeChained(Protocol):
+    """Optional LoadedModel capability, with AsyncDecode and DeviceGreedy: `decode_chained()` is
+    decode() of the last launched pass's rows (decode, decode_next or decode_chained) one token
+    further, each row fed the token that pass samples on the device, before the host has read
+    it: the device runs the two passes back to back. Called only right after launching a pass
+    whose rows were one device-greedy token each, all asking for logits; raises ValueError
+    otherwise. A pass's wait is called before sampled_tokens() reads its tokens; the engine
+    waits for a chained pass it does not use and removes its cells (seq_remove)."""
+
+    def decode_chained(self) -> Callable[[], np.ndarray]: ...
+
+
 class Backend(Protocol):
     """A way to run models (llama.cpp, MLX), registered by a plugin.
 
@@ -332,7 +345,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "backend": (Backend, (WeightForms, MachineAware)),
     "draft policy": (DraftPolicy, (SessionPolicy,)),
     "placement": (Placement, ()),
-    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext)),
+    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained)),
 }
 
 

@@ -268,9 +268,9 @@ def test_device_greedy_rows_give_the_host_argmax():
 
 
 def test_queued_greedy_passes_give_the_host_argmax_replies():
-    """Greedy requests on the device with the next pass queued ahead (fed with its own argmax)
+    """Greedy requests on the device with the next pass chained to each (fed with its own argmax)
     give the replies the host's argmax gives, whether requests join, end or run alone; the
-    queued pass is taken while the sequences go on and dropped when they change."""
+    chained pass is used while the sequences go on and dropped when they change."""
 
     def host_loader(p):
         m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=0), p)
@@ -281,15 +281,15 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
     host.load_model()
     e = engine(slots=3, batch=16)
     prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
-    taken = []
-    decode = e.model._take_ahead
-    e.model._take_ahead = lambda *a: taken.append(1) or decode(*a)
+    chained = []
+    decode_chained = e.model.decode_chained
+    e.model.decode_chained = lambda: chained.append(1) or decode_chained()
     for arrivals, n in (([0, 0, 0], 6), ([0, 2, 5], 7), ([0, 9, 9], 3)):
         want = run_until_done(host, [job(p, n) for p in prompts], arrivals=arrivals)
         got = run_until_done(e, [job(p, n + i) for i, p in enumerate(prompts)], arrivals=arrivals)
         assert [j.generated[:n] for j in got] == [j.generated for j in want]
-    assert taken  # the queued passes were used
-    assert e.started_ahead and not host.started_ahead  # ... and the engine started passes ahead
+    assert chained  # passes were chained on the device ...
+    assert e.started_ahead and not host.started_ahead  # ... and the engine used them
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

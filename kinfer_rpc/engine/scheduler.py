@@ -31,6 +31,7 @@ from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
 from kinfer_rpc.types import (
     AsyncDecode,
+    DecodeChained,
     DecodeNext,
     DeviceGreedy,
     DraftPolicy,
@@ -183,6 +184,7 @@ class Engine:
         self._default_policy = draft_policy  # the load's: its session starts with the load
         self._greedy: dict[int, bool] | None = None  # set at load: see _sync_greedy
         self._decode_next = False  # set at load: whether the model has decode_next
+        self._decode_chained = False  # set at load: whether the model has decode_chained
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -210,6 +212,8 @@ class Engine:
         self._steady = False  # the last planned pass: every job one greedy token (_start_next)
         # (chunks, owners, wait) of a pass started ahead by _start_next
         self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
+        # A pass chained on the device to the one running (decode_chained): the rows it extends, its wait.
+        self._chained: tuple[list[SeqChunk], Callable[[], np.ndarray]] | None = None
         self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
 
@@ -308,6 +312,7 @@ class Engine:
         # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
         self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
         self._decode_next = isinstance(self.model, DecodeNext)
+        self._decode_chained = self._greedy is not None and isinstance(self.model, DecodeChained)
         if isinstance(self._default_policy, SessionPolicy):
             # Now, not at the first request: a load whose policy cannot start (no draft model,
             # no MTP head) fails with the reason instead of quietly drafting nothing.
@@ -364,6 +369,32 @@ class Engine:
                 running[2]()
             except Exception:
                 log.exception("the pass started ahead failed")
+        self._drop_chained()
+
+    def _chain(self, chunks: list[SeqChunk]) -> None:
+        """Right after launching a steady pass: chain the next one to it on the device
+        (decode_chained), to be used or dropped once this one's tokens are taken (_start_next)."""
+        assert self.model is not None, _LOADED
+        try:  # _decode_chained: the model was a DecodeChained at load
+            self._chained = (chunks, cast(DecodeChained, self.model).decode_chained())
+        except ValueError:  # not a pass it can extend (its rows, its room): nothing chained
+            self._chained = None
+
+    def _drop_chained(self) -> None:
+        """A chained pass not used: wait for it, then remove the cells it wrote (one a row, after
+        the rows of the pass it extends)."""
+        chained, self._chained = self._chained, None
+        if chained is None:
+            return
+        chunks, wait = chained
+        try:
+            wait()
+        except Exception:
+            log.exception("a chained pass failed")
+        model = self.model
+        if model is not None:
+            for chunk in chunks:
+                model.seq_remove(chunk.seq, chunk.pos + 1, -1)
 
     def _fail_all(self, exc: Exception) -> None:
         events: list[_Event] = []
@@ -415,6 +446,8 @@ class Engine:
             wait = self.model.decode(chunks) if chunks else None
         else:
             chunks, owners, wait = running
+        if wait is not None and self._steady and self._decode_chained:
+            self._chain(chunks)
         try:
             # While the device runs this pass, turn the previous step's tokens into text. A stop
             # string found now ends its job; the token the job has in this pass is thrown away.
@@ -423,6 +456,7 @@ class Engine:
                 logits, wait = wait(), None
                 self.steps += 1
                 self._take(chunks, owners, logits, events)
+            self._drop_chained()  # not used by _take's _start_next (normally none is left)
             for job in ended:
                 self._release(job)
         finally:
@@ -485,6 +519,8 @@ class Engine:
         best = self._best(logits, plain, chunks) if some_plain else []  # read by plain rows only
         if self._steady and some_plain:
             self._start_next(chunks, owners, best)
+        else:
+            self._drop_chained()
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -559,13 +595,37 @@ class Engine:
         waiting to join and no slot to move. The device then runs it while this thread does
         the bookkeeping, the text and the events; the rows and their positions are the same,
         so the reply is too. A job cancelled or ended by a stop string meanwhile has its row
-        thrown away, as a stop string's always was."""
+        thrown away, as a stop string's always was.
+
+        A pass chained to this one on the device (decode_chained, see _chain) is that next pass
+        already running, fed with the same tokens: it is used when the next pass is the one the
+        next step would plan, and dropped otherwise."""
         model, slots = self.model, self.slots
         assert model is not None and slots is not None, _LOADED
+        if not self._next_is(chunks, owners, best):
+            self._drop_chained()  # before any slot is given back: its cells go first
+            return
+        nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
+        chained, self._chained = self._chained, None
+        if chained is not None:  # already running on the device, fed with these very tokens
+            wait = chained[1]
+        else:
+            # The device waits from the last pass's end until this call: a backend that can
+            # repeat the last pass one token further (decode_next) is spared reading chunks,
+            # which are built once the pass runs. (_decode_next: a DecodeNext at load)
+            nexted = cast(DecodeNext, model).decode_next(best) if self._decode_next else None
+            wait = nexted or model.decode(nxt)
+        self._running = (nxt, owners, wait)
+        self.started_ahead += 1
+
+    def _next_is(self, chunks: list[SeqChunk], owners: list[Job], best: list[int]) -> bool:
+        """Whether the next step would plan exactly these rows one token further, fed `best`."""
+        slots = self.slots
+        assert slots is not None, _LOADED
         if self._queue and slots.free:  # someone joins at the next step
-            return
+            return False
         if not slots.settled(owners):
-            return
+            return False
         ends, full = self._ends, self._full
         for chunk, job, token in zip(chunks, owners, best):
             # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
@@ -575,15 +635,8 @@ class Engine:
                 or ends(job, token)
                 or full(job, len(job.generated) + 1, chunk.pos + 1)
             ):
-                return
-        # The device waits from the last pass's end until this call: a backend that can repeat
-        # the last pass one token further (decode_next) is spared reading chunks, which are
-        # built once the pass runs.
-        # (_decode_next: the model was a DecodeNext at load)
-        wait = cast(DecodeNext, model).decode_next(best) if self._decode_next else None
-        nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
-        self._running = (nxt, owners, wait or model.decode(nxt))
-        self.started_ahead += 1
+                return False
+        return True
 
     def _append(self, job: Job, token: int, next_pos: int, events: list[_Event]) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""

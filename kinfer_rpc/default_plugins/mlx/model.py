@@ -5,7 +5,8 @@ into ONE batched forward, a row per sequence with its own positions and mask; ea
 is its own forward over its slot. Everything of a step is one graph, evaluated once with
 mx.async_eval; the engine's wait is the only host read. The decode forward is mx.compile'd per
 shape (_step_fn); greedy rows end in an argmax on the device (device_greedy), and a pass of only
-greedy one-token rows queues the next pass fed with its own argmax (_build_ahead).
+greedy one-token rows can have the next pass chained to it, fed with its own argmax on the device
+(decode_chained, when the engine asks).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     _Step = Callable[
         [mx.array, mx.array, mx.array, mx.array, mx.array, _Buffers, _Buffers], tuple[mx.array, _Buffers, _Buffers]
     ]
-    # A pass queued ahead (_build_ahead): (seq, position) of each chunk, its tokens, the next tokens.
-    _Ahead = tuple[list[tuple[int, int]], mx.array, mx.array]
+    # The last pass, when decode_chained can extend it: (seq, position) of each row, its argmax.
+    _Last = tuple[list[tuple[int, int]], mx.array]
 
 log = logging.getLogger("kinfer_rpc.mlx")
 
@@ -88,9 +89,9 @@ class MlxModel:
         self.cells = _Cells(options.slots, self.layers)
         self._compiled: dict[tuple[bool, int], _Step] = {}  # (slots consecutive, span) -> the compiled decode step
         self._greedy: set[int] = set()  # slots whose rows are sampled (argmax) in the pass
-        # the last pass's token ids (device) and greedy rows
+        # the token ids (device) and greedy rows of the pass whose wait was called last
         self._sampled: tuple[mx.array | None, list[bool]] = (None, [])
-        self._ahead: _Ahead | None = None  # the next pass, queued (see _build_ahead)
+        self._last: _Last | None = None  # the last pass launched, when it can be chained to
         self.context = options.context_length
         drafts = (
             options.drafts if options.drafts is not None else DEFAULT_DRAFTS["gpu" if on_gpu else "cpu", self.weights]
@@ -279,9 +280,7 @@ class MlxModel:
         for c in chunks:
             if c.pos != cells.length[c.seq]:
                 raise ValueError(f"sequence {c.seq} holds {cells.length[c.seq]} cells; a chunk at {c.pos} leaves a gap")
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and self._ahead_matches(ahead, chunks):
-            return self._take_ahead(ahead, chunks)
+        self._last = None
         pieces: list[mx.array] = []
         starts: dict[int, int] = {}
         n_out = 0
@@ -318,12 +317,12 @@ class MlxModel:
             named = [a for a in (result, ids) if a is not None]
             async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
             async_eval(*named, *(cells.arrays() if out is None or not named else ()))
-            if ids is not None and all(greedy):
-                self._build_ahead(chunks, ids)
+            if ids is not None and all(greedy) and all(len(c.tokens) == 1 for c in chunks):
+                self._last = ([(c.seq, c.pos) for c in chunks], ids)
         n_vocab = self.n_vocab
-        self._sampled = (ids, greedy)
 
         def logits() -> np.ndarray:
+            self._sampled = (ids, greedy)
             if ids is not None:  # rows sampled here stay zeros; the others' logits in place
                 out = np.zeros((n_out, n_vocab), dtype=np.float32)
                 if result is not None:
@@ -345,64 +344,51 @@ class MlxModel:
     def set_device_greedy(self, seq: int, on: bool) -> bool:
         """From the next pass on, the output rows of `seq` end in an argmax in the pass's graph."""
         (self._greedy.add if on else self._greedy.discard)(seq)
-        self._ahead = None
+        self._last = None
         return True
 
-    # A pass whose every row is one greedy token of a sequence (no prompt, no drafts) queues the
-    # next pass at once, fed with its own argmax on the device (what mlx-lm's generate_step does):
-    # the device computes it while the engine handles this pass's tokens. The engine's next
-    # decode takes it when it asks for exactly those tokens at those positions (greedy: it does,
-    # unless a request ended or joined); otherwise it is dropped. A dropped pass wrote each
-    # sequence's cell after its last one, which the engine's next pass over that position
-    # overwrites before anything reads it.
-    def _build_ahead(self, chunks: Sequence[SeqChunk], ids: mx.array) -> None:
+    # The DecodeChained capability: the next pass fed with the last one's argmax on the device
+    # (what mlx-lm's generate_step does), queued at once, so the device computes it while the
+    # engine takes the last pass's tokens. The engine uses it when its next step would plan
+    # exactly those rows (greedy: unless a request ended, joined or was cancelled); otherwise it
+    # waits for it and removes the cells it wrote (seq_remove).
+    def decode_chained(self) -> Callable[[], np.ndarray]:
+        last, self._last = self._last, None
+        if last is None:
+            raise ValueError("decode_chained follows only a pass of one device-greedy token a row")
+        where, ids = last
         cells = self.cells
-        if any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
-            return
-        order = sorted(range(len(chunks)), key=lambda b: chunks[b].seq)
-        seqs = [chunks[b].seq for b in order]
-        pos = np.array([chunks[b].pos + 1 for b in order], dtype=np.int32)
-        if int(pos.max()) + 1 >= self.context or int(pos.max()) + 1 > cells.want:
-            return
-        if not self._buffers_ready():
-            return
+        order = sorted(range(len(where)), key=lambda b: where[b][0])
+        seqs = [where[b][0] for b in order]
+        pos = np.array([where[b][1] + 1 for b in order], dtype=np.int32)
+        if int(pos.max()) + 1 >= self.context or int(pos.max()) + 1 > cells.want or not self._buffers_ready():
+            raise ValueError("no room to chain a pass")
         B = len(seqs)
-        fn = self._compiled_step(seqs, int(pos.max()))
-        tokens = ids[mx.array(order)].reshape(B, 1).astype(mx.int32)
-        out, cells.keys, cells.values = fn(
-            tokens,
-            mx.array(seqs, dtype=mx.int32),
-            mx.array(pos[:, None]),
-            mx.array(pos),
-            mx.arange(B, dtype=mx.int32),
-            cells.keys,
-            cells.values,
-        )
-        nxt = mx.argmax(out, axis=1)
-        if order != list(range(B)):
-            nxt = nxt[mx.array(np.argsort(order))]
-        async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
-        async_eval(nxt)  # every layer's written cells are upstream of it
-        self._ahead = ([(c.seq, c.pos + 1) for c in chunks], ids, nxt)
-
-    def _ahead_matches(self, ahead: _Ahead, chunks: Sequence[SeqChunk]) -> bool:
-        where, ids, _ = ahead
-        if [(c.seq, c.pos) for c in chunks] != where or any(len(c.tokens) != 1 or c.outputs != 1 for c in chunks):
-            return False
-        tokens: list[int] = np.asarray(ids).tolist()
-        return [c.tokens[0] for c in chunks] == tokens
-
-    def _take_ahead(self, ahead: _Ahead, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:
-        _, _, ids = ahead
-        for c in chunks:
-            self.cells.length[c.seq] = c.pos + 1
         with mx.stream(self.device):
-            self._build_ahead(chunks, ids)
-        n, n_vocab = len(chunks), self.n_vocab
-        self._sampled = (ids, [True] * n)
+            fn = self._compiled_step(seqs, int(pos.max()))
+            tokens = ids[mx.array(order)].reshape(B, 1).astype(mx.int32)
+            out, cells.keys, cells.values = fn(
+                tokens,
+                mx.array(seqs, dtype=mx.int32),
+                mx.array(pos[:, None]),
+                mx.array(pos),
+                mx.arange(B, dtype=mx.int32),
+                cells.keys,
+                cells.values,
+            )
+            nxt = mx.argmax(out, axis=1)
+            if order != list(range(B)):
+                nxt = nxt[mx.array(np.argsort(order))]
+            async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
+            async_eval(nxt)  # every layer's written cells are upstream of it
+        for seq, p in where:
+            cells.length[seq] = p + 2
+        self._last = ([(seq, p + 1) for seq, p in where], nxt)
+        n, n_vocab = len(where), self.n_vocab
 
         def logits() -> np.ndarray:
-            np.asarray(ids)
+            self._sampled = (nxt, [True] * n)
+            np.asarray(nxt)  # the wait
             return np.zeros((n, n_vocab), dtype=np.float32)
 
         return logits
@@ -415,14 +401,14 @@ class MlxModel:
         return [t if g else -1 for t, g in zip(np.asarray(ids).tolist(), greedy)]
 
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
-        self._ahead = None
+        self._last = None
         held = self.cells.length[seq]
         if 0 <= end < held and start < end:
             raise NotImplementedError("the mlx backend removes cells from a position to the end only")
         self.cells.length[seq] = min(held, max(0, start))
 
     def seq_copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
-        self._ahead = None
+        self._last = None
         if start != 0:
             raise NotImplementedError("the mlx backend copies a sequence's cells from position 0 only")
         c = self.cells

@@ -17,17 +17,12 @@
 #   profile: py-spy (its wheel in .gpu) over the engine's steps and over loop_bench's device loop,
 #           64 at once, 1024 tokens each: where the host's time goes (spy_summary.py)
 set -euo pipefail
+SHAPES=${*:-1b 7b}
 . bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 shapes=${*:-1b 7b}
 jobs=" ${JOBS:-prefix ab loop pool agent} "
-for s in $shapes; do
-  if [ ! -f /tmp/m-$s.gguf ]; then
-    python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
-    /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
-    rm -f /tmp/m-$s-f16.gguf
-  fi
-done
+for s in $shapes; do gpu_model "$s"; done
 patched=
 if [ "$LLAMA_CPP_LIB_PATH" = /tmp/lck ]; then  # which libllama llama-batched-bench loads on it
   patched=1; LD_LIBRARY_PATH=/tmp/lck:$LD_LIBRARY_PATH ldd /tmp/lc/llama-batched-bench | grep libllama | tee -a "$OUT/prefix-off.md" || true

@@ -8,15 +8,12 @@
 # Synthesises Llama-shaped models with random weights, quantizes them to Q4_K_M, and runs
 # bench/compare.py (llama-bench + llama-batched-bench vs kinfer's engine) on each.
 set -euo pipefail
+SHAPES="${*:-1b 7b}"
 . bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for shape in "${@:-1b 7b}"; do
   for s in $shape; do
-    if [ ! -f /tmp/m-$s.gguf ]; then
-      python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
-      /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
-      rm -f /tmp/m-$s-f16.gguf
-    fi
+    gpu_model "$s"
     python3 bench/compare.py /tmp/m-$s.gguf --tools /tmp/lc ${THREADS:+--threads $THREADS} ${ANCHOR_THREADS:+--anchor-threads $ANCHOR_THREADS} --ngl 99 \
       --label "$s-shaped Q4_K_M, H200" ${KVU:+--kvu} | tee -a "$OUT/compare.md"
   done

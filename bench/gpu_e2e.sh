@@ -8,15 +8,10 @@
 # machine's packages and .gpu's wheels are the dependencies) into /tmp/kinfer, and each shape's
 # model is made here (random weights, Q4_K_M). Exits non-zero if any shape fails.
 set -euo pipefail
-. bench/gpu_setup.sh
 shapes=${*:-1b 7b}
-for s in $shapes; do
-  if [ ! -f /tmp/m-$s.gguf ]; then
-    python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s" >/dev/null
-    /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.part.gguf Q4_K_M >/dev/null 2>&1
-    rm -f /tmp/m-$s-f16.gguf && mv /tmp/m-$s.part.gguf /tmp/m-$s.gguf
-  fi
-done
+SHAPES=$shapes
+. bench/gpu_setup.sh
+for s in $shapes; do gpu_model "$s"; done
 rm -rf /tmp/kinfer
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
 export PYTHONPATH=/tmp/kinfer:/tmp/site KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc

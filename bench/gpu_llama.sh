@@ -16,11 +16,7 @@ case "${STAGE}" in
 esac
 . bench/gpu_setup.sh
 s=$STAGE
-if [ ! -f /tmp/m-$s.gguf ]; then
-  python3 tests/modelgen/make_model.py /tmp/m-$s-f16.gguf --shape "$s"
-  /tmp/lc/llama-quantize /tmp/m-$s-f16.gguf /tmp/m-$s.gguf Q4_K_M >/dev/null 2>&1
-  rm -f /tmp/m-$s-f16.gguf
-fi
+gpu_model "$s"
 L="$s-shaped Q4_K_M, H200"
 if [ "$s" = 1b ] && ls /tmp/c/smol.part-* >/dev/null 2>&1; then
   cat /tmp/c/smol.part-* > /tmp/smol.gguf

@@ -9,7 +9,7 @@
 #                                (jsonrpcserver, jsonschema, ...; py-spy for gpu_bench.sh's profile)
 #   .gpu/gguf-py                 llama.cpp's gguf Python package (tests/modelgen/make_model.py uses it)
 #   .gpu/llama-src.tgz           llama.cpp's source as llama-cpp-python 0.3.36 vendors it
-# Reports go to OUT (default /tmp/out). Sets up, once per machine:
+# Reports go to OUT (default /tmp/out). Defines gpu_model (below). Sets up, once per machine:
 #   /tmp/lc   the prebuilt llama.cpp tools (llama-bench, llama-batched-bench, llama-server,
 #             llama-quantize): the anchors, run as shipped, through LD_LIBRARY_PATH=/tmp/lc
 #   /tmp/lck  kinfer's llama.cpp: the vendored source with patches/llama-*.patch, built here for
@@ -24,6 +24,20 @@ if [ ! -x /tmp/lc/llama-bench ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 fi
 export LD_LIBRARY_PATH=/tmp/lc LLAMA_CPP_LIB_PATH=/tmp/lc PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/gguf-py
+# gpu_model SHAPE: /tmp/m-SHAPE.gguf, a Llama-shaped model of random weights at Q4_K_M
+# (tests/modelgen/make_model.py --help lists the shapes), made once per machine.
+gpu_model() {
+  [ -f "/tmp/m-$1.gguf" ] && return 0
+  python3 tests/modelgen/make_model.py "/tmp/m-$1-f16.gguf" --shape "$1" >/dev/null &&
+    /tmp/lc/llama-quantize "/tmp/m-$1-f16.gguf" "/tmp/m-$1.part.gguf" Q4_K_M >/dev/null 2>&1 &&
+    rm -f "/tmp/m-$1-f16.gguf" && mv "/tmp/m-$1.part.gguf" "/tmp/m-$1.gguf"
+}
+# SHAPES, set before sourcing this: make those models while kinfer's llama.cpp builds.
+models_pid=
+if [ -n "${SHAPES:-}" ]; then
+  (for s in $SHAPES; do gpu_model "$s" || echo "the $s model was not made" >&2; done) &
+  models_pid=$!
+fi
 if [ "${PATCHED:-1}" = 1 ] && [ -f .gpu/llama-src.tgz ]; then
   if [ ! -f /tmp/lck/libllama.so ]; then
     t0=$(date +%s)
@@ -40,3 +54,4 @@ if [ "${PATCHED:-1}" = 1 ] && [ -f .gpu/llama-src.tgz ]; then
   fi
   [ -f /tmp/lck/libllama.so ] && export LLAMA_CPP_LIB_PATH=/tmp/lck
 fi
+if [ -n "$models_pid" ]; then wait "$models_pid" || true; fi

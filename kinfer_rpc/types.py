@@ -56,6 +56,10 @@ class LoadOptions:
     # "quantized": the weights as the model stores them; "dense": quantized weights expanded to
     # the float type at load (backends that can: `Backend.weights`); None: the backend's choice
     weights: str | None = None
+    # Whether replies must be the same for the same request whatever else runs (batch invariance):
+    # True: a load that cannot promise it fails; False: the backend may pick faster kernels that
+    # do not promise it; None: the backend's default, the promise wherever it can keep it.
+    reproducible: bool | None = None
 
 
 @attrs.frozen
@@ -175,6 +179,17 @@ class DecodeChained(Protocol):
     waits for a chained pass it does not use and removes its cells (seq_remove)."""
 
     def decode_chained(self) -> Callable[[], np.ndarray]: ...
+
+
+@runtime_checkable
+class Reproducible(Protocol):
+    """Optional LoadedModel capability: `reproducible()` says whether this load computes a
+    sequence's logits bit for bit the same whatever other sequences share its passes, however its
+    prompt is cut into passes and however many rows of it a pass holds (drafts), and why, in a
+    sentence for the user. The engine's replies then depend on the request alone. A model
+    without it is reported as not promising it."""
+
+    def reproducible(self) -> tuple[bool, str]: ...
 
 
 class Backend(Protocol):
@@ -345,7 +360,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "backend": (Backend, (WeightForms, MachineAware)),
     "draft policy": (DraftPolicy, (SessionPolicy,)),
     "placement": (Placement, ()),
-    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained)),
+    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, Reproducible)),
 }
 
 

@@ -43,6 +43,44 @@ _init_lock = threading.Lock()
 _initialised = False
 _log_callback: object = None  # kept alive: llama.cpp holds the pointer
 _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
+_cuda_lock = threading.Lock()
+_cuda_invariant: bool | None = None  # the switch as this process's first GPU load found or set it
+
+
+def _cuda_kernels(reproducible: bool | None) -> tuple[bool, str]:
+    """Before a load with every layer on the GPU: whether its kernels will be batch-invariant,
+    and why. ggml-cuda reads its switch once per process, at its first pass; a load asking for
+    speed (reproducible false) turns it off when it is the first and the environment says
+    nothing. Later loads get what the first one set."""
+    global _cuda_invariant
+    if not llama_native.cuda_batch_invariant():
+        return False, (
+            "this llama.cpp's GPU kernels are chosen by the shape of each pass, so a reply depends on what "
+            "else runs (kinfer's llama.cpp build has batch-invariant CUDA kernels: patches/README.md)"
+        )
+    switch = llama_native.CUDA_SWITCH
+    with _cuda_lock:
+        if _cuda_invariant is None:
+            if reproducible is False and switch not in os.environ:
+                os.environ[switch] = "0"
+            value = os.environ.get(switch)
+            _cuda_invariant = value is None or _leading_int(value) != 0
+        on = _cuda_invariant
+    if on:
+        return True, "CUDA with kinfer's batch-invariant kernels, every layer on the GPU, flash attention, f16 KV cells"
+    return False, (
+        f"CUDA with llama.cpp's own kernels ({switch}=0, set for this process by its first GPU load or its "
+        "environment), which are chosen by the shape of each pass"
+    )
+
+
+def _leading_int(text: str) -> int:
+    """C's atoi, as ggml-cuda reads its switch."""
+    digits = text.strip()
+    sign = -1 if digits[:1] == "-" else 1
+    digits = digits.lstrip("+-")
+    n = len(digits) - len(digits.lstrip("0123456789"))
+    return sign * int(digits[:n]) if n else 0
 
 
 def _llama() -> ModuleType:
@@ -188,9 +226,10 @@ class LlamaModel:
         # rounds differently, so a reply would depend on how it was scheduled. With q8_0 cells
         # every pass takes the row-by-row kernel: replies are the same however they are batched
         # or chunked (tests/test_invariance.py). The GPU keeps f16 unless asked.
-        kv_type = options.kv_type or ("q8_0" if self.on_cpu else "f16")
+        kv_type = options.kv_type or ("q8_0" if self.on_cpu and options.reproducible is not False else "f16")
         cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
         self.kv_type = kv_type
+        self._reproducible = self._promise(options)
         # A sequence checking k drafts needs k + 1 logits rows in one pass.
         drafts = options.drafts if options.drafts is not None else self.default_drafts()
         cparams.n_outputs_max_per_seq = drafts + 1
@@ -233,6 +272,30 @@ class LlamaModel:
 
     # CPU threads for a load that names none while every layer and the output are on the GPU.
     GPU_THREADS = 2
+
+    def _promise(self, options: LoadOptions) -> tuple[bool, str]:
+        """Whether this load's passes are batch-invariant (Reproducible), and why: measured in
+        tests/test_invariance.py on the CPU and bench/gpu_invariance.sh on CUDA."""
+        if not options.flash_attention:
+            return False, "flash attention is off: llama.cpp's attention is then chosen by the shape of each pass"
+        if options.kv_unified:
+            return False, "one KV buffer for every slot: a reply's attention depends on its neighbours' cells"
+        if self.on_cpu:
+            if self.kv_type != "q8_0":
+                return False, (
+                    f"{self.kv_type} KV cells on the CPU: llama.cpp's flash attention picks differently rounding "
+                    "kernels by the shape of each pass (kvType q8_0 keeps the promise)"
+                )
+            return True, "the CPU with flash attention, one KV stream per slot and q8_0 KV cells"
+        layers = self.L.llama_model_n_layer(self.model)
+        if 0 <= options.gpu_layers <= layers or options.host_tensors:
+            return False, "layers or tensors split between the CPU and the GPU are not made batch-invariant"
+        if self.kv_type != "f16":
+            return False, f"{self.kv_type} KV cells on the GPU are not covered by the batch-invariant kernels"
+        return _cuda_kernels(options.reproducible)
+
+    def reproducible(self) -> tuple[bool, str]:
+        return self._reproducible
 
     def default_threads(self, options: LoadOptions) -> int:
         """The machine's CPU count, unless every layer and the output layer are on the GPU with no

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import mmap
 import os
 import struct
 import sys
@@ -138,6 +139,26 @@ def check(folder: Path | None = None) -> list[Path]:
             f"patches/build_llama.sh), or load llama.cpp before anything that loads libstdc++.so.6."
         )
     return libs
+
+
+# The switch of kinfer's batch-invariant CUDA kernels (patches/llama-cuda-batch-invariant.patch):
+# unset or a non-zero number, on; 0, llama.cpp's own kernels. ggml-cuda reads it once per process.
+CUDA_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
+
+
+@functools.cache
+def cuda_batch_invariant(folder: Path | None = None) -> bool | None:
+    """Whether llama.cpp's CUDA library in `folder` (default: lib_dir()) has kinfer's
+    batch-invariant kernels, whose switch it names; None when there is no CUDA library there."""
+    folder = folder or lib_dir()
+    libs = sorted(folder.glob("libggml-cuda.so*")) if folder is not None else []
+    if not libs:
+        return None
+    try:
+        with open(libs[0], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(CUDA_SWITCH.encode() + b"\0") >= 0
+    except (OSError, ValueError):
+        return None
 
 
 def load() -> ModuleType:

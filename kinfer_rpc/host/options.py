@@ -228,6 +228,7 @@ def load_options(obj: object, context_default: int | None = None) -> tuple[LoadO
         flash_attention=f.bool("flashAttention", True),
         kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
         weights=f.str("weights", None, choices={"quantized", "dense"}),
+        reproducible=f.bool("reproducible", None),
     )
     extra = {
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),

@@ -21,10 +21,12 @@ from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
 from kinfer_rpc.types import (
     Backend,
+    LoadedModel,
     LoadOptions,
     MachineAware,
     ModelFacts,
     PlacementPlan,
+    Reproducible,
     SessionPolicy,
     WeightForms,
 )
@@ -46,6 +48,31 @@ class Loaded:
     placement_reason: str = ""
     defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
+
+
+def reproducibility(model: LoadedModel) -> tuple[bool, str]:
+    """Whether a load promises the same reply for the same request whatever else runs, and why."""
+    if isinstance(model, Reproducible):
+        promised, reason = model.reproducible()
+        return bool(promised), str(reason)
+    return False, "its backend does not say whether its passes are batch-invariant"
+
+
+def _load_reproducible(
+    backend: Backend, path: str, opts: LoadOptions, progress: Callable[[float], None]
+) -> LoadedModel:
+    """backend.load, refusing a load asked to be reproducible (options.reproducible true) that
+    cannot promise it."""
+    model = backend.load(path, opts, progress)
+    if opts.reproducible:
+        promised, reason = reproducibility(model)
+        if not promised:
+            model.close()
+            raise errors.invalid_params(
+                f"options.reproducible: this load cannot promise the same reply whatever else runs: {reason}",
+                {"reason": reason},
+            )
+    return model
 
 
 def model_facts(path: str) -> ModelFacts:
@@ -175,7 +202,7 @@ class Runtime:
                     progress.report(pct, f"loading {ref.name}")
 
         engine = Engine(
-            lambda progress: backend.load(ref.path, opts, progress),
+            lambda progress: _load_reproducible(backend, ref.path, opts, progress),
             loop.call_soon_threadsafe,
             batch=opts.batch,
             max_queue=extra["maxQueue"],

@@ -17,10 +17,11 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 from kinfer_rpc.host.options import Fields, generate_options, with_defaults
 from kinfer_rpc.host.render import Renderer
-from kinfer_rpc.host.runtime import Loaded, Runtime
+from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
 from kinfer_rpc.protocol.results import engine_status, job_result
+from kinfer_rpc.types import LoadedModel
 
 
 class _Progress:
@@ -87,8 +88,14 @@ class Handlers:
             "prefix": entry.engine.prefix,
             "drafts": info.drafts,
             "weights": info.weights,
+            "reproducible": self._reproducible(model),
             **self._placement_fields(entry),
         }
+
+    @staticmethod
+    def _reproducible(model: LoadedModel) -> dict[str, Any]:
+        promised, reason = reproducibility(model)
+        return {"promised": promised, "reason": reason}
 
     @staticmethod
     def _placement_fields(entry: Loaded) -> dict[str, Any]:
@@ -121,6 +128,7 @@ class Handlers:
             if not entry.ready.is_set() or entry.error is not None:
                 out.append({"model": entry.name, "backend": entry.backend, "state": "loading"})
                 continue
+            model = entry.engine.model  # None once an unload has begun
             out.append(
                 {
                     "model": entry.name,
@@ -130,6 +138,7 @@ class Handlers:
                     "batch": entry.options.batch,
                     "ubatch": entry.options.ubatch,
                     "gpuLayers": entry.options.gpu_layers,
+                    **({"reproducible": self._reproducible(model)} if model is not None else {}),
                     **self._placement_fields(entry),
                 }
             )

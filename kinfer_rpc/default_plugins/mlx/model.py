@@ -422,6 +422,14 @@ class MlxModel:
                     values[dst] = values[src]
         c.length[dst] = n
 
+    def reproducible(self) -> tuple[bool, str]:
+        """The CPU: MLX's matrix products give a row the same result whatever rows are beside it
+        (tests/test_mlx.py). A GPU: MLX picks its matrix kernels by the number of rows in a pass
+        (docs/performance.md)."""
+        if self.device == mx.gpu:
+            return False, "MLX on a GPU picks its matrix kernels by the number of rows in a pass"
+        return True, "MLX on the CPU, whose matrix products give a row the same result whatever rows are beside it"
+
     def memory(self) -> dict[str, Any]:
         return {
             "modelBytes": self.info.size_bytes,

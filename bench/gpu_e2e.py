@@ -138,6 +138,7 @@ async def main_async(args) -> int:
                 "gpuLayers": loaded.gpu_layers,
                 "placement": status.get("placement"),
                 "memory": status.get("memory"),
+                "reproducible": status.get("reproducible"),
             }
             check(loaded.gpu_layers >= args.gpu_layers, f"the load kept {loaded.gpu_layers} layers on the GPU, not all")
             where = "cpu" if args.gpu_layers == 0 else "gpu"  # --gpu-layers 0 checks this script on a CPU

@@ -43,3 +43,25 @@ def model_not_found(name: str, available: list[str]) -> KinferError:
         f"model {name!r} not found; available: {listing}",
         {"model": name, "available": available},
     )
+
+
+ECHO_CHARS = 1024  # the most of a client's input an error repeats, per string
+
+
+def clip_echoes(error: dict[str, Any]) -> dict[str, Any]:
+    """An error object whose message and data strings are at most ECHO_CHARS long: an error
+    repeats what it refuses (a model name, a method), and a 50 MB name must not make a 50 MB
+    answer. A cancelled request's data is its partial result, sent whole."""
+    if error.get("code") == REQUEST_CANCELLED:
+        return error
+    return {k: _clip(v) for k, v in error.items()}
+
+
+def _clip(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return value[:ECHO_CHARS] + f"... ({len(value) - ECHO_CHARS} more characters)"
+    if depth < 8 and isinstance(value, dict):
+        return {k: _clip(v, depth + 1) for k, v in value.items()}
+    if depth < 8 and isinstance(value, list):
+        return [_clip(v, depth + 1) for v in value]
+    return value

@@ -37,7 +37,10 @@ def _penalise(logits: np.ndarray, history: Sequence[int], opts: SamplingOptions)
     recent = np.unique(np.asarray(history[-opts.repeat_last_n :] if opts.repeat_last_n > 0 else history))
     logits = logits.astype(np.float64)  # a copy, in a type where the penalty can't overflow
     vals = logits[recent]
-    logits[recent] = np.where(vals > 0, vals / opts.repeat_penalty, vals * opts.repeat_penalty)
+    big = np.finfo(np.float64).max  # a penalty near 0 divides a logit past it
+    with np.errstate(over="ignore"):
+        raised = np.minimum(vals / opts.repeat_penalty, big)
+    logits[recent] = np.where(vals > 0, raised, vals * opts.repeat_penalty)
     return logits
 
 

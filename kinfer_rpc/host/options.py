@@ -167,6 +167,10 @@ def check_text(value: str, where: str) -> None:
         raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
 
 
+MAX_STOPS = 64  # stop strings a request may give, each at most MAX_STOP_CHARS long
+MAX_STOP_CHARS = 256
+
+
 def generate_options(obj: object, seed_default: int) -> GenerateOptions:
     f = Fields(obj, "options")
     max_tokens = f.int("maxTokens", None, lo=0)
@@ -182,12 +186,20 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
             check_text(s, "options.stop")
     else:
         raise errors.invalid_params("options.stop must be a string or a list of strings")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise errors.invalid_params(
+            f"options.stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
+            {"stops": len(stop), "longest": max(map(len, stop))},
+        )
+    repeat_penalty = f.float("repeatPenalty", 1.0, lo=0.0, hi=100.0)
+    if repeat_penalty == 0:  # a repeated token's positive logit is divided by it
+        raise errors.invalid_params("options.repeatPenalty must be greater than 0 (1 turns it off)")
     sampling = SamplingOptions(
         temperature=f.float("temperature", 0.8, lo=0.0, hi=100.0),
         top_k=f.int("topK", 40, lo=0),
         top_p=f.float("topP", 0.95, lo=0.0, hi=1.0),
         min_p=f.float("minP", 0.05, lo=0.0, hi=1.0),
-        repeat_penalty=f.float("repeatPenalty", 1.0, lo=0.01, hi=100.0),
+        repeat_penalty=repeat_penalty,
         repeat_last_n=f.int("repeatLastN", 64, lo=-1),
         seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
     )

@@ -31,6 +31,7 @@ from kinfer_rpc.host.options import generate_options
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+_SOURCE_ORDER = {"kinfer": 0, "ollama": 1, "embedded": 2}  # which of one name's models resolve() takes
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 VERIFY_LIMIT = 2 << 30  # Ollama blobs under this are checked against their digest by default
 _MEDIA = "application/vnd.ollama.image."
@@ -319,7 +320,10 @@ class ModelStore:
 
     # -- resolving -------------------------------------------------------------------------
     def resolve(self, name: str | None) -> ModelRef:
-        if not name:
+        if not name:  # the embedded default, whatever a store holds under its name
+            embedded = [r for r in self.list() if r.source == "embedded"]
+            if embedded:
+                return embedded[0]
             name = DEFAULT_MODEL
         if name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or (os.altsep and os.altsep in name):
             return self._path_ref(name)
@@ -336,6 +340,8 @@ class ModelStore:
             if r.name == name
             or (r.source == "ollama" and full is not None and full in (a.casefold() for a in names(r)))
         ]
+        if len(exact) > 1:  # one name in several stores: the user's own store first, the embedded last
+            exact = [min(exact, key=lambda r: _SOURCE_ORDER.get(r.source, len(_SOURCE_ORDER)))]
         matches = exact or [r for r in refs if any(a.casefold().startswith(folded) for a in names(r))]
         if len(matches) > 1:
             raise errors.KinferError(

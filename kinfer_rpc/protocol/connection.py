@@ -139,7 +139,7 @@ class Connection:
         err: dict[str, Any] = {"code": code, "message": message}
         if data is not None:
             err["data"] = data
-        await self._send({"jsonrpc": "2.0", "id": id, "error": err})
+        await self._send({"jsonrpc": "2.0", "id": id, "error": errors.clip_echoes(err)})
 
     # -- incoming ---------------------------------------------------------------------------
     async def serve(self, messages: AsyncIterable[dict[str, Any] | FrameError]) -> None:
@@ -241,7 +241,10 @@ class Connection:
             return
         if response is not None:
             # One request in (never a batch), so one response object out, never a list.
-            await self._send(cast("dict[str, Any]", response))
+            response = cast("dict[str, Any]", response)
+            if isinstance(response.get("error"), dict):
+                response["error"] = errors.clip_echoes(response["error"])
+            await self._send(response)
 
     async def _notification(self, method: str, params: dict[str, Any] | list[Any]) -> None:
         if method == "$/cancelRequest":

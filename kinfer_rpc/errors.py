@@ -45,23 +45,20 @@ def model_not_found(name: str, available: list[str]) -> KinferError:
     )
 
 
-ECHO_CHARS = 1024  # the most of a client's input an error repeats, per string
-
-
-def clip_echoes(error: dict[str, Any]) -> dict[str, Any]:
-    """An error object whose message and data strings are at most ECHO_CHARS long: an error
+def clip_echoes(error: dict[str, Any], limit: int = 1024) -> dict[str, Any]:
+    """An error object whose message and data strings are at most `limit` characters: an error
     repeats what it refuses (a model name, a method), and a 50 MB name must not make a 50 MB
     answer. A cancelled request's data is its partial result, sent whole."""
     if error.get("code") == REQUEST_CANCELLED:
         return error
-    return {k: _clip(v) for k, v in error.items()}
+    return {k: _clip(v, limit) for k, v in error.items()}
 
 
-def _clip(value: Any, depth: int = 0) -> Any:
-    if isinstance(value, str) and len(value) > ECHO_CHARS:
-        return value[:ECHO_CHARS] + f"... ({len(value) - ECHO_CHARS} more characters)"
+def _clip(value: Any, limit: int, depth: int = 0) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + f"... ({len(value) - limit} more characters)"
     if depth < 8 and isinstance(value, dict):
-        return {k: _clip(v, depth + 1) for k, v in value.items()}
+        return {k: _clip(v, limit, depth + 1) for k, v in value.items()}
     if depth < 8 and isinstance(value, list):
-        return [_clip(v, depth + 1) for v in value]
+        return [_clip(v, limit, depth + 1) for v in value]
     return value

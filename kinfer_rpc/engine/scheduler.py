@@ -172,6 +172,7 @@ class Engine:
         prefix: int = -1,
         on_progress: Callable[[float], None] | None = None,
         on_ready: Callable[[Exception | None], None] | None = None,
+        on_failed: Callable[[Exception], None] | None = None,
         draft_session: Callable[[SessionPolicy, LoadedModel], DraftSession] | None = None,
         draft_policy: DraftPolicy | None = None,
         start_ahead: bool | None = None,
@@ -191,6 +192,10 @@ class Engine:
         self.prefix = prefix  # tokens of finished conversations kept (-1: none, and compaction)
         self._on_progress = on_progress
         self._on_ready = on_ready
+        # A step failed (a device error, e.g. out of memory): the engine answered every job with
+        # it, closed the model and told on_failed; it takes no more jobs.
+        self.failure: Exception | None = None
+        self._on_failed = on_failed
         self.model: LoadedModel | None = None
         self.template: str | None = None
         self._cond = threading.Condition()
@@ -228,8 +233,13 @@ class Engine:
             threading.stack_size(previous)
 
     def submit(self, job: Job) -> None:
-        assert self.model is not None, _LOADED
-        info = self.model.info
+        failure = self.failure
+        if failure is not None:
+            raise errors.KinferError(errors.INTERNAL_ERROR, f"the model failed and was unloaded: {failure}")
+        model = self.model
+        if model is None:  # an unload has begun
+            raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+        info = model.info
         if not job.prompt:
             raise errors.invalid_params("the prompt is empty (0 tokens)")
         if len(job.prompt) >= info.context_length:
@@ -248,6 +258,8 @@ class Engine:
                 self._post(lambda: on_done(job))
             return
         with self._cond:
+            if self.failure is not None or self._stopping:
+                raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
             if len(self._queue) >= self.max_queue:
                 raise errors.KinferError(errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)")
             self._queue.append(job)
@@ -343,8 +355,12 @@ class Engine:
                 self.step()
         except Exception as exc:  # the device failed: answer everyone, never hang them
             log.exception("engine step failed")
+            with self._cond:
+                self.failure = exc  # before the jobs are failed: submit() refuses from now on
             self._end_running()
             self._fail_all(exc)
+            if self._on_failed:
+                self._post(functools.partial(self._on_failed, exc))
         finally:
             self._end_running()
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))

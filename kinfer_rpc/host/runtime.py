@@ -127,6 +127,7 @@ class Runtime:
         self.plugins = plugins
         self.store = store or ModelStore()
         self.loaded: dict[str, Loaded] = {}
+        self.failed: dict[str, tuple[str, str]] = {}  # name -> (backend, error): see _failed
         self._last: str | None = None
 
     async def load(
@@ -209,6 +210,7 @@ class Runtime:
             prefix=extra["prefix"] if extra["prefix"] is not None else opts.slots * opts.context_length,
             on_progress=on_progress,
             on_ready=on_ready,
+            on_failed=lambda exc: self._failed(ref.name, entry, exc),
             draft_session=lambda policy, model: policy.session(model, backend, opts),
             draft_policy=self.plugins.draft_policies.get(policy) if policy else None,
         )
@@ -226,6 +228,7 @@ class Runtime:
             placement_reason=placed[1],
         )
         self.loaded[ref.name] = entry
+        self.failed.pop(ref.name, None)
         engine.start()  # first: whatever happens to this request, the load itself goes on
         ending = "failed"
         try:
@@ -396,8 +399,22 @@ class Runtime:
         entry.engine.submit(job)
         return job
 
+    def _failed(self, name: str, entry: Loaded | None, exc: Exception) -> None:
+        """On the loop: the entry's engine failed a step and closed its model. It leaves the
+        loaded models; model/status reports it failed until it is loaded again or unloaded."""
+        if entry is None or self.loaded.get(name) is not entry:
+            return
+        self.loaded.pop(name, None)
+        if self._last == name:
+            self._last = None
+        self.failed[name] = (entry.backend, str(exc) or type(exc).__name__)
+        log.error("%s failed and was unloaded: %s", name, exc)
+
     async def unload(self, name: str) -> None:
         """Stop the model of that name (or the one loaded model it is a prefix of)."""
+        if name in self.failed and name not in self.loaded:
+            del self.failed[name]  # already closed: forget the failure
+            return
         entry = self.loaded.get(name)
         if entry is None:
             matches = [n for n in self.loaded if n.startswith(name)]

@@ -121,7 +121,11 @@ class Handlers:
         f = Fields(p, "params")
         name = f.str("model")
         f.done()
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, Any]] = [
+            {"model": failed, "backend": backend, "state": "failed", "error": error}
+            for failed, (backend, error) in self.runtime.failed.items()
+            if name is None or failed == name
+        ]
         for entry in list(self.runtime.loaded.values()):
             if name is not None and entry.name != name:
                 continue

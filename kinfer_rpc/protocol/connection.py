@@ -67,7 +67,10 @@ class Connection:
     """One client. `handlers` map method names to `async def handler(ctx, **params)`.
 
     `gate(method, is_request)` may return a KinferError to refuse a message before dispatch
-    (the lifecycle uses it). `send(message)` writes one message.
+    (the lifecycle uses it). `accept(method, params)` is called for each request about to start,
+    in arrival order, before any later message is looked at: it may refuse the request the same
+    way, or change state that the gate of later messages sees (the lifecycle's state changes).
+    `send(message)` writes one message.
     """
 
     def __init__(
@@ -76,12 +79,14 @@ class Connection:
         handlers: dict[str, Handler],
         notifications: dict[str, Handler],
         gate: Callable[[str, bool], errors.KinferError | None] | None = None,
+        accept: Callable[[str, dict[str, Any] | list[Any]], errors.KinferError | None] | None = None,
         send_nowait: Callable[[dict[str, Any]], None] | None = None,
     ):
         self._send = send
         self._send_nowait = send_nowait
         self._notifications = notifications
         self._gate = gate
+        self._accept = accept
         self._running: dict[Any, tuple[anyio.CancelScope, RequestContext]] = {}
         self._pending: dict[Any, tuple[anyio.Event, list[dict[str, Any]]]] = {}
         self._ids = itertools.count(1)
@@ -214,6 +219,11 @@ class Connection:
                 ctx.work_done_token = progress_token(params.pop("workDoneToken", None), "params.workDoneToken")
             except errors.KinferError as exc:
                 await self._error(rid, exc.code, exc.message, exc.data)
+                return
+        if self._accept:
+            refusal = self._accept(method, params)
+            if refusal is not None:
+                await self._error(rid, refusal.code, refusal.message, refusal.data)
                 return
         scope = anyio.CancelScope()
         self._running[rid] = (scope, ctx)

@@ -3,7 +3,8 @@
 At start-up the real stdout is moved aside and file descriptor 1 pointed at stderr, so native
 libraries that print can never corrupt the stream. The lifecycle follows LSP: `initialize`
 first (other requests get -32002), `initialized`, `shutdown`, `exit` (0 after shutdown, else 1).
-The server also exits when stdin closes and when the client's process dies.
+Lifecycle state changes take effect in message order, however the messages arrive. The server
+also exits when stdin closes, when the client's process dies and when its parent process dies.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Server:
         self.max_frame = max_frame
         self.exit_code: int | None = None
         self.client_pid: int | None = None
+        self.parent_pid = os.getppid()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self._write = write_stream
@@ -87,6 +89,7 @@ class Server:
             },
             {"initialized": self.initialized, "exit": self.exit},
             gate=self.gate,
+            accept=self.accept,
             send_nowait=self._send_nowait,
         )
 
@@ -129,7 +132,22 @@ class Server:
             return errors.KinferError(errors.INVALID_REQUEST, f"{method}: the server is shutting down")
         return None
 
-    async def initialize(self, ctx: RequestContext, /, **p: Any) -> dict[str, Any]:
+    def accept(self, method: str, params: dict[str, Any] | list[Any]) -> errors.KinferError | None:
+        """A request about to start, in arrival order: the lifecycle's state changes happen here,
+        before the next message is gated, not in the handler's task (which starts later)."""
+        try:
+            if method == "initialize":
+                self._initialize(_named(params))
+            elif method == "shutdown":
+                from kinfer_rpc.host.options import Fields
+
+                Fields(_named(params), "params").done()
+                self.state = "shutdown"
+        except errors.KinferError as exc:
+            return exc
+        return None
+
+    def _initialize(self, p: dict[str, Any]) -> None:
         from kinfer_rpc.host.options import Fields
 
         f = Fields(p, "params")
@@ -150,6 +168,9 @@ class Server:
         if pid is not None and self.client_pid is None:
             self.client_pid = pid
         self.state = "initialized"
+
+    async def initialize(self, ctx: RequestContext, /, *_: Any, **__: Any) -> dict[str, Any]:
+        # The params were checked and applied by accept().
         for broken in self.plugins.broken:
             self.queue_notification(
                 "window/logMessage",
@@ -171,16 +192,14 @@ class Server:
     async def initialized(self, **_: Any) -> None:
         return None
 
-    async def shutdown(self, ctx: RequestContext, /, **p: Any) -> None:
-        from kinfer_rpc.host.options import Fields
-
-        Fields(p, "params").done()
-        self.state = "shutdown"
+    async def shutdown(self, ctx: RequestContext, /, *_: Any, **__: Any) -> None:
+        # accept() checked the params and set the state.
         await self.handlers.renderer.aclose()
         await anyio.to_thread.run_sync(self.runtime.close)
         return None
 
-    async def exit(self, **_: Any) -> None:
+    async def exit(self, /, *_: Any, **__: Any) -> None:
+        # Honoured whatever its params: LSP's exit has none, and nothing must keep it from ending.
         self.exit_code = 0 if self.state == "shutdown" else 1
         self._stop.set()
 
@@ -190,6 +209,13 @@ class Server:
             pid = self.client_pid
             if pid and not _alive(pid):
                 log.warning("the client process %d died; exiting", pid)
+                self.exit_code = 1
+                self._stop.set()
+                return
+            # Without a process id, the parent: when it dies we are re-parented (to init or a
+            # subreaper), and a stdin left open by some other process would keep us alive.
+            if not pid and os.getppid() != self.parent_pid:
+                log.warning("the parent process %d died; exiting", self.parent_pid)
                 self.exit_code = 1
                 self._stop.set()
                 return
@@ -259,6 +285,15 @@ def _process_id(text: str) -> int:
     if not 1 <= pid < 2**31:
         raise argparse.ArgumentTypeError(f"not a process id: {pid} (1 to {2**31 - 1})")
     return pid
+
+
+def _named(params: dict[str, Any] | list[Any]) -> dict[str, Any]:
+    """Params for a method that takes named params only: an empty array is none at all."""
+    if isinstance(params, dict):
+        return params
+    if params:
+        raise errors.invalid_params("params must be an object")
+    return {}
 
 
 def _alive(pid: int) -> bool:

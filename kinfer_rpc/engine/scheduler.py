@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import attrs
@@ -196,6 +197,7 @@ class Engine:
         # it, closed the model and told on_failed; it takes no more jobs.
         self.failure: Exception | None = None
         self._on_failed = on_failed
+        self._holds = 0  # hold() blocks open: the model is closed once none is left
         self.model: LoadedModel | None = None
         self.template: str | None = None
         self._cond = threading.Condition()
@@ -269,6 +271,22 @@ class Engine:
         job.cancelled = True
         with self._cond:
             self._cond.notify()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[LoadedModel]:
+        """The model, kept open until the block ends (an unload closes it after): for the work a
+        request does with it off the engine's thread, such as tokenizing its prompt."""
+        with self._cond:
+            model = self.model
+            if model is None or self._stopping or self.failure is not None:
+                raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+            self._holds += 1
+        try:
+            yield model
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         with self._cond:
@@ -370,7 +388,10 @@ class Engine:
                 except Exception:
                     log.exception("closing a draft session failed")
             self._sessions.clear()
-            model, self.model = self.model, None
+            with self._cond:
+                model, self.model = self.model, None  # no new holds from here
+                while self._holds:  # a request tokenizing with it: close it after
+                    self._cond.wait()
             if model is not None:
                 model.close()
             if self._pool is not None:

@@ -48,6 +48,25 @@ class Loaded:
     placement_reason: str = ""
     defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
+    max_piece: int = 0  # the most bytes one token of the vocabulary stands for; 0 until asked
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool, context: int | None = None) -> list[int]:
+        """Tokenize with the model held open (an unload waits), off the event loop. With a
+        `context`, a text too long for it even at the vocabulary's longest token per token is
+        -31002 before any of it is tokenized."""
+        with self.engine.hold() as model:
+            if context is not None:
+                if not self.max_piece:
+                    self.max_piece = max(1, max(len(model.token_bytes(t)) for t in range(model.info.n_vocab)))
+                size = len(text.encode("utf-8", "surrogatepass"))
+                if size > context * self.max_piece:
+                    raise errors.KinferError(
+                        errors.CONTEXT_OVERFLOW,
+                        f"the prompt is {size} bytes, more than {context} tokens can hold (at most "
+                        f"{self.max_piece} bytes a token)",
+                        {"promptBytes": size, "contextLength": context},
+                    )
+            return model.tokenize(text, add_special, parse_special)
 
 
 def reproducibility(model: LoadedModel) -> tuple[bool, str]:

@@ -170,7 +170,8 @@ class Handlers:
         else:
             assert prompt is not None  # exactly one of prompt and tokens was given
             add = model.info.add_bos if add_special is None else add_special
-            ids = model.tokenize(prompt, add, True)
+            context = model.info.context_length
+            ids = await anyio.to_thread.run_sync(entry.tokenize, prompt, add, True, context)
         return await self._stream(ctx, entry, ids, opts)
 
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -196,7 +197,7 @@ class Handlers:
         if self.runtime.loaded.get(entry.name) is not entry:  # unloaded while it rendered
             raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {entry.name!r} was unloaded")
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
-        ids = model.tokenize(text, add_bos, True)
+        ids = await anyio.to_thread.run_sync(entry.tokenize, text, add_bos, True, model.info.context_length)
         return await self._stream(ctx, entry, ids, opts)
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -212,8 +213,14 @@ class Handlers:
         model = entry.engine.model
         assert model is not None  # a loaded entry's engine holds its model
         add = model.info.add_bos if add_special is None else add_special
-        ids = model.tokenize(text, add, parse_special)
-        return {"tokens": ids, "pieces": [model.token_bytes(t).decode("utf-8", "replace") for t in ids]}
+
+        def tokenize() -> dict[str, Any]:
+            ids = entry.tokenize(text, add, parse_special)
+            with entry.engine.hold() as held:
+                pieces = [held.token_bytes(t).decode("utf-8", "replace") for t in ids]
+            return {"tokens": ids, "pieces": pieces}
+
+        return await anyio.to_thread.run_sync(tokenize)
 
     async def _stream(
         self, ctx: RequestContext | None, entry: Loaded, ids: list[int], opts: GenerateOptions

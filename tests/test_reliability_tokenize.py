@@ -4,6 +4,7 @@ waits for it (it used to free the vocabulary under it)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -40,3 +41,15 @@ def test_an_unload_while_a_text_is_tokenized_waits_for_it(loaded) -> None:  # no
         assert len(response["result"]["tokens"]) > 100_000
     assert loaded.call("model/status", {})["models"] == []
     assert loaded.call("model/list", {})  # still serving
+
+
+def test_an_answer_over_the_frame_limit_becomes_an_error(spawn) -> None:  # noqa: F811
+    c = spawn("--max-frame-bytes", "200000")
+    assert c.initialize()["capabilities"]["maxFrameBytes"] == 200_000
+    c.load_model()
+    text = "the quick brown fox jumps over the lazy dog " * 2000  # 88 kB in, about 20k tokens out
+    err = c.request("inference/tokenize", {"text": text})["error"]
+    assert err["code"] == errors.RESPONSE_TOO_LARGE and "200000" in err["message"]
+    assert c.call("inference/tokenize", {"text": "small"})["tokens"]  # still serving
+    biggest = max(len(json.dumps(m, ensure_ascii=False).encode()) for m in c.messages)
+    assert biggest <= 200_000, f"a frame body of {biggest} bytes, over the advertised limit"

@@ -110,6 +110,20 @@ class Server:
         async for message in self._out_recv:
             try:
                 frame = encode(message)
+                if len(frame) > self.max_frame and "id" in message and "method" not in message:
+                    # Never a frame over the limit the server advertises: the answer becomes an error.
+                    frame = encode(
+                        {
+                            "jsonrpc": "2.0",
+                            "id": message["id"],
+                            "error": {
+                                "code": errors.RESPONSE_TOO_LARGE,
+                                "message": f"the answer would be a frame of {len(frame)} bytes, over the "
+                                f"limit of {self.max_frame} (maxFrameBytes): ask for less",
+                                "data": None,
+                            },
+                        }
+                    )
             except Exception:  # a message we cannot encode is dropped, never the server
                 log.exception("could not encode a message; dropped it")
                 continue

@@ -215,3 +215,21 @@ def test_parent_death_without_a_process_id_exits(subreaper, tmp_path, initialize
     stderr_file.seek(0)
     err = stderr_file.read().decode("utf-8", "replace")
     assert "Traceback" not in err, err
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_answers_the_requests_in_flight_then_exits(spawn, signum) -> None:  # noqa: F811
+    """SIGTERM or SIGINT (Ctrl-C in the server's terminal): every request still running is
+    answered -32800 with its partial reply before the server exits with 128 + the signal."""
+    c = spawn()
+    c.initialize()
+    c.load_model(slots=2)
+    long = {"prompt": "Count to a thousand.", "options": {"maxTokens": 5000, "ignoreEos": True}}
+    rids = [c.request_async("inference/generate", long) for _ in range(2)]
+    time.sleep(0.5)  # both are generating
+    c.proc.send_signal(signum)
+    assert c.proc.wait(30) == 128 + signum
+    for rid in rids:
+        err = c.response(rid, timeout=5)["error"]
+        assert err["code"] == -32800 and err["data"]["usage"]["completionTokens"] > 0

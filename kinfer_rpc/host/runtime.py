@@ -49,6 +49,8 @@ class Loaded:
     defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
     max_piece: int = 0  # the most bytes one token of the vocabulary stands for; 0 until asked
+    # One tokenizing thread a model: requests reach the engine in the order they came.
+    tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, context: int | None = None) -> list[int]:
         """Tokenize with the model held open (an unload waits), off the event loop. With a

@@ -275,5 +275,11 @@ class Connection:
             log.exception("notification %s failed", method)
 
     def cancel_all(self) -> None:
+        """Cancel every request still running: each is answered -32800 (with its partial result)."""
         for scope, _ in list(self._running.values()):
             scope.cancel()
+
+    @property
+    def running(self) -> int:
+        """Requests not answered yet."""
+        return len(self._running)

@@ -171,7 +171,7 @@ class Handlers:
             assert prompt is not None  # exactly one of prompt and tokens was given
             add = model.info.add_bos if add_special is None else add_special
             context = model.info.context_length
-            ids = await anyio.to_thread.run_sync(entry.tokenize, prompt, add, True, context)
+            ids = await anyio.to_thread.run_sync(entry.tokenize, prompt, add, True, context, limiter=entry.tokenizer)
         return await self._stream(ctx, entry, ids, opts)
 
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -197,7 +197,9 @@ class Handlers:
         if self.runtime.loaded.get(entry.name) is not entry:  # unloaded while it rendered
             raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {entry.name!r} was unloaded")
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
-        ids = await anyio.to_thread.run_sync(entry.tokenize, text, add_bos, True, model.info.context_length)
+        ids = await anyio.to_thread.run_sync(
+            entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
+        )
         return await self._stream(ctx, entry, ids, opts)
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
@@ -220,7 +222,7 @@ class Handlers:
                 pieces = [held.token_bytes(t).decode("utf-8", "replace") for t in ids]
             return {"tokens": ids, "pieces": pieces}
 
-        return await anyio.to_thread.run_sync(tokenize)
+        return await anyio.to_thread.run_sync(tokenize, limiter=entry.tokenizer)
 
     async def _stream(
         self, ctx: RequestContext | None, entry: Loaded, ids: list[int], opts: GenerateOptions

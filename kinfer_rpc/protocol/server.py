@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -234,6 +236,13 @@ class Server:
                 self._stop.set()
                 return
 
+    def _on_signal(self, signum: int) -> None:
+        """SIGINT or SIGTERM: end as `exit` would, answering what runs; exit code 128 + signum."""
+        log.warning("%s: answering the requests in flight and exiting", signal.Signals(signum).name)
+        if self.exit_code is None:
+            self.exit_code = 128 + signum
+        self._stop.set()
+
     async def run(self, read_stream: ByteSource) -> int:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
@@ -249,7 +258,16 @@ class Server:
                 self._stop.set()
 
             tg.start_soon(read)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    self.loop.add_signal_handler(signum, self._on_signal, signum)
             await self._stop.wait()
+            # Whatever ends the server (exit, stdin closed, a signal, the client gone), every
+            # request still running is answered: -32800 with its partial result.
+            self.connection.cancel_all()
+            with anyio.move_on_after(2.0):
+                while self.connection.running:
+                    await anyio.sleep(0.01)
             self.loop = None
             await self.handlers.renderer.aclose()
             await anyio.to_thread.run_sync(self.runtime.close)

@@ -473,3 +473,35 @@ def test_mlx_folder_metadata(tmp_path):
         "quantization": "4bit",
         "contextLength": 40960,
     }
+
+
+def test_store_files_that_never_end_are_refused_unread(tmp_path, gguf, monkeypatch):
+    """A layer blob that is a FIFO (a reader would block forever) or a link to /dev/zero (a
+    reader would run out of memory), and a manifest that is a FIFO: the store lists what it can,
+    within seconds, reading none of them."""
+    src, digest = gguf
+    ollama = OllamaStore(tmp_path / "ollama")
+    _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
+    model = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
+    fifo = {"mediaType": MEDIA + "template", "digest": "sha256:" + "f" * 64, "size": 10}
+    os.mkfifo(ollama.root / "blobs" / ("sha256-" + "f" * 64))
+    zero = {"mediaType": MEDIA + "system", "digest": "sha256:" + "0" * 64, "size": 10}
+    os.symlink("/dev/zero", ollama.root / "blobs" / ("sha256-" + "0" * 64))
+    ollama.manifest("registry.ollama.ai/library/odd/latest", [model, fifo, zero])
+    piped = ollama.root / "manifests/registry.ollama.ai/library/piped/latest"
+    piped.parent.mkdir(parents=True)
+    os.mkfifo(piped)
+    for key, value in {
+        "OLLAMA_MODELS": ollama.root,
+        "KINFER_MODELS": tmp_path / "k",
+        "KINFER_HOME": tmp_path / "h",
+    }.items():
+        monkeypatch.setenv(key, str(value))
+    listed: list = []
+    reader = threading.Thread(target=lambda: listed.extend(ModelStore().list()), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "listing the store blocked on a FIFO or read /dev/zero"
+    odd = [r for r in listed if r.name == "odd:latest"]
+    assert len(odd) == 1 and odd[0].template is None and odd[0].system is None
+    assert not any(r.name.startswith("piped") for r in listed)

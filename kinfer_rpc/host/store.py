@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +37,26 @@ OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "la
 VERIFY_LIMIT = 2 << 30  # Ollama blobs under this are checked against their digest by default
 _MEDIA = "application/vnd.ollama.image."
 _SMALL_LAYER = 1 << 20  # template/system/params layers larger than this are not read
+_MANIFEST_LIMIT = 4 << 20  # an Ollama manifest is a few kB
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file. A FIFO (which would block a reader forever), a
+    device such as /dev/zero (which never ends) or a link to one is refused unread (OSError), as
+    is a file longer than `limit`, whatever its manifest declares."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise OSError(f"{path} is larger than {limit} bytes")
+    return b"".join(chunks)
 
 
 @attrs.frozen
@@ -229,7 +250,7 @@ class ModelStore:
     def _read_manifest(self, manifest: Path) -> ModelRef | None:
         host, namespace, model, tag = manifest.parts[-4:]
         display = _ollama_display(host, namespace, model, tag)
-        layers = json.loads(manifest.read_bytes())["layers"]
+        layers = json.loads(_read_regular(manifest, _MANIFEST_LIMIT))["layers"]
         if not isinstance(layers, list) or not all(
             isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers
         ):
@@ -243,7 +264,7 @@ class ModelStore:
             for layer in layers:
                 if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= _SMALL_LAYER:
                     try:
-                        return blob(layer).read_text("utf-8", "replace")
+                        return _read_regular(blob(layer), _SMALL_LAYER).decode("utf-8", "replace")
                     except OSError as exc:
                         log.warning("%s: cannot read its %s layer: %s", display, kind, exc)
             return None

@@ -23,8 +23,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import llama_cpp as L  # before numpy: numpy first makes a GPU load segfault (shared/probes/README.md)
 import numpy as np
+
+from kinfer_rpc.default_plugins import llama_native
+
+# llama.cpp through kinfer's loader: the libraries beside LLAMA_CPP_LIB_PATH's libllama, refused
+# (not crashed) when they carry their own C++ runtime and numpy's is already loaded.
+L = llama_native.load()
 
 PER_SEQ = 512  # KV cells per sequence (one stream each)
 N_BATCH = 4096

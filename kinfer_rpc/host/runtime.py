@@ -34,6 +34,10 @@ from kinfer_rpc.types import (
 log = logging.getLogger(__name__)
 
 
+# model file -> the most bytes one token of its vocabulary stands for (Loaded.tokenize)
+_max_piece: dict[str, int] = {}
+
+
 @attrs.define(eq=False)
 class Loaded:
     name: str
@@ -48,7 +52,6 @@ class Loaded:
     placement_reason: str = ""
     defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
-    max_piece: int = 0  # the most bytes one token of the vocabulary stands for; 0 until asked
     # One tokenizing thread a model: requests reach the engine in the order they came.
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
 
@@ -58,14 +61,16 @@ class Loaded:
         -31002 before any of it is tokenized."""
         with self.engine.hold() as model:
             if context is not None:
-                if not self.max_piece:
-                    self.max_piece = max(1, max(len(model.token_bytes(t)) for t in range(model.info.n_vocab)))
+                piece = _max_piece.get(model.info.path)
+                if piece is None:  # once a model file: the scan fills the backend's piece cache
+                    piece = max(1, max(len(model.token_bytes(t)) for t in range(model.info.n_vocab)))
+                    _max_piece[model.info.path] = piece
                 size = len(text.encode("utf-8", "surrogatepass"))
-                if size > context * self.max_piece:
+                if size > context * piece:
                     raise errors.KinferError(
                         errors.CONTEXT_OVERFLOW,
                         f"the prompt is {size} bytes, more than {context} tokens can hold (at most "
-                        f"{self.max_piece} bytes a token)",
+                        f"{piece} bytes a token)",
                         {"promptBytes": size, "contextLength": context},
                     )
             return model.tokenize(text, add_special, parse_special)

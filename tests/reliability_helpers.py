@@ -6,10 +6,12 @@ moments, and the checks of its replies). Plain functions: the fixtures are in co
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import random
 import time
 
+import pytest
 from rpcclient import RpcClient, responses_by_id, send_together
 
 INVALID_PARAMS = -32602
@@ -251,3 +253,31 @@ def replies_alone(c: RpcClient, requests) -> list[tuple]:
 def held_by_requests(status: dict) -> int:
     """KV cells held by running requests: cellsUsed less what a prefix pool keeps of finished ones."""
     return status["cellsUsed"] - status.get("cachedTokens", 0)
+
+
+# -- a parent process that dies (tests of the server watching its client or parent) ------------
+
+PR_SET_CHILD_SUBREAPER = 36
+
+# The editor stand-in: starts kinfer-rpc on the pipes it is given (PARENT_PID in an argument
+# becomes its own pid), prints the server's pid, waits to be killed.
+PARENT = r"""
+import os, subprocess, sys, time
+args = [a.replace("PARENT_PID", str(os.getpid())) for a in sys.argv[3:]]
+p = subprocess.Popen(args, stdin=int(sys.argv[1]), stdout=int(sys.argv[2]))
+os.close(int(sys.argv[1])); os.close(int(sys.argv[2]))
+print(p.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def subreaper():
+    """Orphans are re-parented to the test process, which can then reap them and read their exit code."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        pytest.skip("prctl(PR_SET_CHILD_SUBREAPER) is not available")
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)

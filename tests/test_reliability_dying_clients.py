@@ -8,7 +8,6 @@ describes each test and the figures measured. Shared helpers: reliability_helper
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -19,9 +18,11 @@ import time
 
 import pytest
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
-from reliability_helpers import (
+from reliability_helpers import (  # noqa: F401  (subreaper: a fixture)
+    PARENT,
     children_of,
     no_traceback,
+    subreaper,
     threads_and_fds,
 )
 from rpcclient import DEFAULT_MODEL, KINFER_RPC, RpcClient, responses_by_id
@@ -199,30 +200,6 @@ class Adopted:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-PR_SET_CHILD_SUBREAPER = 36
-
-# The editor stand-in: starts kinfer-rpc on the pipes it is given, prints the server's pid, waits to be killed.
-PARENT = r"""
-import os, subprocess, sys, time
-args = [a.replace("PARENT_PID", str(os.getpid())) for a in sys.argv[3:]]
-p = subprocess.Popen(args, stdin=int(sys.argv[1]), stdout=int(sys.argv[2]))
-os.close(int(sys.argv[1])); os.close(int(sys.argv[2]))
-print(p.pid, flush=True)
-time.sleep(3600)
-"""
-
-
-@pytest.fixture
-def subreaper():
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        pytest.skip("prctl(PR_SET_CHILD_SUBREAPER) is not available")
-    try:
-        yield
-    finally:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("how", ["processId", "--clientProcessId"])

@@ -9,7 +9,6 @@ model that does not exist, which is answered -31001 where the load is carried ou
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 
 import pytest
 from protocol_fixtures import server, spawn  # noqa: F401  (fixtures)
+from reliability_helpers import PARENT, subreaper  # noqa: F401  (subreaper: a fixture)
 from rpcclient import KINFER_RPC, RpcClient, error_of, frame, result_of, send_together
 
 INVALID_REQUEST = -32600
@@ -128,29 +128,6 @@ def test_exit_with_any_params_without_shutdown_exits_1(server, params):
 
 
 # -- the parent's death, with no process id given ----------------------------------------------
-
-PR_SET_CHILD_SUBREAPER = 36
-
-# The editor stand-in: starts kinfer-rpc on the pipes it is given, prints the server's pid, waits.
-PARENT = r"""
-import os, subprocess, sys, time
-p = subprocess.Popen(sys.argv[3:], stdin=int(sys.argv[1]), stdout=int(sys.argv[2]))
-os.close(int(sys.argv[1])); os.close(int(sys.argv[2]))
-print(p.pid, flush=True)
-time.sleep(3600)
-"""
-
-
-@pytest.fixture
-def subreaper():
-    """Orphans are re-parented to the test process, which can then reap them and read their exit code."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        pytest.skip("prctl(PR_SET_CHILD_SUBREAPER) is not available")
-    try:
-        yield
-    finally:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _wait_adopted(pid: int, timeout: float) -> int | None:

@@ -234,14 +234,17 @@ class Engine:
         finally:
             threading.stack_size(previous)
 
-    def submit(self, job: Job) -> None:
-        failure = self.failure
-        if failure is not None:
-            raise errors.KinferError(errors.INTERNAL_ERROR, f"the model failed and was unloaded: {failure}")
+    def _alive(self) -> LoadedModel:
+        """The model, unless this engine takes no more work: its step failed, or an unload has begun."""
+        if self.failure is not None:
+            raise errors.KinferError(errors.INTERNAL_ERROR, f"the model failed and was unloaded: {self.failure}")
         model = self.model
-        if model is None:  # an unload has begun
+        if model is None or self._stopping:
             raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
-        info = model.info
+        return model
+
+    def submit(self, job: Job) -> None:
+        info = self._alive().info
         if not job.prompt:
             raise errors.invalid_params("the prompt is empty (0 tokens)")
         if len(job.prompt) >= info.context_length:
@@ -260,8 +263,7 @@ class Engine:
                 self._post(lambda: on_done(job))
             return
         with self._cond:
-            if self.failure is not None or self._stopping:
-                raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+            self._alive()  # not failed or unloaded meanwhile
             if len(self._queue) >= self.max_queue:
                 raise errors.KinferError(errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)")
             self._queue.append(job)
@@ -277,9 +279,7 @@ class Engine:
         """The model, kept open until the block ends (an unload closes it after): for the work a
         request does with it off the engine's thread, such as tokenizing its prompt."""
         with self._cond:
-            model = self.model
-            if model is None or self._stopping or self.failure is not None:
-                raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+            model = self._alive()
             self._holds += 1
         try:
             yield model

@@ -216,11 +216,10 @@ class Handlers:
         assert model is not None  # a loaded entry's engine holds its model
         add = model.info.add_bos if add_special is None else add_special
 
-        def tokenize() -> dict[str, Any]:
-            ids = entry.tokenize(text, add, parse_special)
+        def tokenize() -> dict[str, Any]:  # one hold for the tokens and their pieces
             with entry.engine.hold() as held:
-                pieces = [held.token_bytes(t).decode("utf-8", "replace") for t in ids]
-            return {"tokens": ids, "pieces": pieces}
+                ids = held.tokenize(text, add, parse_special)
+                return {"tokens": ids, "pieces": [held.token_bytes(t).decode("utf-8", "replace") for t in ids]}
 
         return await anyio.to_thread.run_sync(tokenize, limiter=entry.tokenizer)
 

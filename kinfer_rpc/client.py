@@ -21,14 +21,25 @@ Async (anyio: asyncio or trio):
 Breaking out of a stream, closing it, cancelling the task that awaits a call (an anyio cancel
 scope, a timeout) or Ctrl-C in a blocking call sends `$/cancelRequest`; the server stops the work
 and answers -32800. Options are the protocol's camelCase ones (`maxTokens`, `temperature`, `seed`,
-`stop`, `ignoreEos`, ...). `close()`, leaving the `with` block, and garbage collection of a
-`Client` shut the server down cleanly (`shutdown`, `exit`, exit code 0, the process reaped).
+`stop`, `ignoreEos`, `logprobs`, `topLogprobs`, `grammar`, `regex`, ...), sent as given. `format`
+takes a JSON schema (a dict), "json", or a class with a `model_json_schema()` classmethod (a
+pydantic model), whose schema is sent. `close()`, leaving the `with` block, and garbage collection
+of a `Client` shut the server down cleanly (`shutdown`, `exit`, exit code 0, the process reaped).
+
+Agents: `chat(messages, tools=[...], tool_choice=...)` offers tools (OpenAI's shape); the
+Result's `tool_calls` are the calls the model made (`stop_reason` "toolCalls"):
+
+    reply = kinfer.chat(messages, tools=[weather_tool])
+    messages.append(reply.message)                       # the assistant's turn, with its calls
+    for call in reply.tool_calls:
+        messages.append(call.answer(get_weather(**call.arguments)))   # a "tool" message
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import queue
 import shutil
@@ -96,8 +107,68 @@ class Timings:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A generated token's log probability (natural log, from the model's raw logits: before the
+    sampling transforms and any grammar's mask) and `top`, the most likely tokens of its position,
+    best first (each a TokenLogprob whose own `top` is empty)."""
+
+    token: int
+    text: str
+    logprob: float
+    top: list[TokenLogprob] = attrs.field(factory=list)
+
+    @classmethod
+    def from_json(cls, v: dict[str, Any]) -> TokenLogprob:
+        return cls(
+            v.get("token", 0),
+            v.get("text", ""),
+            v.get("logprob", 0.0),
+            [cls.from_json(t) for t in v.get("topLogprobs") or [] if isinstance(t, dict)],
+        )
+
+
+@attrs.frozen
+class ToolCall:
+    """A call of a tool that the model made: `arguments` is the parsed JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+
+    @classmethod
+    def from_json(cls, c: dict[str, Any]) -> ToolCall:
+        f = c.get("function") or {}
+        arguments = f.get("arguments")
+        if isinstance(arguments, str):  # OpenAI's form, should a server send it
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        return cls(c.get("id", ""), f.get("name", ""), arguments if isinstance(arguments, dict) else {})
+
+    def to_json(self) -> dict[str, Any]:
+        """The protocol's shape, as an assistant message's `toolCalls` carries it."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def answer(self, content: Any) -> dict[str, Any]:
+        """The `tool` message that gives this call's result to the model (`content` not a
+        string is sent as JSON)."""
+        text = content if isinstance(content, str) else json.dumps(content)
+        return {"role": "tool", "toolCallId": self.id, "name": self.name, "content": text}
+
+
+def _tool_calls(v: Any) -> list[ToolCall]:
+    return [ToolCall.from_json(c) for c in v or [] if isinstance(c, dict)]
+
+
+def _logprobs(v: Any) -> list[TokenLogprob]:
+    return [TokenLogprob.from_json(t) for t in v or [] if isinstance(t, dict)]
+
+
+@attrs.frozen
 class Result:
-    """A finished reply."""
+    """A finished reply. `tool_calls`: the calls the model made (chat with tools; then
+    `stop_reason` is "toolCalls"); `logprobs`: one per token, None unless asked for."""
 
     text: str
     tokens: list[int]
@@ -106,6 +177,8 @@ class Result:
     timings: Timings
     seed: int | None = None
     model: str | None = None
+    tool_calls: list[ToolCall] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_json(cls, r: dict[str, Any]) -> Result:
@@ -118,7 +191,17 @@ class Result:
             Timings.from_json(r.get("timings") or {}),
             r.get("seed"),
             r.get("model"),
+            _tool_calls(r.get("toolCalls")),
+            _logprobs(r["logprobs"]) if r.get("logprobs") is not None else None,
         )
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant's message, to append to the conversation (with its `toolCalls`)."""
+        m: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            m["toolCalls"] = [c.to_json() for c in self.tool_calls]
+        return m
 
 
 @attrs.frozen
@@ -257,6 +340,31 @@ def _params(model: str | None, options: dict[str, Any] | None, **fields: Any) ->
     if options:
         params["options"] = options
     return params
+
+
+def _inference_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Request options as given, but a `format` that is a class with `model_json_schema()` (a
+    pydantic model) becomes its JSON schema."""
+    fmt = options.get("format")
+    if fmt is not None and not isinstance(fmt, (str, dict)):
+        schema = getattr(fmt, "model_json_schema", None)
+        if callable(schema):
+            return {**options, "format": schema()}
+    return options
+
+
+def _generate_params(prompt: str, model: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    return _params(model, _inference_options(options), prompt=prompt)
+
+
+def _chat_params(
+    messages: list[dict[str, Any]],
+    model: str | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    return _params(model, _inference_options(options), messages=messages, tools=tools, toolChoice=tool_choice)
 
 
 def _error(response: dict[str, Any]) -> RpcError:
@@ -414,6 +522,8 @@ class Stream:
         q = self._queue  # the callback must not hold the stream: a dropped stream is collected, and cancels
         self.response.add_done_callback(lambda _: q.put(_DONE))
         self.text = ""
+        self.tool_calls: list[ToolCall] = []  # the calls streamed so far (chat with tools)
+        self.logprobs: list[TokenLogprob] = []  # the logprobs streamed so far (with logprobs)
         self.result: Result | None = None
         self._finished = False
 
@@ -431,7 +541,11 @@ class Stream:
                     self._wire.tokens.pop(self.token, None)
                     self.result = Result.from_json(_unwrap(self.response.result()))
                     raise StopIteration
-                if value and value.get("text"):
+                if not isinstance(value, dict):
+                    continue
+                self.tool_calls += _tool_calls(value.get("toolCalls"))
+                self.logprobs += _logprobs(value.get("logprobs"))
+                if value.get("text"):
                     piece: str = value["text"]
                     self.text += piece
                     return piece
@@ -567,16 +681,35 @@ class Client:
 
     # -- inference ---------------------------------------------------------------------------
     def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(self.request("inference/generate", _params(model, options, prompt=prompt)))
+        return Result.from_json(self.request("inference/generate", _generate_params(prompt, model, options)))
 
-    def chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(self.request("inference/chat", _params(model, options, messages=messages)))
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        model: str | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Result:
+        """inference/chat. `tools` (OpenAI's shape) and `tool_choice` ("auto", "none", "required",
+        a function's name or `{"type": "function", "function": {"name": ...}}`) go beside the options."""
+        params = _chat_params(messages, model, tools, tool_choice, options)
+        return Result.from_json(self.request("inference/chat", params))
 
     def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> Stream:
-        return Stream(self._wire, "inference/generate", _params(model, options, prompt=prompt))
+        return Stream(self._wire, "inference/generate", _generate_params(prompt, model, options))
 
-    def stream_chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Stream:
-        return Stream(self._wire, "inference/chat", _params(model, options, messages=messages))
+    def stream_chat(
+        self,
+        messages: list[dict[str, Any]],
+        model: str | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Stream:
+        return Stream(self._wire, "inference/chat", _chat_params(messages, model, tools, tool_choice, options))
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> int:
@@ -620,6 +753,8 @@ class AsyncStream:
 
         self.id = client._request_nowait(method, {**params, "partialResultToken": token}, on_response)
         self.text = ""
+        self.tool_calls: list[ToolCall] = []  # the calls streamed so far (chat with tools)
+        self.logprobs: list[TokenLogprob] = []  # the logprobs streamed so far (with logprobs)
         self.result: Result | None = None
         self._finished = False
 
@@ -646,7 +781,11 @@ class AsyncStream:
                         _unwrap(self.response or {"error": {"code": SERVER_GONE, "message": "the server exited"}})
                     )
                     raise StopAsyncIteration
-                if value and value.get("text"):
+                if not isinstance(value, dict):
+                    continue
+                self.tool_calls += _tool_calls(value.get("toolCalls"))
+                self.logprobs += _logprobs(value.get("logprobs"))
+                if value.get("text"):
                     piece: str = value["text"]
                     self.text += piece
                     return piece
@@ -887,16 +1026,34 @@ class AsyncClient:
 
     # -- inference ---------------------------------------------------------------------------
     async def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(await self.request("inference/generate", _params(model, options, prompt=prompt)))
+        return Result.from_json(await self.request("inference/generate", _generate_params(prompt, model, options)))
 
-    async def chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(await self.request("inference/chat", _params(model, options, messages=messages)))
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        model: str | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Result:
+        """As Client.chat."""
+        params = _chat_params(messages, model, tools, tool_choice, options)
+        return Result.from_json(await self.request("inference/chat", params))
 
     def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> AsyncStream:
-        return AsyncStream(self, "inference/generate", _params(model, options, prompt=prompt))
+        return AsyncStream(self, "inference/generate", _generate_params(prompt, model, options))
 
-    def stream_chat(self, messages: list[dict[str, Any]], model: str | None = None, **options: Any) -> AsyncStream:
-        return AsyncStream(self, "inference/chat", _params(model, options, messages=messages))
+    def stream_chat(
+        self,
+        messages: list[dict[str, Any]],
+        model: str | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        **options: Any,
+    ) -> AsyncStream:
+        return AsyncStream(self, "inference/chat", _chat_params(messages, model, tools, tool_choice, options))
 
     # -- lifetime ----------------------------------------------------------------------------
     async def aclose(self, timeout: float = 10.0) -> int:

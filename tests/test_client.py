@@ -1,15 +1,19 @@
 """kinfer_rpc.client against a real `kinfer-rpc` and the embedded model: the blocking client, its
-streams, cancellation by breaking the loop, the async client (anyio) and its cancellation, and a
-clean shutdown on close() and on garbage collection."""
+streams, cancellation by breaking the loop, the async client (anyio) and its cancellation, a
+clean shutdown on close() and on garbage collection, and the agent features (tools, format,
+grammar, regex, logprobs): their params and results without a server, their replies with one."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import re
 import sys
 import time
 
 import anyio
+import attrs
 import pytest
 
 from kinfer_rpc.client import (
@@ -21,6 +25,8 @@ from kinfer_rpc.client import (
     ModelStatus,
     Result,
     RpcError,
+    TokenLogprob,
+    ToolCall,
 )
 
 KINFER_RPC = [os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")]
@@ -260,3 +266,293 @@ def test_a_dead_server_fails_requests_instead_of_hanging():
         kinfer.request("model/list", {}, timeout=10)
     assert caught.value.code == -32099
     kinfer.close()
+
+
+# -- agents: tools, constrained replies, logprobs ------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 365},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+LOGPROB = {
+    "token": 42,
+    "text": " Paris",
+    "logprob": -0.25,
+    "topLogprobs": [{"token": 42, "text": " Paris", "logprob": -0.25}],
+}
+CALL = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+RESULT = {
+    "text": "",
+    "tokens": [1, 2],
+    "stopReason": "toolCalls",
+    "seed": 5,
+    "usage": {"promptTokens": 3, "completionTokens": 2, "draftTokens": 0, "draftAccepted": 0, "cachedTokens": 0},
+    "timings": {"queueMs": 0.0, "promptMs": 1.0, "generateMs": 2.0, "tokensPerSecond": 3.0},
+    "model": DEFAULT,
+    "toolCalls": [CALL],
+    "logprobs": [LOGPROB, {**LOGPROB, "token": 7, "topLogprobs": []}],
+}
+
+
+class Schema:
+    """Stands for a pydantic model: the client calls `model_json_schema()` and sends its result."""
+
+    @classmethod
+    def model_json_schema(cls):
+        return CITY
+
+
+def test_result_parses_tool_calls_and_logprobs():
+    r = Result.from_json(RESULT)
+    assert r.stop_reason == "toolCalls" and r.tool_calls == [ToolCall("call_0", "get_weather", {"city": "Paris"})]
+    first, second = r.logprobs
+    assert first == TokenLogprob(42, " Paris", -0.25, [TokenLogprob(42, " Paris", -0.25)])
+    assert second.token == 7 and second.top == []
+    # absent: no calls, and no logprobs (None: not asked for, unlike [] for zero tokens)
+    plain = Result.from_json({k: v for k, v in RESULT.items() if k not in ("toolCalls", "logprobs")})
+    assert plain.tool_calls == [] and plain.logprobs is None
+    assert Result.from_json({**RESULT, "logprobs": []}).logprobs == []
+    # OpenAI's form of the arguments (a JSON string) is parsed too
+    openai = {**CALL, "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert ToolCall.from_json(openai).arguments == {"a": 1}
+    # a cancelled request's partial result is a Result as well
+    assert Cancelled(-32800, "cancelled", {**RESULT, "stopReason": "cancelled"}).partial.tool_calls == r.tool_calls
+
+
+def test_result_message_and_tool_answers_continue_the_conversation():
+    r = Result.from_json(RESULT)
+    assert r.message == {"role": "assistant", "content": "", "toolCalls": [CALL]}
+    (call,) = r.tool_calls
+    assert call.to_json() == CALL
+    assert call.answer("18 C") == {"role": "tool", "toolCallId": "call_0", "name": "get_weather", "content": "18 C"}
+    assert json.loads(call.answer({"temperature": 18})["content"]) == {"temperature": 18}
+    text_only = Result.from_json({**RESULT, "text": "Hi", "toolCalls": None, "stopReason": "stop"})
+    assert text_only.message == {"role": "assistant", "content": "Hi"}
+
+
+def _recording_client():
+    """A Client whose requests are recorded and answered with RESULT (no server)."""
+    kinfer = Client.__new__(Client)
+    sent = []
+
+    def request(method, params=None, timeout=None):
+        sent.append((method, params))
+        return RESULT
+
+    kinfer.request = request
+    return kinfer, sent
+
+
+def test_tools_and_tool_choice_go_beside_the_options():
+    kinfer, sent = _recording_client()
+    r = kinfer.chat(MESSAGES, tools=[WEATHER], tool_choice="required", maxTokens=5, logprobs=True, topLogprobs=2)
+    assert r.tool_calls[0].name == "get_weather"
+    method, params = sent[-1]
+    assert method == "inference/chat"
+    assert params == {
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "toolChoice": "required",
+        "options": {"maxTokens": 5, "logprobs": True, "topLogprobs": 2},
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kinfer.chat(MESSAGES, DEFAULT, tools=[WEATHER], tool_choice=named)
+    assert sent[-1][1] == {"messages": MESSAGES, "model": DEFAULT, "tools": [WEATHER], "toolChoice": named}
+    kinfer.chat(MESSAGES)  # neither: nothing new in the params
+    assert sent[-1][1] == {"messages": MESSAGES}
+
+
+@pytest.mark.parametrize(
+    "given, sent_as",
+    [(CITY, CITY), ("json", "json"), (Schema, CITY)],
+    ids=["schema", "json", "model_json_schema"],
+)
+def test_format_takes_a_schema_json_or_a_model_class(given, sent_as):
+    kinfer, sent = _recording_client()
+    kinfer.generate("x", format=given, maxTokens=3)
+    assert sent[-1] == ("inference/generate", {"prompt": "x", "options": {"format": sent_as, "maxTokens": 3}})
+    kinfer.chat(MESSAGES, format=given)
+    assert sent[-1] == ("inference/chat", {"messages": MESSAGES, "options": {"format": sent_as}})
+
+
+def test_format_takes_a_pydantic_model():
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        city: str
+        days: int
+
+    kinfer, sent = _recording_client()
+    kinfer.chat(MESSAGES, format=City)
+    assert sent[-1][1]["options"]["format"] == City.model_json_schema()
+
+
+def test_async_client_sends_tools_and_format_the_same_way():
+    async def main():
+        kinfer = AsyncClient(KINFER_RPC)  # not entered: no server
+        sent = []
+
+        async def request(method, params=None):
+            sent.append((method, params))
+            return RESULT
+
+        kinfer.request = request
+        r = await kinfer.chat(MESSAGES, tools=[WEATHER], tool_choice="auto", format=Schema, logprobs=True)
+        assert r.tool_calls and r.logprobs
+        return sent
+
+    ((method, params),) = anyio.run(main)
+    assert method == "inference/chat"
+    assert params == {
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "toolChoice": "auto",
+        "options": {"format": CITY, "logprobs": True},
+    }
+
+
+class _FakeWire:
+    """What a Stream needs of the wire: ids, the token table and request() (no process)."""
+
+    def __init__(self):
+        import itertools
+        from concurrent.futures import Future
+
+        self.ids = itertools.count(1)
+        self.tokens = {}
+        self.sent = []
+        self.future = Future()
+
+    def request(self, method, params):
+        self.sent.append((method, params))
+        return 1, self.future
+
+    def cancel(self, rid):
+        pass
+
+
+def test_stream_collects_streamed_tool_calls_and_logprobs():
+    from kinfer_rpc.client import Stream
+
+    wire = _FakeWire()
+    stream = Stream(wire, "inference/chat", {"messages": MESSAGES, "tools": [WEATHER]})
+    q = wire.tokens[stream.token]
+    q.put({"text": "Hi", "tokens": [1], "logprobs": [LOGPROB]})
+    q.put({"text": "", "tokens": [2], "logprobs": [{**LOGPROB, "token": 7}], "toolCalls": [CALL]})
+    wire.future.set_result({"jsonrpc": "2.0", "id": 1, "result": RESULT})
+    assert list(stream) == ["Hi"]  # a partial result without text is no piece
+    assert [t.token for t in stream.logprobs] == [42, 7]
+    assert stream.tool_calls == stream.result.tool_calls == [ToolCall("call_0", "get_weather", {"city": "Paris"})]
+
+
+# with the server (these need the server side of tools, constraints and logprobs)
+def _json_of(text: str):
+    return json.loads(text)
+
+
+@pytest.mark.model
+def test_format_holds_the_reply_to_a_schema(kinfer):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "Where should I go on holiday, and for how long? Answer in JSON."}]
+    r = kinfer.chat(messages, format=CITY, maxTokens=60, temperature=0)
+    assert r.stop_reason == "stop", r  # complete: the reply ends with the value
+    jsonschema.validate(_json_of(r.text), CITY)
+    # the same through a model class, streamed: the same reply
+    stream = kinfer.stream_chat(messages, format=Schema, maxTokens=60, temperature=0)
+    assert "".join(stream) == r.text and stream.result.tokens == r.tokens
+    any_json = kinfer.generate("A JSON list of three colours:", format="json", maxTokens=60, seed=1)
+    if any_json.stop_reason == "stop":
+        _json_of(any_json.text)
+
+
+@pytest.mark.model
+def test_regex_and_grammar_hold_the_reply(kinfer):
+    r = kinfer.generate("The year the Berlin Wall fell:", regex="[12][0-9]{3}", maxTokens=10, temperature=0.7, seed=3)
+    assert r.stop_reason == "stop" and re.fullmatch("[12][0-9]{3}", r.text), r
+    g = kinfer.chat(
+        [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        grammar='start: "yes" | "no"',
+        maxTokens=10,
+        temperature=0,
+    )
+    assert g.stop_reason == "stop" and g.text in ("yes", "no"), g
+
+
+@pytest.mark.model
+def test_constraint_errors_are_32602(kinfer):
+    with pytest.raises(RpcError) as caught:
+        kinfer.generate("x", regex="[unclosed", maxTokens=2)
+    assert caught.value.code == -32602
+    assert caught.value.data["field"] == "options.regex" and caught.value.data["error"]
+    with pytest.raises(RpcError) as caught:
+        kinfer.generate("x", regex="a", grammar='start: "a"', maxTokens=2)
+    assert caught.value.code == -32602
+    with pytest.raises(RpcError) as caught:
+        kinfer.generate("x", topLogprobs=3, maxTokens=2)
+    assert caught.value.code == -32602 and "topLogprobs" in caught.value.message
+
+
+@pytest.mark.model
+def test_logprobs_one_per_token(kinfer):
+    r = kinfer.generate("The capital of France is", maxTokens=6, temperature=0, logprobs=True, topLogprobs=3)
+    assert r.logprobs is not None and [t.token for t in r.logprobs] == r.tokens
+    for t in r.logprobs:
+        assert t.logprob <= 0.0 and len(t.top) == 3
+        assert [x.logprob for x in t.top] == sorted((x.logprob for x in t.top), reverse=True)
+        # greedy: the token chosen is the model's best, and its logprob is the best one's
+        assert t.top[0].token == t.token and t.top[0].logprob == pytest.approx(t.logprob)
+    assert "".join(t.text for t in r.logprobs) == r.text
+    # streamed: the partial results' logprobs concatenate to the result's
+    stream = kinfer.stream_generate("The capital of France is", maxTokens=6, temperature=0, logprobs=True)
+    list(stream)
+    assert stream.logprobs == [attrs.evolve(t, top=[]) for t in r.logprobs] == stream.result.logprobs
+    assert kinfer.generate("Hi", maxTokens=2, temperature=0).logprobs is None
+
+
+@pytest.mark.model
+def test_tools_reach_the_server_beside_the_options(kinfer):
+    # SmolLM2's chat template has no tools: the server refuses them as such (sent among the
+    # options they would be refused as an unknown option instead).
+    with pytest.raises(RpcError) as caught:
+        kinfer.chat(MESSAGES, tools=[WEATHER], tool_choice="auto", maxTokens=4)
+    assert caught.value.code == -32602 and "does not support tools" in caught.value.message
+    with pytest.raises(RpcError) as caught:
+        kinfer.stream_chat(MESSAGES, tools=[WEATHER], maxTokens=4).wait(timeout=60)
+    assert caught.value.code == -32602 and "does not support tools" in caught.value.message
+
+
+@pytest.mark.model
+def test_async_client_format_and_logprobs():
+    async def main():
+        async with AsyncClient(KINFER_RPC) as kinfer:
+            await kinfer.load(threads=1)
+            r = await kinfer.chat(
+                [{"role": "user", "content": "A city and a number of days, as JSON."}],
+                format=CITY,
+                logprobs=True,
+                maxTokens=60,
+                temperature=0,
+            )
+            assert r.stop_reason == "stop" and set(_json_of(r.text)) == {"city", "days"}
+            assert [t.token for t in r.logprobs] == r.tokens
+            stream = kinfer.stream_chat(MESSAGES, logprobs=True, maxTokens=5, temperature=0)
+            async for _ in stream:
+                pass
+            assert stream.logprobs == stream.result.logprobs and len(stream.logprobs) == len(stream.result.tokens)
+            with pytest.raises(RpcError) as caught:
+                await kinfer.chat(MESSAGES, tools=[WEATHER], maxTokens=4)
+            assert caught.value.code == -32602
+
+    anyio.run(main)

@@ -1,7 +1,7 @@
 """The promise the way a client meets it: the same request gets the same reply whatever else runs.
 
 Hypothesis draws mixes: the load's slot count and KV layout (prefix pool on or off), the requests
-under test (greedy or seeded, drafting on or off) and, around them, other requests of other
+under test (greedy or seeded, held to a JSON schema or a regex or not, drafting on or off) and, around them, other requests of other
 lengths arriving at other moments, some cancelled after a few pieces. Every request under test
 must come back token for token as it did alone, drafting off, on a load of another shape. All of
 it goes through `kinfer-rpc` as a client spawns it.
@@ -45,7 +45,18 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\n# now write a function that multiplies three numbers\n",
     "Continue the story. " + " ".join(_WORDS[i % len(_WORDS)] for i in range(170)),
 ]
-MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 40}, "score": {"type": "integer"}},
+    "required": ["answer", "score"],
+}
+MODES = {
+    "greedy": {"temperature": 0.0},
+    "seeded": {"temperature": 0.8, "seed": 1234},
+    # held to a JSON schema (greedy) and to a regex (seeded): masks must not depend on neighbours
+    "schema": {"temperature": 0.0, "format": SCHEMA},
+    "regex": {"temperature": 0.8, "seed": 77, "regex": "[a-z]+( [a-z]+)*[.]"},
+}
 
 
 def _options(mode: str, drafting: bool) -> dict[str, Any]:

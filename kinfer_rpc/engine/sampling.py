@@ -70,6 +70,9 @@ def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: Samp
         # A temperature so small that everything but the best underflows: that is greedy.
         return int(idx[0])
     probs /= total
+    if probs[-1] == 0.0:  # tokens a grammar forbids (or whose odds underflow): never drawn
+        live = probs > 0.0
+        idx, probs = idx[live], probs[live]
     if opts.top_p < 1.0:
         cut = max(1, int(np.searchsorted(np.cumsum(probs), opts.top_p)) + 1)
         idx, probs = idx[:cut], probs[:cut]
@@ -80,3 +83,29 @@ def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: Samp
     u = uniform(opts.seed, position)
     pick = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(idx[min(pick, len(idx) - 1)])
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A reply token's log-probability and the `top` most likely tokens at its position, all
+    from the model's raw logits (before penalties, temperature, the cuts and any grammar mask,
+    as OpenAI's API reports them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The log-softmax of one row at `token`, with its `top` best tokens (best first; ties by id)."""
+    x = logits.astype(np.float64)
+    finite = np.isfinite(x)
+    peak = x[finite].max() if finite.any() else 0.0
+    lse = peak + float(np.log(np.exp(x[finite] - peak).sum())) if finite.any() else 0.0
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        k = min(top, len(x))
+        idx = np.argpartition(-x, k - 1)[:k]
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        best = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return TokenLogprob(int(token), float(x[token] - lse), best)

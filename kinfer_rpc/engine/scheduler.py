@@ -27,7 +27,8 @@ import attrs
 import numpy as np
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine.sampling import SamplingOptions, sample
+from kinfer_rpc.engine import grammar
+from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob, logprob, sample
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
 from kinfer_rpc.types import (
@@ -63,6 +64,10 @@ class GenerateOptions:
     # before the job reaches the engine.
     draft_policy: str | DraftPolicy | None = None
     sampling: SamplingOptions = SamplingOptions()
+    # Each reply token's logprob and this many alternatives (None: not asked; costs nothing then).
+    logprobs: int | None = None
+    # ("format" | "grammar" | "regex", source): what the host compiles into the job's constraint
+    constraint: tuple[str, str] | None = None
 
 
 class JobState(enum.Enum):
@@ -114,13 +119,23 @@ class Job:
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list[int] = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
-    plain: bool = attrs.field(init=False, default=False)  # greedy without a penalty: a row's argmax
+    # The reply's grammar (llguidance.LLMatcher: format, grammar or regex), at the state after
+    # every token taken so far; None: unconstrained.
+    constraint: Any = None
+    mask: np.ndarray | None = None  # the constraint's bitmask for the row of the pass in flight
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
+    plain: bool = attrs.field(init=False, default=False)  # greedy, nothing else: a row's argmax
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
     def __attrs_post_init__(self) -> None:
         self.stream = TextStream(self.options.stop)
         sampling = self.options.sampling
-        self.plain = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0
+        self.plain = (
+            sampling.temperature <= 0
+            and sampling.repeat_penalty == 1.0
+            and self.constraint is None
+            and self.options.logprobs is None
+        )
         self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
 
     def move(self, to: JobState) -> None:
@@ -206,6 +221,7 @@ class Engine:
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
         self._eog: frozenset[int] = frozenset()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # threads for the argmax of large passes
+        self._masks: grammar.Masks | None = None  # made at the first constrained pass
         self._drafts_total = [0, 0]  # drafted, accepted over the life of the load
         self.slots: Slots | None = None
         self._stopping = False
@@ -490,6 +506,7 @@ class Engine:
             # string found now ends its job; the token the job has in this pass is thrown away.
             ended += self._drain_text(events)
             if wait is not None:
+                self._prepare_masks(chunks, owners)
                 logits, wait = wait(), None
                 self.steps += 1
                 self._take(chunks, owners, logits, events)
@@ -585,9 +602,8 @@ class Engine:
                 if is_plain:
                     token = best[r + i]
                 else:
-                    history = job.prompt + job.generated
                     try:
-                        token = sample(logits[r + i], history, len(history), job.options.sampling)
+                        token = self._sample(job, logits[r + i], first=i == 0)
                     except Exception as exc:  # one request's options must not stop the engine
                         log.exception("sampling failed")
                         job.error = errors.KinferError(
@@ -601,11 +617,47 @@ class Engine:
                 next_pos = base + len(chunk.tokens) - chunk.outputs + i + 1
                 if not self._append(job, token, next_pos, events):
                     break
+                if job.constraint is not None and job.constraint.is_stopped():
+                    # The grammar is complete: nothing but the end of generation may follow.
+                    self._text(job, events)
+                    self._finish(job, "stop", events)
+                    break
                 if i >= len(job.drafts) or token != job.drafts[i]:
                     break
             if job.drafts:
                 self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
+
+    def _sample(self, job: Job, row: np.ndarray, first: bool) -> int:
+        """Pick a row's token for a job that is not plain: its logprobs from the raw row when
+        asked, its grammar's mask, then sampling; the grammar consumes the token."""
+        history = job.prompt + job.generated
+        matcher = job.constraint
+        if matcher is None:
+            token = sample(row, history, len(history), job.options.sampling)
+        else:
+            n_vocab = len(row)
+            bits = job.mask if first and job.mask is not None else grammar.one_mask(matcher, n_vocab)
+            job.mask = None
+            allowed = grammar.masked(row, grammar.allowed(bits, n_vocab))
+            token = sample(allowed, history, len(history), job.options.sampling)
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
+        if job.options.logprobs is not None and not self._ends(job, token):
+            job.logprobs.append(logprob(row, token, job.options.logprobs))
+        return token
+
+    def _prepare_masks(self, chunks: list[SeqChunk], owners: list[Job]) -> None:
+        """The grammar masks of the rows of the pass in flight, computed while the device runs it.
+        A row after a draft token gets its mask when its turn comes (_sample)."""
+        jobs = [job for chunk, job in zip(chunks, owners) if chunk.outputs and job.constraint is not None]
+        if not jobs:
+            return
+        if self._masks is None:
+            assert self.model is not None, _LOADED
+            self._masks = grammar.Masks(self.model.info.n_vocab)
+        for job, bits in zip(jobs, self._masks.compute([job.constraint for job in jobs])):
+            job.mask = bits
 
     def _settle_drafts(self, job: Job, base: int, taken: int) -> None:
         """After verifying a job's drafts: count them, back off if they keep losing, and drop the
@@ -743,6 +795,11 @@ class Engine:
                 continue
             for (job, k), drafts in zip(items, proposals):
                 job.drafts = self._clean(drafts, k, vocab)
+        for job in jobs:
+            if job.drafts and job.constraint is not None:
+                # A draft the grammar rejects would be rejected by verification anyway: the
+                # tokens checked are only those the grammar allows, so the reply is the same.
+                job.drafts = job.drafts[: job.constraint.validate_tokens(job.drafts)]
 
     @staticmethod
     def _clean(drafts: Iterable[int], k: int, vocab: int) -> list[int]:
@@ -859,6 +916,7 @@ class Engine:
             if job.stream.stopped:
                 # Tokens after the one that completed the stop string are not part of the reply.
                 del job.generated[job.n_text :]
+                del job.logprobs[job.n_text :]
                 return True
         return False
 

@@ -8,6 +8,7 @@ Fields; the store checks a model's own default options (Ollama's params) with ge
 from __future__ import annotations
 
 import builtins
+import json
 from collections.abc import Collection
 from typing import Any, overload
 
@@ -167,6 +168,8 @@ def check_text(value: str, where: str) -> None:
         raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
 
 
+CONSTRAINTS = ("format", "grammar", "regex")  # request options that hold a reply to a shape
+MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 64  # stop strings a request may give, each at most MAX_STOP_CHARS long
 MAX_STOP_CHARS = 256
 
@@ -206,6 +209,13 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
     ignore_eos = f.bool("ignoreEos", False)
     drafts = f.int("drafts", None, lo=0, hi=64)
     policy = f.str("draftPolicy", None)
+    constraint = _constraint(f)
+    logprobs = f.bool("logprobs", False)
+    top = f.int("topLogprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise errors.invalid_params(
+            "options.topLogprobs needs options.logprobs: true", {"field": "options.topLogprobs"}
+        )
     f.done()
     return GenerateOptions(
         max_tokens=max_tokens,
@@ -216,7 +226,34 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
         # engine/scheduler.py; once it says int | None, mypy reports this ignore as unused.
         drafts=drafts,
         draft_policy=policy,
+        constraint=constraint,
+        logprobs=top if logprobs else None,
     )
+
+
+def _constraint(f: Fields) -> tuple[str, str] | None:
+    """The reply's constraint as (option, source): a JSON schema (as JSON text), "json", a
+    grammar or a regex. Whether it compiles is found out against the model's vocabulary."""
+    given = [(k, f.raw(k)) for k in CONSTRAINTS]
+    given = [(k, v) for k, v in given if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(f"options.{k}" for k, _ in given)
+        raise errors.invalid_params(f"give at most one of options.format, grammar and regex (got {names})")
+    kind, value = given[0]
+    if kind == "format":
+        if value == "json":
+            return kind, value
+        if not isinstance(value, dict):
+            raise errors.invalid_params(
+                'options.format must be a JSON schema (an object) or "json"', {"field": "options.format"}
+            )
+        return kind, json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise errors.invalid_params(f"options.{kind} must be a non-empty string", {"field": f"options.{kind}"})
+    check_text(value, f"options.{kind}")
+    return kind, value
 
 
 def with_defaults(defaults: dict[str, Any], options: Any) -> Any:

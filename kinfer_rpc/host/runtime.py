@@ -14,6 +14,7 @@ import anyio
 import attrs
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import load_options
@@ -54,6 +55,7 @@ class Loaded:
     system: str | None = None  # the model's default system message (Ollama system layer)
     # One tokenizing thread a model: requests reach the engine in the order they came.
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, context: int | None = None) -> list[int]:
         """Tokenize with the model held open (an unload waits), off the event loop. With a
@@ -74,6 +76,14 @@ class Loaded:
                         {"promptBytes": size, "contextLength": context},
                     )
             return model.tokenize(text, add_special, parse_special)
+
+    def constrain(self, opts: GenerateOptions) -> Any:
+        """The matcher of a request's format, grammar or regex (None without one), compiled
+        against the model's vocabulary with the model held open, off the event loop."""
+        if opts.constraint is None:
+            return None
+        with self.engine.hold() as model:
+            return self.grammars.matcher(model, *opts.constraint)
 
 
 def reproducibility(model: LoadedModel) -> tuple[bool, str]:
@@ -419,9 +429,11 @@ class Runtime:
         opts: GenerateOptions,
         on_piece: Callable[[str, list[int]], None] | None = None,
         on_done: Callable[[Job], None] | None = None,
+        constraint: Any = None,
     ) -> Job:
-        """Submit a job of `ids` with generate options `opts` to the entry's engine."""
-        job = Job(ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done)
+        """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
+        compiled from them) to the entry's engine."""
+        job = Job(ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint)
         entry.engine.submit(job)
         return job
 

@@ -20,7 +20,7 @@ from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
-from kinfer_rpc.protocol.results import engine_status, job_result
+from kinfer_rpc.protocol.results import engine_status, job_result, token_logprobs
 from kinfer_rpc.types import LoadedModel
 
 
@@ -227,6 +227,15 @@ class Handlers:
         self, ctx: RequestContext | None, entry: Loaded, ids: list[int], opts: GenerateOptions
     ) -> dict[str, Any]:
         """Run a job, sending its pieces as partial results when the client asked for them."""
+        constraint = await anyio.to_thread.run_sync(entry.constrain, opts, limiter=entry.tokenizer)
+        model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
+
+        def text_of(token: int) -> str:
+            return model.token_bytes(token).decode("utf-8", "replace")
+
+        logprobs = opts.logprobs is not None
+        sent = 0  # tokens whose logprobs went out in partial results
         done = anyio.Event()
         pieces: list[tuple[str, list[int]]] = []
         wake = anyio.Event()
@@ -245,9 +254,10 @@ class Handlers:
             opts,
             on_piece=on_piece if ctx and ctx.partial_result_token is not None else None,
             on_done=on_done,
+            constraint=constraint,
         )
         if ctx is not None:
-            ctx.partial = functools.partial(job_result, job)
+            ctx.partial = functools.partial(job_result, job, text_of)
         try:
             while not done.is_set() or pieces:
                 if pieces:
@@ -256,7 +266,11 @@ class Handlers:
                     text = "".join(t for t, _ in batch)
                     toks = [x for _, ts in batch for x in ts]
                     assert ctx is not None  # pieces come only through on_piece, set only with a ctx
-                    await ctx.report_partial({"text": text, "tokens": toks})
+                    partial: dict[str, Any] = {"text": text, "tokens": toks}
+                    if logprobs:  # (a token's logprob is in job.logprobs before its piece is sent)
+                        partial["logprobs"] = token_logprobs(job.logprobs[sent : sent + len(toks)], text_of)
+                        sent += len(toks)
+                    await ctx.report_partial(partial)
                     continue
                 await wake.wait()
                 wake = anyio.Event()
@@ -265,4 +279,4 @@ class Handlers:
             raise
         if job.error is not None:
             raise job.error
-        return {"model": entry.name, **job_result(job)}
+        return {"model": entry.name, **job_result(job, text_of)}

@@ -4,13 +4,29 @@ and a model's status. The engine keeps numbers; the JSON shapes live here."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kinfer_rpc.engine.sampling import TokenLogprob
 from kinfer_rpc.engine.scheduler import EngineStats, Job
 
 
-def job_result(job: Job) -> dict[str, Any]:
-    """A reply: text, tokens, why it stopped, its seed, usage and timings."""
+def token_logprobs(entries: Sequence[TokenLogprob], text_of: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Reply tokens' logprobs, each with its text and its best alternatives."""
+    return [
+        {
+            "token": e.token,
+            "text": text_of(e.token),
+            "logprob": e.logprob,
+            "topLogprobs": [{"token": t, "text": text_of(t), "logprob": lp} for t, lp in e.top],
+        }
+        for e in entries
+    ]
+
+
+def job_result(job: Job, text_of: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """A reply: text, tokens, why it stopped, its seed, usage and timings; its tokens' logprobs
+    when the request asked for them (`text_of` gives a token's text)."""
     t_end = job.t_end or time.perf_counter()
     prompt_s = (job.t_first - job.t_start) if job.t_first else 0.0
     gen_s = (t_end - job.t_first) if job.t_first else 0.0
@@ -33,6 +49,11 @@ def job_result(job: Job) -> dict[str, Any]:
             "generateMs": round(gen_s * 1000, 3),
             "tokensPerSecond": round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
         },
+        **(
+            {"logprobs": token_logprobs(job.logprobs[:n], text_of)}
+            if job.options.logprobs is not None and text_of is not None
+            else {}
+        ),
     }
 
 

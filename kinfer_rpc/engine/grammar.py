@@ -1,0 +1,165 @@
+"""Replies held to a JSON schema, a grammar or a regular expression, through llguidance.
+
+llguidance (https://github.com/guidance-ai/llguidance) compiles a schema, a Lark-style grammar or
+a regex against a model's vocabulary and tells, at every step, which tokens may come next: a
+bitmask over the vocabulary. The engine applies the mask to that request's row of logits before
+sampling, then has the request's matcher consume the chosen token. Everything here works from
+what every LoadedModel offers (token_bytes, tokenize, eog_tokens), so any backend that returns
+logits can constrain its replies.
+
+A mask depends only on the request's own tokens, so a constrained reply is as reproducible as
+any other: alone or among others, drafting on or off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from kinfer_rpc import errors
+from kinfer_rpc.types import LoadedModel
+
+_THREADS = max(1, min(32, os.cpu_count() or 1))
+
+
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads: every token's bytes (control tokens marked with
+    a leading 0xff, as llguidance's own llama.cpp adapter marks them), the end tokens, and a
+    tokenize function (for grammars that hold literal text)."""
+
+    def __init__(self, model: LoadedModel):
+        n = model.info.n_vocab
+        eog = sorted(model.eog_tokens())
+        self.eos_token_id = eog[0] if eog else 0
+        self.bos_token_id = None
+        self.special_token_ids: list[int] = []
+        tokens: list[bytes] = []
+        for t in range(n):
+            piece = model.token_bytes(t)
+            if t in eog or _looks_special(piece) and _is_special(model, t, piece):
+                self.special_token_ids.append(t)
+                piece = b"\xff" + piece
+            tokens.append(piece)
+        self.tokens = tokens
+        self._model = model
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._model.tokenize(text.decode("utf-8", "replace"), False, False)
+
+
+def _looks_special(piece: bytes) -> bool:
+    return len(piece) > 2 and (piece[:1], piece[-1:]) in {(b"<", b">"), (b"[", b"]")}
+
+
+def _is_special(model: LoadedModel, token: int, piece: bytes) -> bool:
+    """A control token: its text reads back as itself only when special tokens are parsed."""
+    text = piece.decode("utf-8", "replace")
+    return model.tokenize(text, False, False) != [token] and model.tokenize(text, False, True) == [token]
+
+
+class Grammars:
+    """The constraint compiler of one loaded model. Building its llguidance tokenizer walks the
+    whole vocabulary (tens of milliseconds to a second), so it is built at the first constrained
+    request, on the thread that compiles that request (never the event loop), and kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def tokenizer(self, model: LoadedModel) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                vocab = _Vocab(model)
+                eos = [t for t in vocab.special_token_ids if t in model.eog_tokens()] or [vocab.eos_token_id]
+                self._tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(vocab), n_vocab=model.info.n_vocab, eos_token=eos
+                )
+            return self._tokenizer
+
+    def matcher(self, model: LoadedModel, kind: str, source: Any) -> llguidance.LLMatcher:
+        """A fresh matcher for one request; -32602 with llguidance's message when the schema,
+        grammar or regex does not compile."""
+        grammar = source_grammar(kind, source)
+        tokenizer = self.tokenizer(model)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise compile_error(kind, matcher.get_error())
+        return matcher
+
+
+def source_grammar(kind: str, source: Any) -> str:
+    """The llguidance grammar of a request's `format`, `grammar` or `regex` option."""
+    try:
+        if kind == "format":
+            schema = {"type": "object"} if source == "json" else source  # as Ollama: any object
+            text = schema if isinstance(schema, str) else json.dumps(schema)  # a schema, or its JSON text
+            return str(llguidance.LLMatcher.grammar_from_json_schema(text))
+        if kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(source))
+        return str(llguidance.LLMatcher.grammar_from_lark(source))
+    except (ValueError, TypeError) as exc:
+        raise compile_error(kind, str(exc)) from None
+
+
+def compile_error(kind: str, message: str) -> errors.KinferError:
+    first = message.strip().splitlines()[0] if message.strip() else "it is not valid"
+    return errors.invalid_params(
+        f"options.{kind} does not compile: {first}", {"field": f"options.{kind}", "error": message}
+    )
+
+
+class Masks:
+    """The next token's mask for every constrained row of a pass, computed on llguidance's
+    threads (they let go of the GIL) while the device runs the pass."""
+
+    def __init__(self, n_vocab: int):
+        self.n_vocab = n_vocab
+        self._executor: llguidance.LLExecutor | None = None
+        self._bits = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+
+    def compute(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
+        """One bitmask row per matcher, in order (int32 words, bit i of the row = token i)."""
+        if len(matchers) > self._bits.shape[0]:
+            self._bits = llguidance.numpy.allocate_token_bitmask(len(matchers), self.n_vocab)
+        bits = self._bits[: len(matchers)]
+        if len(matchers) == 1:
+            llguidance.numpy.fill_next_token_bitmask(matchers[0], bits, 0)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(_THREADS)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        return bits.copy()
+
+
+def one_mask(matcher: llguidance.LLMatcher, n_vocab: int) -> np.ndarray:
+    """The next token's mask of one matcher, computed here (rows after a draft token)."""
+    bits = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bits, 0)
+    row: np.ndarray = bits[0]
+    return row
+
+
+def allowed(bits: np.ndarray, n_vocab: int) -> np.ndarray | None:
+    """The mask as booleans over the vocabulary; None when it allows every token (nothing to
+    apply)."""
+    if (bits == -1).all():
+        return None
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+
+
+def masked(row: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """A row of logits with the tokens a mask forbids at -inf (a copy; the row may be the
+    backend's buffer)."""
+    if keep is None:
+        return row
+    n = min(len(row), len(keep))
+    out = np.full(row.shape, -np.inf, dtype=row.dtype)
+    out[:n] = np.where(keep[:n], row[:n], -np.inf)
+    return out

@@ -1,0 +1,173 @@
+"""Replies held to a JSON schema, a regex or a grammar (llguidance), and token logprobs, in the
+engine on the real model: the reply matches, it is the same alone or among other requests, with
+drafting on or off, and logprobs are the raw logits' log-softmax."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import attrs
+import jsonschema
+import numpy as np
+import pytest
+from engine_helpers import WORDS, RepeatLast, _options, make_engine, run_until_done, tokenize
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kinfer_rpc.engine.grammar import Grammars
+from kinfer_rpc.engine.sampling import logprob
+from kinfer_rpc.engine.scheduler import Job
+from kinfer_rpc.types import SeqChunk
+
+pytestmark = pytest.mark.model  # every test here runs the real model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = [
+    ("format", PERSON),
+    ("format", "json"),
+    ("regex", r"(yes|no), because [a-z ]{1,30}\."),
+    ("grammar", 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/\n'),
+]
+PROMPT = "Describe a person called Ada as JSON. Answer:"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine(slots=4)
+    yield e
+    e.model.close()
+
+
+GRAMMARS = Grammars()
+
+
+def job(engine, kind, source, text=PROMPT, n=48, temperature=0.0, seed=0, **more):
+    matcher = GRAMMARS.matcher(engine.model, kind, source) if kind else None
+    opts = attrs.evolve(_options(n, temperature, seed), **more)
+    return Job(list(tokenize(text)), opts, constraint=matcher)
+
+
+def check(kind, source, text):
+    if kind == "format":
+        value = json.loads(text)
+        if isinstance(source, dict):
+            jsonschema.validate(value, source)
+    elif kind == "regex":
+        assert re.fullmatch(source, text), text
+    else:
+        assert re.fullmatch(r"The answer is [0-9]{1,4}\.", text), text
+
+
+@pytest.mark.parametrize("kind,source", CONSTRAINTS, ids=["schema", "json", "regex", "grammar"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_constrained_reply_matches(engine, kind, source, temperature):
+    j = job(engine, kind, source, n=200, temperature=temperature, seed=7)
+    run_until_done(engine, [j])
+    assert j.stop_reason == "stop", (j.stop_reason, j.text)
+    check(kind, source, j.text)
+
+
+def test_max_tokens_cuts_a_constrained_reply(engine):
+    j = job(engine, "format", PERSON, n=3)
+    run_until_done(engine, [j])
+    assert j.stop_reason == "length" and len(j.generated) == 3
+
+
+def test_a_bad_schema_is_invalid_params():
+    from kinfer_rpc import errors
+    from kinfer_rpc.host.store import embedded_default_path  # noqa: F401  (the engine's model)
+
+    e = make_engine(slots=1)
+    try:
+        for kind, source in [("format", {"type": "nope"}), ("regex", "a("), ("grammar", "start: (")]:
+            with pytest.raises(errors.KinferError) as info:
+                Grammars().matcher(e.model, kind, source)
+            assert info.value.code == errors.INVALID_PARAMS
+            assert info.value.data["field"] == f"options.{kind}" and info.value.data["error"]
+    finally:
+        e.model.close()
+
+
+request = st.tuples(
+    st.sampled_from([None, 0, 1, 2, 3]),  # None: unconstrained, else an index into CONSTRAINTS
+    st.lists(st.sampled_from(WORDS), min_size=1, max_size=20).map(" ".join),
+    st.sampled_from([0.0, 0.0, 0.8]),
+    st.integers(0, 1000),
+    st.sampled_from([None, 3]),  # logprobs: None, or with 3 alternatives
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(request, min_size=2, max_size=5), arrivals=st.lists(st.integers(0, 6), min_size=5))
+def test_the_same_reply_alone_or_among_others(engine, requests, arrivals):
+    def make(r):
+        c, text, t, seed, lp = r
+        kind, source = CONSTRAINTS[c] if c is not None else (None, None)
+        return job(engine, kind, source, text + " Answer:", n=24, temperature=t, seed=seed, logprobs=lp)
+
+    alone = []
+    for r in requests:
+        j = make(r)
+        run_until_done(engine, [j])
+        alone.append(j)
+    together = [make(r) for r in requests]
+    run_until_done(engine, together, arrivals=arrivals[: len(together)])
+    for a, b in zip(alone, together):
+        assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)
+        assert a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("kind,source", CONSTRAINTS[:1] + CONSTRAINTS[2:], ids=["schema", "regex", "grammar"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafting_never_changes_a_constrained_reply(engine, kind, source, temperature):
+    plain = job(engine, kind, source, n=60, temperature=temperature, seed=3)
+    run_until_done(engine, [plain])
+
+    class Oracle:  # drafts the reply itself, then a wrong token: accepted runs and rejections
+        name = "oracle"
+
+        def propose(self, history, k):
+            done = len(history) - len(plain.prompt)
+            return [*plain.generated[done : done + k - 1], 17]
+
+    for policy in (RepeatLast(), Oracle()):
+        drafted = job(engine, kind, source, n=60, temperature=temperature, seed=3, drafts=4, draft_policy=policy)
+        run_until_done(engine, [drafted])
+        assert (drafted.generated, drafted.text, drafted.stop_reason) == (plain.generated, plain.text, plain.stop_reason)
+    assert drafted.drafted > 0 and drafted.accepted > 0
+
+
+def test_logprobs_are_the_raw_logits_log_softmax(engine):
+    j = job(engine, None, None, "The capital of France is", n=4, temperature=0.9, seed=11, logprobs=5, ignore_eos=True)
+    run_until_done(engine, [j])
+    assert len(j.logprobs) == len(j.generated) == 4
+    model = engine.model
+    model.seq_remove(3)
+    logits = model.decode([SeqChunk(3, 0, j.prompt, 1)])()[0].astype(np.float64)
+    model.seq_remove(3)
+    want = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    first = j.logprobs[0]
+    assert first.token == j.generated[0]
+    assert first.logprob == pytest.approx(want[first.token], abs=1e-9)
+    assert [t for t, _ in first.top] == list(np.argsort(-want, kind="stable")[:5])
+    assert [lp for _, lp in first.top] == pytest.approx(sorted(want, reverse=True)[:5], abs=1e-9)
+    assert logprob(logits, first.token, 0).top == ()
+
+
+def test_logprobs_of_a_constrained_reply_are_before_the_mask(engine):
+    j = job(engine, "regex", r"zebra", n=8, logprobs=2)
+    run_until_done(engine, [j])
+    assert j.text == "zebra" and len(j.logprobs) == len(j.generated)
+    # "z..." is not what the model would say here: the raw logprob is low, and the best
+    # alternatives are not the token taken.
+    assert j.logprobs[0].logprob < j.logprobs[0].top[0][1]

@@ -143,7 +143,8 @@ def test_drafting_never_changes_a_constrained_reply(engine, kind, source, temper
     for policy in (RepeatLast(), Oracle()):
         drafted = job(engine, kind, source, n=60, temperature=temperature, seed=3, drafts=4, draft_policy=policy)
         run_until_done(engine, [drafted])
-        assert (drafted.generated, drafted.text, drafted.stop_reason) == (plain.generated, plain.text, plain.stop_reason)
+        want = (plain.generated, plain.text, plain.stop_reason)
+        assert (drafted.generated, drafted.text, drafted.stop_reason) == want
     assert drafted.drafted > 0 and drafted.accepted > 0
 
 

@@ -1,8 +1,9 @@
 """The promise the way a client meets it: the same request gets the same reply whatever else runs.
 
 Hypothesis draws mixes: the load's slot count and KV layout (prefix pool on or off), the requests
-under test (greedy or seeded, held to a JSON schema or a regex or not, drafting on or off) and, around them, other requests of other
-lengths arriving at other moments, some cancelled after a few pieces. Every request under test
+under test (greedy or seeded, held to a JSON schema or a regex or not, drafting on or off) and,
+around them, other requests of other lengths arriving at other moments, some cancelled after a
+few pieces. Every request under test
 must come back token for token as it did alone, drafting off, on a load of another shape. All of
 it goes through `kinfer-rpc` as a client spawns it.
 

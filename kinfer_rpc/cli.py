@@ -1,6 +1,7 @@
 """`kinfer`: the command line for people. It speaks to `kinfer-rpc` like any client does.
 
-    kinfer chat [MODEL] [PROMPT]   chat (interactive without a prompt)
+    kinfer chat [MODEL] [PROMPT]   chat (interactive without a prompt); --format FILE|json holds
+                                   the reply to a JSON schema, --tool FILE offers tools
     kinfer list                    the models this machine can serve
     kinfer ps                      the kinfer-rpc processes running here and the models they hold
     kinfer bench                   concurrent chats through the client; tokens per second
@@ -27,7 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__
-from kinfer_rpc.client import AsyncClient, Client, LoadedModel, RpcError, server_command
+from kinfer_rpc.client import AsyncClient, Client, LoadedModel, RpcError, ToolCall, server_command
 from kinfer_rpc.client import Progress as WorkProgress
 
 out = Console(highlight=False, soft_wrap=True)
@@ -108,10 +109,48 @@ def _is_model(kinfer: Client, name: str) -> bool:
     return name in names or len([n for n in names if n.startswith(name)]) == 1
 
 
+def _json_file(path: str) -> Any:
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
+
+
+def _format_arg(value: str) -> str | dict[str, Any]:
+    """--format: the word json (any JSON value), or a file holding a JSON schema."""
+    if value == "json":
+        return value
+    schema = _json_file(value)
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"{value} does not hold a JSON schema (an object)")
+    return schema
+
+
+def _tool_arg(path: str) -> list[dict[str, Any]]:
+    """--tool: a file holding one tool definition or a list of them."""
+    tools = _json_file(path)
+    tools = [tools] if isinstance(tools, dict) else tools
+    if not isinstance(tools, list) or not tools or not all(isinstance(t, dict) for t in tools):
+        raise argparse.ArgumentTypeError(f"{path} holds neither a tool definition (an object) nor a list of them")
+    return tools
+
+
+def _call_text(call: ToolCall) -> str:
+    """A tool call as a person reads it: name(key=value, ...), the values as JSON."""
+    arguments = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in call.arguments.items())
+    return f"{call.name}({arguments})"
+
+
 def _chat(args: argparse.Namespace) -> int:
-    options = {"maxTokens": args.max_tokens, "temperature": args.temperature}
+    options: dict[str, Any] = {"maxTokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
         options["seed"] = args.seed
+    if args.format is not None:
+        options["format"] = args.format
+    tools = [t for group in args.tools for t in group] if args.tools else None
     with Client() as kinfer:
         model, prompt = args.model, args.prompt
         if model is not None and prompt is None and not _is_model(kinfer, model):
@@ -124,7 +163,7 @@ def _chat(args: argparse.Namespace) -> int:
                 f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
                 "Ctrl-C stops a reply.[/dim]"
             )
-        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+        history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
         while True:
             if not interactive:
                 if prompt is None:
@@ -145,7 +184,7 @@ def _chat(args: argparse.Namespace) -> int:
                 if not text.strip():
                     continue
             history.append({"role": "user", "content": text})
-            stream = kinfer.stream_chat(history, model, **options)
+            stream = kinfer.stream_chat(history, model, tools=tools, tool_choice=args.tool_choice, **options)
             try:
                 if args.json:
                     result = stream.wait()
@@ -167,15 +206,19 @@ def _chat(args: argparse.Namespace) -> int:
                                 "tokensPerSecond": result.timings.tokens_per_second,
                             },
                         }
+                        | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
                     )
                 else:
                     for piece in stream:
                         sys.stdout.write(piece)
                         sys.stdout.flush()
-                    sys.stdout.write("\n")
-                    sys.stdout.flush()
                     assert stream.result is not None  # set when the stream ran to its end
                     result = stream.result
+                    if stream.text or not result.tool_calls:
+                        sys.stdout.write("\n")
+                    sys.stdout.flush()
+                    for call in result.tool_calls:
+                        out.print(_call_text(call), style="bold", markup=False)
                     if args.verbose:
                         t = result.timings
                         err.print(
@@ -189,7 +232,7 @@ def _chat(args: argparse.Namespace) -> int:
                 if not interactive:
                     return 130
                 continue
-            history.append({"role": "assistant", "content": result.text})
+            history.append(result.message)  # with its toolCalls, if it made any
 
 
 # -- list --------------------------------------------------------------------------------------
@@ -613,6 +656,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument(
+        "--format",
+        type=_format_arg,
+        default=None,
+        metavar="FILE|json",
+        help="hold the reply to the JSON schema in FILE, or to any JSON value (json)",
+    )
+    chat.add_argument(
+        "--tool",
+        dest="tools",
+        type=_tool_arg,
+        action="append",
+        metavar="FILE",
+        help="a JSON file with a tool definition (OpenAI's shape) or a list of them; repeatable",
+    )
+    chat.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto (default with tools), none, required, or a function's name",
+    )
     chat.add_argument("-v", "--verbose", action="store_true", help="timings after each reply")
 
     sub.add_parser("list", parents=[common], help="list the models this machine can serve")

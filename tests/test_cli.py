@@ -167,3 +167,182 @@ def test_bad_arguments_fail(args):
         [KINFER, *args], capture_output=True, text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL
     )
     assert proc.returncode == 2
+
+
+# -- agents: --format, --tool, --tool-choice -----------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 30},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+# A stand-in for kinfer-rpc that answers every chat with two tool calls, and writes the params
+# of each inference/chat it gets to $FAKE_LOG: the CLI's side of tools, without a model.
+FAKE_SERVER = r"""
+import json, os, sys
+
+def read():
+    length = None
+    while True:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            sys.exit(0)
+        if line in (b"\r\n", b"\n"):
+            break
+        name, _, value = line.decode().partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    return json.loads(sys.stdin.buffer.read(length))
+
+def send(message):
+    body = json.dumps(message).encode()
+    sys.stdout.buffer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    sys.stdout.buffer.flush()
+
+CALLS = [
+    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+    {"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}},
+]
+MODEL = {"model": "fake", "backend": "fake", "path": "/fake", "source": "path"}
+while True:
+    m = read()
+    method, rid, params = m.get("method"), m.get("id"), m.get("params") or {}
+    if rid is None:
+        if method == "exit":
+            sys.exit(0)
+        continue
+    result = None
+    if method == "initialize":
+        result = {"serverInfo": {"name": "kinfer-rpc", "version": "0"}, "protocolVersion": 1, "capabilities": {}}
+    elif method == "model/list":
+        result = {"models": []}
+    elif method == "model/load":
+        result = MODEL
+    elif method == "inference/chat":
+        with open(os.environ["FAKE_LOG"], "a") as log:
+            log.write(json.dumps(params) + "\n")
+        token = params.get("partialResultToken")
+        if token is not None:
+            value = {"text": "", "tokens": [1], "toolCalls": CALLS}
+            send({"jsonrpc": "2.0", "method": "$/progress", "params": {"token": token, "value": value}})
+        result = {"model": "fake", "text": "", "tokens": [1], "stopReason": "toolCalls", "seed": 1,
+                  "usage": {"promptTokens": 1, "completionTokens": 1}, "timings": {}, "toolCalls": CALLS}
+    send({"jsonrpc": "2.0", "id": rid, "result": result})
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """kinfer runs the stand-in server; returns the params of the chats it got."""
+    script = tmp_path / "fake-kinfer-rpc"
+    script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
+    script.chmod(0o755)
+    log = tmp_path / "chats.jsonl"
+    monkeypatch.setenv("KINFER_RPC", str(script))
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    return lambda: json_lines(log.read_text()) if log.exists() else []
+
+
+def _write(tmp_path, name, obj) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_chat_prints_tool_calls(tmp_path, fake_server):
+    tool = _write(tmp_path, "weather.json", WEATHER)
+    both = _write(tmp_path, "both.json", [WEATHER, {**WEATHER, "function": {"name": "get_time"}}])
+    proc = kinfer("chat", "Weather in Paris?", "--tool", tool, "--tool", both, "--tool-choice", "required")
+    assert proc.stdout.splitlines() == ['get_weather(city="Paris")', 'get_weather(city="Zürich", days=2)']
+    (params,) = fake_server()
+    assert params["tools"] == [WEATHER, WEATHER, {**WEATHER, "function": {"name": "get_time"}}]
+    assert params["toolChoice"] == "required" and "tools" not in params["options"]
+    # --json: the reply's document carries the calls as the protocol has them
+    (doc,) = json_lines(kinfer("chat", "--json", "Weather?", "--tool", tool).stdout)
+    assert doc["stopReason"] == "toolCalls" and [c["function"]["arguments"] for c in doc["toolCalls"]] == [
+        {"city": "Paris"},
+        {"city": "Zürich", "days": 2},
+    ]
+    assert "toolChoice" not in fake_server()[-1]
+
+
+def test_chat_sends_the_tool_calls_back_in_the_history(tmp_path, fake_server):
+    tool = _write(tmp_path, "weather.json", WEATHER)
+    kinfer("chat", "--json", "--tool", tool, "--format", "json", stdin="Weather?\nAnd now?\n")
+    first, second = fake_server()
+    assert first["options"]["format"] == "json"
+    assert second["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "toolCalls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}},
+            },
+        ],
+    }
+
+
+def test_bad_format_and_tool_files_fail(tmp_path):
+    not_json = tmp_path / "x.json"
+    not_json.write_text("{nope")
+    for args in (
+        ["--format", str(tmp_path / "missing.json")],
+        ["--format", str(not_json)],
+        ["--format", _write(tmp_path, "list.json", [1])],
+        ["--tool", str(tmp_path / "missing.json")],
+        ["--tool", _write(tmp_path, "number.json", 3)],
+        ["--tool", _write(tmp_path, "empty.json", [])],
+    ):
+        proc = subprocess.run(
+            [KINFER, "chat", "hi", *args],
+            capture_output=True,
+            text=True,
+            env=env(),
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "--format" in proc.stderr or "--tool" in proc.stderr, proc.stderr
+
+
+@pytest.mark.model
+def test_chat_format_holds_the_reply(tmp_path):
+    schema = _write(tmp_path, "city.json", CITY)
+    args = ["--max-tokens", "60", "--threads", "1"]
+    (doc,) = json_lines(
+        kinfer("chat", "--json", "A city to visit and for how many days?", "--format", schema, *args).stdout
+    )
+    assert doc["stopReason"] == "stop" and set(json.loads(doc["text"])) == {"city", "days"}
+    text = kinfer("chat", "A city to visit and for how many days?", "--format", schema, *args).stdout
+    assert json.loads(text) == json.loads(doc["text"])  # the same reply, streamed to a person
+
+
+@pytest.mark.model
+def test_chat_tools_need_a_template_with_tools(tmp_path):
+    # SmolLM2's template has no tools: kinfer says so (exit 1), it does not print a reply.
+    tool = _write(tmp_path, "weather.json", WEATHER)
+    proc = subprocess.run(
+        [KINFER, "chat", "Weather in Paris?", "--tool", tool, "--max-tokens", "8", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 1 and "does not support tools" in proc.stderr, proc.stderr

@@ -60,7 +60,14 @@ def start_engine(load: Callable[[Any], Any], *, what: str = "the model", **engin
 class Run:
     """Requests submitted together, each token's arrival time kept (perf_counter)."""
 
-    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], options: GenerateOptions) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: Sequence[Sequence[int]],
+        options: GenerateOptions,
+        constraint: Callable[[], Any] | None = None,
+    ) -> None:
+        """`constraint()`, when given, makes each job's matcher (kinfer_rpc.engine.grammar)."""
         finished = threading.Semaphore(0)
         self.times: list[list[float]] = [[] for _ in prompts]
         self.jobs = [
@@ -69,6 +76,7 @@ class Run:
                 options,
                 on_done=lambda j: finished.release(),
                 on_piece=lambda text, toks, t=self.times[i]: t.extend([time.perf_counter()] * len(toks)),
+                constraint=constraint() if constraint is not None else None,
             )
             for i, p in enumerate(prompts)
         ]

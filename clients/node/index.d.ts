@@ -5,23 +5,92 @@ import type { ChildProcess } from 'node:child_process';
 export { CancellationTokenSource, ResponseError };
 export declare const REQUEST_CANCELLED: -32800;
 
-export interface ChatMessage { role: string; content: string }
+/** A tool call the model made (`arguments` is a JSON object, not a string as in OpenAI's API). */
+export interface ToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: Record<string, unknown> };
+}
+/** A tool the model may call (OpenAI's shape); `parameters` is a JSON schema. */
+export interface Tool {
+  type: 'function';
+  function: { name: string; description?: string; parameters?: Record<string, unknown> };
+}
+/** 'auto' (the default with tools), 'none', 'required', a function's name, or OpenAI's object form. */
+export type ToolChoice = 'auto' | 'none' | 'required' | (string & {}) | { type: 'function'; function: { name: string } };
+export interface ChatMessage {
+  role: string; // 'system' | 'user' | 'assistant' | 'tool' | ...
+  content?: string; // required but for an assistant message with toolCalls
+  toolCalls?: ToolCall[]; // an assistant message's calls, as a result gave them
+  toolCallId?: string; // a 'tool' message: the id of the call it answers
+  name?: string; // a 'tool' message: the function's name
+}
+export interface TopLogprob { token: number; text: string; logprob: number }
+/** A generated token's natural log probability, from the raw logits (before sampling and any grammar). */
+export interface TokenLogprob extends TopLogprob {
+  /** The `topLogprobs` most likely tokens of the position, best first. */
+  topLogprobs: TopLogprob[];
+}
+/** Request options (GenerateOptions in spec/specification.md), camelCase. */
+export interface GenerateOptions {
+  maxTokens?: number;
+  stop?: string | string[];
+  temperature?: number;
+  topK?: number;
+  topP?: number;
+  minP?: number;
+  repeatPenalty?: number;
+  repeatLastN?: number;
+  seed?: number;
+  drafts?: number;
+  draftPolicy?: string;
+  ignoreEos?: boolean;
+  /** Hold the reply to a JSON schema, or to any JSON value ('json'); named as Ollama names it. */
+  format?: Record<string, unknown> | 'json';
+  /** Hold the reply to a grammar in llguidance's Lark-like syntax. */
+  grammar?: string;
+  /** Hold the reply to a regular expression (the whole reply matches). */
+  regex?: string;
+  /** Return each generated token's log probability (`logprobs` in the result and partial results). */
+  logprobs?: boolean;
+  /** 0..20: and this many most likely tokens of each position; needs `logprobs: true`. */
+  topLogprobs?: number;
+  [option: string]: unknown;
+}
+/** One `$/progress` value of a streamed reply. */
+export interface PartialResult {
+  text: string;
+  tokens: number[];
+  logprobs?: TokenLogprob[]; // with options.logprobs
+  toolCalls?: ToolCall[]; // with tools: the calls completed since the previous value
+}
 export interface InferenceResult {
   model: string;
   text: string;
   tokens: number[];
+  /** 'stop' | 'length' | 'toolCalls' (the model called tools) | 'cancelled' (in a -32800's data) */
   stopReason: string;
   seed: number;
   usage: { promptTokens: number; completionTokens: number };
   timings: { queueMs: number; promptMs: number; generateMs: number; tokensPerSecond: number };
+  /** With options.logprobs: one entry per token. */
+  logprobs?: TokenLogprob[];
+  /** Chat with tools: the calls the model made (absent when none). */
+  toolCalls?: ToolCall[];
 }
 export interface WorkDoneProgress { kind: 'begin' | 'report' | 'end'; title?: string; message?: string; percentage?: number }
 export interface CallOptions {
   model?: string;
-  /** GenerateOptions, camelCase: maxTokens, temperature, topK, topP, minP, seed, stop, ignoreEos, ... */
-  options?: Record<string, unknown>;
-  onPiece?: (text: string, value: { text: string; tokens: number[] }) => void;
+  /** GenerateOptions, camelCase: maxTokens, temperature, topK, topP, minP, seed, stop, ignoreEos, format, logprobs, ... */
+  options?: GenerateOptions;
+  /** Each streamed value; with logprobs or tools also values whose `text` is empty. */
+  onPiece?: (text: string, value: PartialResult) => void;
   token?: CancellationToken;
+}
+export interface ChatCallOptions extends CallOptions {
+  /** Functions the model may call; sent beside `options`. */
+  tools?: Tool[];
+  toolChoice?: ToolChoice;
 }
 export interface StartOptions {
   command?: string;
@@ -34,6 +103,10 @@ export interface StartOptions {
 export interface Stream extends AsyncIterableIterator<string> {
   /** The final result; rejects with a ResponseError (code -32800 when cancelled). */
   result: Promise<InferenceResult>;
+  /** The tool calls streamed so far (chat with tools). */
+  readonly toolCalls: ToolCall[];
+  /** The logprobs streamed so far (with options.logprobs). */
+  readonly logprobs: TokenLogprob[];
   cancel(): void;
 }
 
@@ -49,9 +122,9 @@ export declare class KinferClient {
   load(model?: string, opts?: { options?: Record<string, unknown>; backend?: string; onProgress?: (v: WorkDoneProgress) => void; token?: CancellationToken }): Promise<any>;
   status(model?: string): Promise<any[]>;
   generate(prompt: string, opts?: CallOptions): Promise<InferenceResult>;
-  chat(messages: ChatMessage[], opts?: CallOptions): Promise<InferenceResult>;
+  chat(messages: ChatMessage[], opts?: ChatCallOptions): Promise<InferenceResult>;
   streamGenerate(prompt: string, opts?: CallOptions): Stream;
-  streamChat(messages: ChatMessage[], opts?: CallOptions): Stream;
+  streamChat(messages: ChatMessage[], opts?: ChatCallOptions): Stream;
   /** shutdown + exit; resolves with the exit code (0 when clean). */
   close(timeoutMs?: number): Promise<number | string | null>;
 }

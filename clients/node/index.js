@@ -6,6 +6,10 @@
 //   for await (const piece of kinfer.streamChat([{ role: 'user', content: 'Hi' }])) process.stdout.write(piece);
 //   await kinfer.close();
 //
+// Agents: `chat(messages, { tools, toolChoice })` offers tools (sent beside `options`); the result's
+// `toolCalls` are the calls the model made. `options.format` (a JSON schema or 'json'), `grammar`
+// and `regex` hold the reply to a shape; `options.logprobs` adds each token's log probability.
+//
 // Cancel with a CancellationTokenSource (`{ token }`) or by breaking out of a stream: vscode-jsonrpc
 // sends `$/cancelRequest` and the call rejects with a ResponseError whose code is -32800.
 
@@ -26,18 +30,29 @@ export { CancellationTokenSource, ResponseError };
 /** The error code of a cancelled request (LSP's RequestCancelled). */
 export const REQUEST_CANCELLED = -32800;
 
+/** inference/chat's params: the messages, and the tools beside the options. */
+function chatFields(messages, { tools, toolChoice } = {}) {
+  return { messages, ...(tools ? { tools } : {}), ...(toolChoice != null ? { toolChoice } : {}) };
+}
+
 const progressType = new ProgressType();
 let tokens = 0;
 
 /**
- * @typedef {{ role: string, content: string }} ChatMessage
+ * @typedef {{ role: string, content?: string, toolCalls?: ToolCall[], toolCallId?: string, name?: string }} ChatMessage
+ * @typedef {{ id: string, type: 'function', function: { name: string, arguments: Record<string, unknown> } }} ToolCall
+ * @typedef {{ token: number, text: string, logprob: number,
+ *             topLogprobs: Array<{ token: number, text: string, logprob: number }> }} TokenLogprob
  * @typedef {{ text: string, tokens: number[], stopReason: string, seed: number,
  *             usage: { promptTokens: number, completionTokens: number },
  *             timings: { queueMs: number, promptMs: number, generateMs: number, tokensPerSecond: number },
- *             model: string }} InferenceResult
+ *             model: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[] }} InferenceResult
+ * @typedef {{ text: string, tokens: number[], logprobs?: TokenLogprob[], toolCalls?: ToolCall[] }} PartialResult
  * @typedef {{ model?: string, options?: Record<string, unknown>,
- *             onPiece?: (text: string, value: { text: string, tokens: number[] }) => void,
+ *             onPiece?: (text: string, value: PartialResult) => void,
  *             token?: import('vscode-jsonrpc').CancellationToken }} CallOptions
+ * @typedef {CallOptions & { tools?: Array<Record<string, unknown>>,
+ *             toolChoice?: string | { type: 'function', function: { name: string } } }} ChatCallOptions
  * @typedef {{ command?: string, args?: string[], env?: NodeJS.ProcessEnv, cwd?: string,
  *             initializationOptions?: Record<string, unknown>, stderr?: 'inherit' | 'ignore' | 'pipe' }} StartOptions
  */
@@ -142,23 +157,25 @@ export class KinferClient {
   }
 
   /**
-   * inference/chat. With `onPiece`, pieces are streamed to it as they come.
+   * inference/chat. With `onPiece`, pieces are streamed to it as they come. `tools` and
+   * `toolChoice` go beside `options`; the result's `toolCalls` are the calls the model made.
    * @param {ChatMessage[]} messages
-   * @param {CallOptions} [opts]
+   * @param {ChatCallOptions} [opts]
    * @returns {Promise<InferenceResult>}
    */
   chat(messages, opts = {}) {
-    return this.#call('inference/chat', { messages }, opts);
+    return this.#call('inference/chat', chatFields(messages, opts), opts);
   }
 
   /**
    * `for await (const piece of kinfer.streamChat(messages, opts))`. Breaking out of the loop
-   * cancels the request; `.result` is the promise of the final result; `.cancel()` cancels.
+   * cancels the request; `.result` is the promise of the final result; `.cancel()` cancels;
+   * `.toolCalls` and `.logprobs` collect what the partial results carried.
    * @param {ChatMessage[]} messages
-   * @param {CallOptions} [opts]
+   * @param {ChatCallOptions} [opts]
    */
   streamChat(messages, opts = {}) {
-    return this.#stream('inference/chat', { messages }, opts);
+    return this.#stream('inference/chat', chatFields(messages, opts), opts);
   }
 
   /** @param {string} prompt @param {CallOptions} [opts] */
@@ -171,7 +188,7 @@ export class KinferClient {
     if (!onPiece) return this.request(method, params, token);
     const partialResultToken = `stream-${++tokens}`;
     const handler = this.connection.onProgress(progressType, partialResultToken, (value) => {
-      if (value?.text) onPiece(value.text, value);
+      if (value?.text || value?.toolCalls?.length || value?.logprobs?.length) onPiece(value.text ?? '', value);
     });
     try {
       return await this.request(method, { ...params, partialResultToken }, token);
@@ -184,13 +201,18 @@ export class KinferClient {
     const source = new CancellationTokenSource();
     opts.token?.onCancellationRequested(() => source.cancel());
     const queue = [];
+    const toolCalls = [];
+    const logprobs = [];
     let wake = null;
     let finished = false;
     let failure = null;
     const result = this.#call(method, fields, {
       ...opts,
       token: source.token,
-      onPiece: (text) => {
+      onPiece: (text, value) => {
+        if (value?.toolCalls) toolCalls.push(...value.toolCalls);
+        if (value?.logprobs) logprobs.push(...value.logprobs);
+        if (!text) return;
         queue.push(text);
         wake?.();
       },
@@ -201,6 +223,8 @@ export class KinferClient {
     );
     return {
       result,
+      toolCalls,
+      logprobs,
       cancel: () => source.cancel(),
       [Symbol.asyncIterator]() {
         return this;

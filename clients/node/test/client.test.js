@@ -75,3 +75,32 @@ test('breaking out of a stream cancels it', async () => {
   }
   await assert.rejects(stream.result, (error) => error.code === REQUEST_CANCELLED);
 });
+
+test('format holds a reply to a JSON schema; logprobs come one per token', async () => {
+  const schema = {
+    type: 'object',
+    properties: { colour: { type: 'string', maxLength: 20 } },
+    required: ['colour'],
+    additionalProperties: false,
+  };
+  const reply = await kinfer.chat(messages, { options: { format: schema, maxTokens: 40, temperature: 0 } });
+  assert.equal(reply.stopReason, 'stop');
+  assert.deepEqual(Object.keys(JSON.parse(reply.text)), ['colour']);
+
+  const stream = kinfer.streamGenerate('The capital of France is', {
+    options: { maxTokens: 5, temperature: 0, logprobs: true, topLogprobs: 2 },
+  });
+  for await (const _piece of stream) { /* read it all */ }
+  const result = await stream.result;
+  assert.deepEqual(result.logprobs.map((t) => t.token), result.tokens);
+  assert.deepEqual(stream.logprobs, result.logprobs);
+  assert.ok(result.logprobs.every((t) => t.logprob <= 0 && t.topLogprobs.length === 2));
+});
+
+test('tools go beside the options (the default model has no tools: -32602)', async () => {
+  const tool = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
+  await assert.rejects(
+    kinfer.chat(messages, { tools: [tool], toolChoice: 'auto', options: { maxTokens: 4 } }),
+    (error) => error.code === -32602 && /does not support tools/.test(error.message),
+  );
+});

@@ -1,0 +1,73 @@
+// The params the client sends and the partial results it collects, against a stand-in connection
+// (no server): tools and toolChoice beside the options, options as given, streamed tool calls.
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+
+import { KinferClient } from '../index.js';
+
+const messages = [{ role: 'user', content: 'Weather in Paris?' }];
+const weather = {
+  type: 'function',
+  function: { name: 'get_weather', parameters: { type: 'object', properties: { city: { type: 'string' } } } },
+};
+const call = { id: 'call_0', type: 'function', function: { name: 'get_weather', arguments: { city: 'Paris' } } };
+const logprob = { token: 7, text: 'x', logprob: -0.5, topLogprobs: [] };
+const result = { model: 'm', text: '', tokens: [7], stopReason: 'toolCalls', seed: 1, toolCalls: [call], logprobs: [logprob] };
+
+/** A KinferClient on a connection that records requests and streams `partials` before answering. */
+function recording(partials = []) {
+  const sent = [];
+  const handlers = new Map();
+  const connection = {
+    sendRequest(method, params) {
+      sent.push({ method, params });
+      const handler = handlers.get(params?.partialResultToken);
+      for (const value of partials) handler?.(value);
+      return Promise.resolve(result);
+    },
+    onProgress(_type, token, handler) {
+      handlers.set(token, handler);
+      return { dispose: () => handlers.delete(token) };
+    },
+  };
+  return { kinfer: new KinferClient({}, connection, Promise.resolve(0)), sent };
+}
+
+test('tools and toolChoice go beside the options', async () => {
+  const { kinfer, sent } = recording();
+  const options = { maxTokens: 8, format: { type: 'object' }, logprobs: true, topLogprobs: 2 };
+  const reply = await kinfer.chat(messages, { tools: [weather], toolChoice: 'required', options });
+  assert.deepEqual(reply.toolCalls, [call]);
+  assert.deepEqual(sent.at(-1), {
+    method: 'inference/chat',
+    params: { messages, tools: [weather], toolChoice: 'required', options },
+  });
+  const named = { type: 'function', function: { name: 'get_weather' } };
+  await kinfer.chat(messages, { model: 'm', tools: [weather], toolChoice: named });
+  assert.deepEqual(sent.at(-1).params, { messages, tools: [weather], toolChoice: named, model: 'm' });
+  await kinfer.chat(messages);
+  assert.deepEqual(sent.at(-1).params, { messages });
+  await kinfer.generate('x', { options: { regex: '[0-9]+', logprobs: true } });
+  assert.deepEqual(sent.at(-1).params, { prompt: 'x', options: { regex: '[0-9]+', logprobs: true } });
+});
+
+test('streams collect tool calls and logprobs; onPiece sees values without text', async () => {
+  const partials = [
+    { text: 'Hi', tokens: [1], logprobs: [logprob] },
+    { text: '', tokens: [2], logprobs: [logprob], toolCalls: [call] },
+  ];
+  let { kinfer, sent } = recording(partials);
+  const stream = kinfer.streamChat(messages, { tools: [weather], options: { logprobs: true } });
+  const pieces = [];
+  for await (const piece of stream) pieces.push(piece);
+  assert.deepEqual(pieces, ['Hi']);
+  assert.deepEqual(stream.toolCalls, [call]);
+  assert.equal(stream.logprobs.length, 2);
+  assert.deepEqual(sent.at(-1).params.tools, [weather]);
+  assert.ok(sent.at(-1).params.partialResultToken);
+
+  ({ kinfer } = recording(partials));
+  const values = [];
+  await kinfer.chat(messages, { tools: [weather], onPiece: (text, value) => values.push([text, value.toolCalls]) });
+  assert.deepEqual(values, [['Hi', undefined], ['', [call]]]);
+});

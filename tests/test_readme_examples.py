@@ -2,7 +2,9 @@
 
 Every ```python block runs with this interpreter; the "Clients" section's ```js block runs with
 `node` (importing `kinfer-rpc-client` as an installed package would), its ```lua block in a
-headless Neovim, and its ```sh block with bash, with this virtualenv's bin first on PATH.
+headless Neovim, and its ```sh block with bash, with this virtualenv's bin first on PATH. An
+example that names its model by $KINFER_TOOLS_MODEL (the "Agents" section's tools) runs on a copy
+of the embedded model whose chat template takes tools (tests/modelgen/make_tool_model.py).
 """
 
 from __future__ import annotations
@@ -48,14 +50,24 @@ def test_each_client_has_an_example():
     )
 
 
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    from make_tool_model import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tools") / "smollm2-tools.gguf")
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
-def test_python_example(code, tmp_path):
+def test_python_example(code, tmp_path, request):
     script = tmp_path / "example.py"
     script.write_text(code)
+    e = env()
+    if "KINFER_TOOLS_MODEL" in code:
+        e["KINFER_TOOLS_MODEL"] = request.getfixturevalue("tool_model")
     proc = subprocess.run(
         [sys.executable, str(script)],
-        env=env(),
+        env=e,
         capture_output=True,
         text=True,
         timeout=120,

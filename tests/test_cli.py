@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kinfer_rpc.client import Client
+from kinfer_rpc.cli import _call_text
+from kinfer_rpc.client import Client, ToolCall
 
 BIN = os.path.dirname(sys.executable)
 KINFER = os.path.join(BIN, "kinfer")
@@ -346,3 +347,18 @@ def test_chat_tools_need_a_template_with_tools(tmp_path):
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 1 and "does not support tools" in proc.stderr, proc.stderr
+
+
+@pytest.mark.model
+def test_chat_prints_the_calls_of_a_model_with_tools(tmp_path):
+    from make_tool_model import make_tool_model
+
+    model = make_tool_model(tmp_path / "smollm2-tools.gguf")
+    tool = _write(tmp_path, "weather.json", WEATHER)
+    args = [model, "What is the weather in Paris?", "--tool", tool, "--tool-choice", "required"]
+    args += ["--max-tokens", "80", "--threads", "1"]
+    lines = kinfer("chat", *args).stdout.splitlines()
+    assert lines and all(line.startswith('get_weather(city="') for line in lines), lines
+    (doc,) = json_lines(kinfer("chat", "--json", *args).stdout)
+    assert doc["stopReason"] == "toolCalls"
+    assert [_call_text(ToolCall.from_json(c)) for c in doc["toolCalls"]] == lines  # the same reply

@@ -556,3 +556,33 @@ def test_async_client_format_and_logprobs():
             assert caught.value.code == -32602
 
     anyio.run(main)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    """SmolLM2 with a chat template that takes tools (tests/modelgen/make_tool_model.py)."""
+    from make_tool_model import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tools") / "smollm2-tools.gguf")
+
+
+@pytest.mark.model
+def test_tool_calls_and_the_conversation_after_them(kinfer, tool_model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = kinfer.chat(messages, tool_model, tools=[WEATHER], tool_choice="required", maxTokens=80, temperature=0)
+    assert r.stop_reason == "toolCalls" and r.tool_calls, r
+    call = r.tool_calls[0]
+    assert call.id and call.name == "get_weather" and isinstance(call.arguments.get("city"), str)
+    # streamed, with the function named (both forms): the calls come in the partial results too
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("get_weather", named):
+        stream = kinfer.stream_chat(
+            messages, tool_model, tools=[WEATHER], tool_choice=choice, maxTokens=80, temperature=0
+        )
+        list(stream)
+        assert stream.result.stop_reason == "toolCalls" and stream.result.tool_calls
+        assert stream.tool_calls == stream.result.tool_calls
+    # the messages the Result and the call make are what the server takes for the next turn
+    after = messages + [r.message] + [c.answer({"city": c.arguments["city"], "sky": "sunny"}) for c in r.tool_calls]
+    nxt = kinfer.chat(after, tool_model, tools=[WEATHER], tool_choice="none", maxTokens=8, temperature=0)
+    assert nxt.tool_calls == [] and nxt.stop_reason in ("stop", "length")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -101,12 +102,59 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+MAX_INDENT = 64  # the widest indent tojson writes
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's tojson (transformers' chat templates, as llama.cpp's minja follows): plain
+    json.dumps, keys in their order, non-ASCII as is. Jinja's own sorts the keys and escapes
+    `<`, `>`, `&` and `'` for HTML, which no model was trained on."""
+    width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    if width > MAX_INDENT:
+        raise jinja2.TemplateError(f"tojson's indent is over the limit of {MAX_INDENT}")
+    if separators is not None:
+        separators = tuple(separators)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Arguments(dict[str, Any]):
+    """A tool call's arguments (kinfer_rpc.protocol.params.messages passes a dict): the template
+    reads it as a dict, and `{{ arguments }}` writes it as JSON, as minja does, not as Python's
+    repr: templates written for OpenAI's string arguments print it so."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+
+def _with_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            shaped = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
+                    c = {**c, "function": {**fn, "arguments": _Arguments(fn["arguments"])}}
+                shaped.append(c)
+            m = {**m, "tool_calls": shaped}
+        out.append(m)
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, finalize=_only_data)
     env.globals["raise_exception"] = _raise
     env.globals["range"] = _range
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 
@@ -125,7 +173,7 @@ def render(
     try:
         compiled = _compile(template or CHATML)
         pieces = compiled.generate(
-            messages=messages,
+            messages=_with_arguments(messages),
             add_generation_prompt=True,
             bos_token=bos,
             eos_token=eos,

@@ -5,6 +5,7 @@ drafting on or off, and logprobs are the raw logits' log-softmax."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import attrs
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.sampling import logprob
-from kinfer_rpc.engine.scheduler import Job
+from kinfer_rpc.engine.scheduler import Engine, Job
 from kinfer_rpc.types import SeqChunk
 
 pytestmark = pytest.mark.model  # every test here runs the real model
@@ -172,3 +173,36 @@ def test_logprobs_of_a_constrained_reply_are_before_the_mask(engine):
     # "z..." is not what the model would say here: the raw logprob is low, and the best
     # alternatives are not the token taken.
     assert j.logprobs[0].logprob < j.logprobs[0].top[0][1]
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A SentencePiece vocabulary (tokenizing puts a space in front), as Llama 2's: random weights."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("spm") / "tiny.gguf"
+    maker = os.path.join(os.path.dirname(__file__), "modelgen", "make_model.py")
+    subprocess.run([sys.executable, maker, str(path), "--shape", "tiny"], check=True, capture_output=True)
+    from kinfer_rpc.default_plugins.llama import LlamaBackend
+    from kinfer_rpc.types import LoadOptions
+
+    m = LlamaBackend().load(str(path), LoadOptions(context_length=256, slots=2, threads=2), lambda f: None)
+    yield m
+    m.close()
+
+
+def test_a_sentencepiece_vocabulary_is_tokenized_without_its_space(spm_model):
+    """llguidance forces the tokens of text the grammar leaves no choice about: they must be the
+    text's own, not those of a space and the text."""
+    tok = Grammars().tokenizer(spm_model)
+    assert tok.tokenize_str("{") == [t for t in range(spm_model.info.n_vocab) if spm_model.token_bytes(t) == b"{"][:1]
+    engine = Engine(lambda progress: spm_model, lambda fn: fn(), batch=512)
+    engine.load_model()
+    matcher = Grammars().matcher(spm_model, "format", PERSON)
+    j = Job([1, 300, 400, 500], _options(80, 0.0, 0), constraint=matcher)
+    run_until_done(engine, [j])
+    assert j.error is None and j.text.startswith("{") and '"name"' in j.text
+    assert "\n\n\n" not in j.text  # whitespace is bounded as llama.cpp bounds it: no endless padding
+    if j.stop_reason == "stop":
+        jsonschema.validate(json.loads(j.text), PERSON)

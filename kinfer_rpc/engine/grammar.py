@@ -49,9 +49,27 @@ class _Vocab:
             tokens.append(piece)
         self.tokens = tokens
         self._model = model
+        # A SentencePiece vocabulary puts a space in front of the text it tokenizes; llguidance
+        # needs the text's own tokens (it forces them where a grammar allows nothing else). Then
+        # the text is tokenized after a marker that merges with nothing, and the marker's
+        # tokens are dropped.
+        self._marker: list[int] = []
+        if self._spelt("a") != b"a":
+            self._marker = model.tokenize(_MARKER, False, False)
+
+    def _spelt(self, text: str) -> bytes:
+        return b"".join(self._model.token_bytes(t) for t in self._model.tokenize(text, False, False))
 
     def __call__(self, text: bytes) -> list[int]:
-        return self._model.tokenize(text.decode("utf-8", "replace"), False, False)
+        s = text.decode("utf-8", "replace")
+        if not self._marker:
+            return self._model.tokenize(s, False, False)
+        ids = self._model.tokenize(_MARKER + s, False, False)
+        n = len(self._marker)
+        return ids[n:] if ids[:n] == self._marker else ids
+
+
+_MARKER = "\x01"
 
 
 def _looks_special(piece: bytes) -> bool:
@@ -94,13 +112,19 @@ class Grammars:
         return matcher
 
 
+# Whitespace between JSON tokens as llama.cpp's json-schema-to-grammar allows it (nothing, a
+# space, or one or two newlines and an indent of at most 20): unbounded, a small model can pad a
+# reply with newlines until maxTokens. A schema's own "x-guidance" options override it.
+JSON_OPTIONS: Any = {"whitespace_pattern": r" |\n{1,2}[ \t]{0,20}"}
+
+
 def source_grammar(kind: str, source: Any) -> str:
     """The llguidance grammar of a request's `format`, `grammar` or `regex` option."""
     try:
         if kind == "format":
             schema = {"type": "object"} if source == "json" else source  # as Ollama: any object
             text = schema if isinstance(schema, str) else json.dumps(schema)  # a schema, or its JSON text
-            return str(llguidance.LLMatcher.grammar_from_json_schema(text))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
         if kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(source))
         return str(llguidance.LLMatcher.grammar_from_lark(source))

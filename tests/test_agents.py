@@ -129,3 +129,136 @@ def test_logprobs_are_the_same_alone_or_among_others(spawn):
     for rid in others:
         c.response(rid)
     assert got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+# -- tools ----------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    from make_tool_model import make_tool_model
+
+    return str(make_tool_model(tmp_path_factory.mktemp("tools") / "smollm2-tools.gguf"))
+
+
+@pytest.fixture
+def tooled(spawn, tool_model):
+    c = spawn()
+    c.initialize()
+    c.call("model/load", {"model": tool_model, "options": {"contextLength": 1024, "slots": 4}}, timeout=60)
+    return c
+
+
+def tool_chat(c, messages, tools, choice=None, **options):
+    params = {"messages": messages, "tools": tools, "options": {"maxTokens": 120, "temperature": 0, **options}}
+    if choice is not None:
+        params["toolChoice"] = choice
+    return c.call("inference/chat", params, timeout=60)
+
+
+def check_calls(calls, tools):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(call["function"]["arguments"], schemas[call["function"]["name"]])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_required_tool_call_always_parses_and_validates(tooled, temperature):
+    for seed in range(3):
+        r = tool_chat(tooled, ASK, [WEATHER, TIME], "required", temperature=temperature, seed=seed)
+        assert r["stopReason"] == "toolCalls" and r["toolCalls"], r
+        check_calls(r["toolCalls"], [WEATHER, TIME])
+
+
+def test_a_named_tool_is_the_one_called(tooled):
+    for choice in ("get_time", {"type": "function", "function": {"name": "get_time"}}):
+        r = tool_chat(tooled, ASK, [WEATHER, TIME], choice)
+        assert {c["function"]["name"] for c in r["toolCalls"]} == {"get_time"}
+        check_calls(r["toolCalls"], [TIME])
+
+
+def test_tool_calls_stream_as_they_complete(tooled):
+    rid = tooled.request_async(
+        "inference/chat",
+        {
+            "messages": ASK,
+            "tools": [WEATHER],
+            "toolChoice": "required",
+            "options": {"maxTokens": 120, "temperature": 0},
+            "partialResultToken": "calls",
+        },
+    )
+    result = tooled.response(rid, timeout=60)["result"]
+    streamed = [c for v in tooled.progress("calls") for c in v.get("toolCalls", [])]
+    assert streamed == result["toolCalls"]
+    assert "<tool_call>" in "".join(v["text"] for v in tooled.progress("calls"))  # pieces are the raw reply
+    assert "<tool_call>" not in result["text"]  # the result's text is the reply without the calls
+
+
+def test_a_tool_result_fed_back_continues_the_conversation(tooled):
+    call = tool_chat(tooled, ASK, [WEATHER], "required")["toolCalls"][0]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": "", "toolCalls": [call]},
+        {"role": "tool", "toolCallId": call["id"], "content": '{"temperature": 18, "sky": "clear"}'},
+    ]
+    r = tool_chat(tooled, messages, [WEATHER], "none")
+    assert r["stopReason"] in ("stop", "length") and r["text"] and "toolCalls" not in r
+    r = tool_chat(tooled, messages, [WEATHER])  # auto: the model may answer or call again
+    if "toolCalls" in r:
+        check_calls(r["toolCalls"], [WEATHER])
+
+
+def test_a_required_call_is_the_same_alone_or_among_others(tooled):
+    want = tool_chat(tooled, ASK, [WEATHER, TIME], "required", temperature=0.8, seed=9)
+    others = [
+        tooled.request_async("inference/generate", {"prompt": f"Tell me a story {i}", "options": {"maxTokens": 40}})
+        for i in range(3)
+    ]
+    got = tool_chat(tooled, ASK, [WEATHER, TIME], "required", temperature=0.8, seed=9)
+    for rid in others:
+        tooled.response(rid, timeout=60)
+    assert (got["tokens"], got["toolCalls"]) == (want["tokens"], want["toolCalls"])
+
+
+def test_tools_need_a_template_that_takes_them(loaded):
+    with pytest.raises(RpcError) as info:
+        tool_chat(loaded, ASK, [WEATHER], "required")
+    assert info.value.code == -32602 and "does not support tools" in info.value.message
+
+
+def test_a_forced_call_cannot_also_take_a_format(tooled):
+    with pytest.raises(RpcError) as info:
+        tool_chat(tooled, ASK, [WEATHER], "required", format="json")
+    assert info.value.code == -32602 and info.value.data["field"] == "toolChoice"
+
+
+def test_unknown_tool_choice_is_invalid_params(tooled):
+    with pytest.raises(RpcError) as info:
+        tool_chat(tooled, ASK, [WEATHER], "get_time")
+    assert info.value.code == -32602

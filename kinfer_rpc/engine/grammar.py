@@ -134,9 +134,8 @@ def source_grammar(kind: str, source: Any) -> str:
 
 def compile_error(kind: str, message: str) -> errors.KinferError:
     first = message.strip().splitlines()[0] if message.strip() else "it is not valid"
-    return errors.invalid_params(
-        f"options.{kind} does not compile: {first}", {"field": f"options.{kind}", "error": message}
-    )
+    field = "tools" if kind == "tools" else f"options.{kind}"  # "tools": the grammar of forced tool calls
+    return errors.invalid_params(f"{field} does not compile: {first}", {"field": field, "error": message})
 
 
 class Masks:

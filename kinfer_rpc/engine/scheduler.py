@@ -66,7 +66,8 @@ class GenerateOptions:
     sampling: SamplingOptions = SamplingOptions()
     # Each reply token's logprob and this many alternatives (None: not asked; costs nothing then).
     logprobs: int | None = None
-    # ("format" | "grammar" | "regex", source): what the host compiles into the job's constraint
+    # ("format" | "grammar" | "regex" | "tools", source): what the host compiles into the job's
+    # constraint ("tools": the Lark grammar of a reply made of tool calls)
     constraint: tuple[str, str] | None = None
 
 

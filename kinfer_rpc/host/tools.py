@@ -33,6 +33,7 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 MISTRAL_MARKER = "[TOOL_CALLS]"
 LLAMA3_MARKER = "<|python_tag|>"
+MARKERS = (HERMES_OPEN, HERMES_CLOSE, MISTRAL_MARKER)  # what call_grammar may name as special tokens
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\r\n"

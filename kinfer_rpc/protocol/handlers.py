@@ -12,9 +12,11 @@ import random
 from typing import Any
 
 import anyio
+import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host import tools
 from kinfer_rpc.host.options import Fields, generate_options, with_defaults
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
@@ -40,6 +42,18 @@ class _Progress:
 
     def end(self, message: str) -> None:
         self.ctx.work_done_nowait("end", message=message)
+
+
+def _special_markers(entry: Loaded) -> dict[str, int]:
+    """The tool-call markers that the model's vocabulary has as one special token (a grammar must
+    name those by id: their text's bytes do not spell them)."""
+    with entry.engine.hold() as model:
+        out = {}
+        for marker in tools.MARKERS:
+            ids = model.tokenize(marker, False, True)
+            if len(ids) == 1 and model.tokenize(marker, False, False) != ids:
+                out[marker] = ids[0]
+        return out
 
 
 class Handlers:
@@ -179,6 +193,8 @@ class Handlers:
         name = f.str("model")
         messages = params.messages(f.raw("messages"))
         options = f.raw("options")
+        tool_list = params.tools(f.raw("tools"))
+        choice = params.tool_choice(f.raw("toolChoice"), tool_list)
         f.done()
         seed = random.getrandbits(63)
         opts = generate_options(options, seed)
@@ -189,10 +205,35 @@ class Handlers:
             messages = [{"role": "system", "content": entry.system}, *messages]
         model = entry.engine.model
         assert model is not None  # a loaded entry's engine holds its model
+        calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
+        fmt = ""
+        if calling:
+            template = entry.engine.template
+            if not tools.template_supports_tools(template):
+                raise errors.invalid_params(
+                    f"the chat template of {entry.name!r} does not support tools (it never mentions them)",
+                    {"field": "tools"},
+                )
+            fmt = tools.call_format(template)
+            if choice.mode in ("required", "function"):
+                if opts.constraint is not None:
+                    raise errors.invalid_params(
+                        f"toolChoice {choice.mode!r} holds the reply to tool calls: it cannot also take "
+                        f"options.{opts.constraint[0]}",
+                        {"field": "toolChoice"},
+                    )
+                special = await anyio.to_thread.run_sync(_special_markers, entry, limiter=entry.tokenizer)
+                grammar = tools.call_grammar(tool_list, choice, fmt, special=special)
+                opts = attrs.evolve(opts, constraint=("tools", grammar))
         # In a worker process: a model file's template is untrusted and may be slow or huge; the
         # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
         text = await self.renderer.render(
-            entry, entry.engine.template, messages, bos=model.info.bos_text, eos=model.info.eos_text
+            entry,
+            entry.engine.template,
+            messages,
+            bos=model.info.bos_text,
+            eos=model.info.eos_text,
+            tools=tool_list if calling else None,
         )
         if self.runtime.loaded.get(entry.name) is not entry:  # unloaded while it rendered
             raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {entry.name!r} was unloaded")
@@ -200,7 +241,14 @@ class Handlers:
         ids = await anyio.to_thread.run_sync(
             entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
         )
-        return await self._stream(ctx, entry, ids, opts)
+        if not calling:
+            return await self._stream(ctx, entry, ids, opts)
+        names = [t["function"]["name"] for t in tool_list]
+        result = await self._stream(ctx, entry, ids, opts, tools.CallStream(fmt, names))
+        content, calls = tools.parse_calls(result["text"], fmt, names)
+        if calls:
+            result.update(text=content, toolCalls=calls, stopReason="toolCalls")
+        return result
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
@@ -224,9 +272,15 @@ class Handlers:
         return await anyio.to_thread.run_sync(tokenize, limiter=entry.tokenizer)
 
     async def _stream(
-        self, ctx: RequestContext | None, entry: Loaded, ids: list[int], opts: GenerateOptions
+        self,
+        ctx: RequestContext | None,
+        entry: Loaded,
+        ids: list[int],
+        opts: GenerateOptions,
+        calls: tools.CallStream | None = None,
     ) -> dict[str, Any]:
-        """Run a job, sending its pieces as partial results when the client asked for them."""
+        """Run a job, sending its pieces as partial results when the client asked for them (with
+        the tool calls each completed, when `calls` reads them)."""
         constraint = await anyio.to_thread.run_sync(entry.constrain, opts, limiter=entry.tokenizer)
         model = entry.engine.model
         assert model is not None  # a loaded entry's engine holds its model
@@ -270,10 +324,15 @@ class Handlers:
                     if logprobs:  # (a token's logprob is in job.logprobs before its piece is sent)
                         partial["logprobs"] = token_logprobs(job.logprobs[sent : sent + len(toks)], text_of)
                         sent += len(toks)
+                    if calls is not None and (completed := calls.feed(text)):
+                        partial["toolCalls"] = completed
                     await ctx.report_partial(partial)
                     continue
                 await wake.wait()
                 wake = anyio.Event()
+            if calls is not None and ctx is not None and ctx.partial_result_token is not None:
+                if completed := calls.finish():  # calls only the whole reply shows (a bare JSON one)
+                    await ctx.report_partial({"text": "", "tokens": [], "toolCalls": completed})
         except BaseException:
             entry.engine.cancel(job)
             raise

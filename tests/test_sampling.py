@@ -79,3 +79,21 @@ def test_stream_pieces_concatenate_to_text_before_stop(text, cuts, stop):
     joined = "".join(pieces)
     expected = text[: text.find(stop)] if stop in text else text
     assert joined == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, float("-inf")]), min_size=1, max_size=70),
+    allowed_bits=st.lists(st.booleans(), min_size=70, max_size=70),
+)
+def test_the_greedy_token_under_a_mask_is_the_masked_rows_argmax(values, allowed_bits):
+    from kinfer_rpc.engine import grammar
+
+    row = np.array(values, dtype=np.float32)
+    keep = np.array(allowed_bits[: len(row)], dtype=bool)
+    bits = np.packbits(np.concatenate([keep, np.zeros(-len(keep) % 32, bool)]), bitorder="little").view(np.int32)
+    got = grammar.best_allowed(row, bits)
+    if np.isfinite(row[keep]).any():
+        assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))
+    elif keep.any():  # every allowed token at -inf: still an allowed one
+        assert keep[got]

@@ -174,7 +174,33 @@ def allowed(bits: np.ndarray, n_vocab: int) -> np.ndarray | None:
     apply)."""
     if (bits == -1).all():
         return None
-    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+    return np.unpackbits(bits.view(np.uint8), count=n_vocab, bitorder="little").view(bool)
+
+
+def allowed_ids(bits: np.ndarray, n_vocab: int) -> np.ndarray:
+    """The ids a mask allows, in order: only its non-zero words are unpacked (a mask is mostly
+    sparse: a few allowed tokens)."""
+    words = np.flatnonzero(bits)
+    sub = np.unpackbits(bits[words].view(np.uint8), bitorder="little").view(bool).reshape(len(words), 32)
+    w, b = np.nonzero(sub)
+    ids = words[w] * 32 + b
+    return ids[ids < n_vocab]
+
+
+def best_allowed(row: np.ndarray, bits: np.ndarray) -> int | None:
+    """The greedy token under a mask: the first of the allowed tokens with the highest logit, as
+    sampling's argmax of the masked row gives it, without masking the row. Most steps of a model
+    that follows its grammar, the row's own best token is allowed: one argmax and one bit. None
+    where the row has NaNs (sampling's way with them decides)."""
+    best = int(row.argmax())
+    if row[best] != row[best]:
+        return None
+    if (int(bits[best >> 5]) >> (best & 31)) & 1:
+        return best
+    idx = allowed_ids(bits, len(row))
+    if not len(idx):
+        return best  # nothing is allowed: the grammar failed, and consuming the token says so
+    return int(idx[int(row[idx].argmax())])
 
 
 def masked(row: np.ndarray, keep: np.ndarray | None) -> np.ndarray:

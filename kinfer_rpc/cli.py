@@ -151,6 +151,7 @@ def _chat(args: argparse.Namespace) -> int:
     if args.format is not None:
         options["format"] = args.format
     tools = [t for group in args.tools for t in group] if args.tools else None
+    calling = tools is not None and args.tool_choice != "none"  # "none": the tools are not offered
     with Client() as kinfer:
         model, prompt = args.model, args.prompt
         if model is not None and prompt is None and not _is_model(kinfer, model):
@@ -208,17 +209,23 @@ def _chat(args: argparse.Namespace) -> int:
                         }
                         | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
                     )
+                elif calling:
+                    # Streamed pieces are the raw reply, call markup included: print the result's
+                    # text (the reply without the calls), then the calls.
+                    result = stream.wait()
+                    if result.text or not result.tool_calls:
+                        sys.stdout.write(result.text + "\n")
+                        sys.stdout.flush()
+                    for call in result.tool_calls:
+                        out.print(_call_text(call), style="bold", markup=False)
                 else:
                     for piece in stream:
                         sys.stdout.write(piece)
                         sys.stdout.flush()
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
                     assert stream.result is not None  # set when the stream ran to its end
                     result = stream.result
-                    if stream.text or not result.tool_calls:
-                        sys.stdout.write("\n")
-                    sys.stdout.flush()
-                    for call in result.tool_calls:
-                        out.print(_call_text(call), style="bold", markup=False)
                     if args.verbose:
                         t = result.timings
                         err.print(

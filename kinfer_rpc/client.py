@@ -509,6 +509,10 @@ class _Wire:
 class Stream:
     """The pieces of a streamed reply, as they come. After the last, `result` is the Result.
 
+    With tools the pieces are the raw reply, call markup included, while `result.text` is the
+    reply without the calls; `tool_calls` collects the calls as each completes (and `logprobs`
+    the streamed logprobs).
+
     Breaking out of the loop (the stream is collected), `close()` or leaving a `with` block
     before the end sends `$/cancelRequest`. `response` is the request's Future (the raw response).
     """
@@ -727,6 +731,7 @@ class Client:
 # -- the async client (anyio) ------------------------------------------------------------------
 class AsyncStream:
     """`async for piece in stream`: the pieces of a streamed reply; then `result` is the Result.
+    Tool calls and logprobs as in Stream.
 
     Breaking out of the loop (the stream is collected), `await aclose()`, leaving an
     `async with` block early, or cancelling the task that iterates sends `$/cancelRequest`.

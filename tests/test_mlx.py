@@ -486,3 +486,34 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     drafted = run_until_done(d, [job(p, 5, drafts=3) for p in prompts], arrivals=[0, 0, 1])
     assert [j.generated for j in drafted] == solo
     assert sum(j.accepted for j in drafted) > 0
+
+
+def test_a_constrained_reply_with_logprobs_on_mlx():
+    """The grammar masks and logprobs work from what every backend offers (token bytes, logits
+    rows): on the mlx backend a schema-held greedy reply is valid JSON and the same, with its
+    logprobs, alone and among others."""
+    import attrs
+
+    from kinfer_rpc.engine.grammar import Grammars
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    prompt = mlx_model().tokenize(
+        PROMPT.replace("France? Tell me about Paris.", "France? Answer in JSON."), False, True
+    )
+
+    def held(model_engine, n=40):
+        j = job(prompt, n)
+        j = Job(
+            j.prompt,
+            attrs.evolve(j.options, logprobs=2),
+            constraint=Grammars().matcher(model_engine.model, "format", schema),
+        )
+        return j
+
+    e = engine(slots=4)
+    lone = held(e)
+    run_until_done(e, [lone])
+    assert lone.stop_reason == "stop" and json.loads(lone.text)["city"]
+    together = [held(e), job(prompt, 12, 0.8, 3), job(prompt[:9], 20)]
+    run_until_done(e, together, arrivals=[1, 0, 0])
+    assert together[0].generated == lone.generated and together[0].logprobs == lone.logprobs

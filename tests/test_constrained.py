@@ -206,3 +206,24 @@ def test_a_sentencepiece_vocabulary_is_tokenized_without_its_space(spm_model):
     assert "\n\n\n" not in j.text  # whitespace is bounded as llama.cpp bounds it: no endless padding
     if j.stop_reason == "stop":
         jsonschema.validate(json.loads(j.text), PERSON)
+
+
+def test_greedy_held_replies_start_the_next_pass_ahead_and_stay_the_same(engine):
+    """A pass of greedy rows, some held to grammars, starts the next pass as soon as their tokens
+    are chosen (Engine._start_next); the replies are those of an engine that never starts ahead."""
+    reference = make_engine(slots=4, start_ahead=False)
+
+    def jobs(e):
+        kinds = [CONSTRAINTS[0], (None, None), CONSTRAINTS[2], CONSTRAINTS[3]]
+        return [job(e, k, s, f"{w} Answer:", n=40) for (k, s), w in zip(kinds, WORDS)]
+
+    try:
+        want = run_until_done(reference, jobs(reference))
+        before = engine.started_ahead
+        got = run_until_done(engine, jobs(engine))
+        assert engine.started_ahead > before + 10
+        for a, b in zip(want, got):
+            assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)
+        check(*CONSTRAINTS[0], got[0].text) if got[0].stop_reason == "stop" else None
+    finally:
+        reference.model.close()

@@ -125,18 +125,18 @@ class Job:
     constraint: Any = None
     mask: np.ndarray | None = None  # the constraint's bitmask for the row of the pass in flight
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
-    plain: bool = attrs.field(init=False, default=False)  # greedy, nothing else: a row's argmax
+    # the token of the pass just taken, already chosen and consumed by the constraint (_held_best)
+    held: int | None = None
+    # greedy, no penalty, no logprobs: a row's token is its argmax (under its grammar's mask)
+    greedy: bool = attrs.field(init=False, default=False)
+    plain: bool = attrs.field(init=False, default=False)  # greedy and unconstrained: a row's argmax
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
     def __attrs_post_init__(self) -> None:
         self.stream = TextStream(self.options.stop)
         sampling = self.options.sampling
-        self.plain = (
-            sampling.temperature <= 0
-            and sampling.repeat_penalty == 1.0
-            and self.constraint is None
-            and self.options.logprobs is None
-        )
+        self.greedy = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and self.options.logprobs is None
+        self.plain = self.greedy and self.constraint is None
         self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
 
     def move(self, to: JobState) -> None:
@@ -234,6 +234,7 @@ class Engine:
         self.start_ahead = start_ahead
         self._ahead = False
         self._steady = False  # the last planned pass: every job one greedy token (_start_next)
+        self._chainable = False  # ... and none of them held to a grammar (_chain)
         # (chunks, owners, wait) of a pass started ahead by _start_next
         self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
         # A pass chained on the device to the one running (decode_chained): the rows it extends, its wait.
@@ -500,7 +501,7 @@ class Engine:
             wait = self.model.decode(chunks) if chunks else None
         else:
             chunks, owners, wait = running
-        if wait is not None and self._steady and self._decode_chained:
+        if wait is not None and self._chainable and self._decode_chained:
             self._chain(chunks)
         try:
             # While the device runs this pass, turn the previous step's tokens into text. A stop
@@ -544,10 +545,12 @@ class Engine:
             chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
             budget -= len(decoding)
         # Every job decoding one greedy token: the next pass can start before this one's
-        # bookkeeping (see _start_next).
+        # bookkeeping (see _start_next); a pass chained on the device feeds the device's argmax,
+        # so only unconstrained rows chain.
         self._steady = (
-            self._ahead and not drafting and len(decoding) == len(self._active) and all(j.plain for j in decoding)
+            self._ahead and not drafting and len(decoding) == len(self._active) and all(j.greedy for j in decoding)
         )
+        self._chainable = self._steady and all(j.plain for j in decoding)
         owners = decoding[:]
         for job in self._active:
             left = len(job.prompt) - job.n_past
@@ -571,8 +574,14 @@ class Engine:
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
         some_plain = any(plain)
-        best = self._best(logits, plain, chunks) if some_plain else []  # read by plain rows only
-        if self._steady and some_plain:
+        best = self._best(logits, plain, chunks) if some_plain else [-1] * len(logits)  # read by plain rows only
+        if self._steady:
+            # Every row one greedy token: those held to a grammar are chosen (and consumed) now,
+            # so that the next pass can start before the rest of the bookkeeping.
+            for r, job in enumerate(owners):
+                if job.constraint is not None and job.stop_reason is None:
+                    job.held = self._held_best(job, logits[r])
+                    best[r] = -1 if job.held is None else job.held
             self._start_next(chunks, owners, best)
         else:
             self._drop_chained()
@@ -602,6 +611,8 @@ class Engine:
             for i in range(chunk.outputs):
                 if is_plain:
                     token = best[r + i]
+                elif job.held is not None:  # chosen and consumed before the next pass started
+                    token, job.held = job.held, None
                 else:
                     try:
                         token = self._sample(job, logits[r + i], first=i == 0)
@@ -652,6 +663,14 @@ class Engine:
         if job.options.logprobs is not None and not self._ends(job, token):
             job.logprobs.append(logprob(row, token, job.options.logprobs))
         return token
+
+    def _held_best(self, job: Job, row: np.ndarray) -> int | None:
+        """A greedy constrained row's token, consumed by its grammar (_sample's way, ahead); None
+        when that failed (the row is then sampled in its turn, which fails the job)."""
+        try:
+            return self._sample(job, row, first=True)
+        except Exception:
+            return None
 
     def _prepare_masks(self, chunks: list[SeqChunk], owners: list[Job]) -> None:
         """The grammar masks of the rows of the pass in flight, computed while the device runs it.
@@ -727,6 +746,8 @@ class Engine:
             if (
                 job.cancelled
                 or job.stop_reason is not None
+                or token < 0  # a grammar failed on this row
+                or (job.constraint is not None and job.constraint.is_stopped())  # its grammar is complete
                 or ends(job, token)
                 or full(job, len(job.generated) + 1, chunk.pos + 1)
             ):

@@ -155,10 +155,19 @@ class Masks:
         if len(matchers) == 1:
             llguidance.numpy.fill_next_token_bitmask(matchers[0], bits, 0)
         else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(_THREADS)
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
+            llguidance.numpy.fill_next_token_bitmask_par(self._pool(), [(m, i) for i, m in enumerate(matchers)], bits)
         return bits.copy()
+
+    def consume(self, pairs: Sequence[tuple[llguidance.LLMatcher, int]]) -> list[bool]:
+        """Each matcher consumes its token, on llguidance's threads; False where it failed."""
+        if len(pairs) == 1:
+            return [bool(pairs[0][0].consume_token(pairs[0][1]))]
+        return [bool(ok) for ok in llguidance.numpy.consume_token_par(self._pool(), list(pairs))]
+
+    def _pool(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(_THREADS)
+        return self._executor
 
 
 def one_mask(matcher: llguidance.LLMatcher, n_vocab: int) -> np.ndarray:

@@ -578,10 +578,7 @@ class Engine:
         if self._steady:
             # Every row one greedy token: those held to a grammar are chosen (and consumed) now,
             # so that the next pass can start before the rest of the bookkeeping.
-            for r, job in enumerate(owners):
-                if job.constraint is not None and job.stop_reason is None:
-                    job.held = self._held_best(job, logits[r])
-                    best[r] = -1 if job.held is None else job.held
+            self._hold_rows(owners, logits, best)
             self._start_next(chunks, owners, best)
         else:
             self._drop_chained()
@@ -664,13 +661,32 @@ class Engine:
             job.logprobs.append(logprob(row, token, job.options.logprobs))
         return token
 
-    def _held_best(self, job: Job, row: np.ndarray) -> int | None:
-        """A greedy constrained row's token, consumed by its grammar (_sample's way, ahead); None
-        when that failed (the row is then sampled in its turn, which fails the job)."""
-        try:
-            return self._sample(job, row, first=True)
-        except Exception:
-            return None
+    def _hold_rows(self, owners: list[Job], logits: np.ndarray, best: list[int]) -> None:
+        """In a pass of greedy rows (one a job), choose the tokens of the rows held to a grammar
+        and have their matchers consume them, all at once on llguidance's threads: `best` gets
+        them, job.held keeps them for _take (-1 and None where choosing failed: the row is then
+        sampled in its turn, which fails the job with the grammar's error)."""
+        rows = [r for r, job in enumerate(owners) if job.constraint is not None and job.stop_reason is None]
+        chosen: list[tuple[int, int]] = []
+        for r in rows:
+            job = owners[r]
+            best[r] = -1  # until chosen and consumed
+            token = grammar.best_allowed(logits[r], job.mask) if job.mask is not None else None
+            job.mask = None
+            if token is None:  # (no mask computed, or NaNs in the row: sampling's own way)
+                try:
+                    token = self._sample(job, logits[r], first=True)
+                except Exception:
+                    continue
+                job.held = best[r] = token
+            else:
+                chosen.append((r, token))
+        if chosen:
+            assert self._masks is not None, "masks were computed for these rows"
+            consumed = self._masks.consume([(owners[r].constraint, token) for r, token in chosen])
+            for (r, token), ok in zip(chosen, consumed):
+                if ok:
+                    owners[r].held = best[r] = token
 
     def _prepare_masks(self, chunks: list[SeqChunk], owners: list[Job]) -> None:
         """The grammar masks of the rows of the pass in flight, computed while the device runs it.

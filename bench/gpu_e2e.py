@@ -129,8 +129,9 @@ async def main_async(args) -> int:
     try:
         async with kinfer:
             t0 = time.perf_counter()
+            extra = {} if args.reproducible is None else {"reproducible": args.reproducible == "true"}
             loaded = await kinfer.load(
-                args.model, gpuLayers=args.gpu_layers, slots=max(args.at_once), contextLength=args.context
+                args.model, gpuLayers=args.gpu_layers, slots=max(args.at_once), contextLength=args.context, **extra
             )
             report["loadSeconds"] = round(time.perf_counter() - t0, 2)
             status = (await kinfer.request("model/status", {"model": loaded.model}))["models"][0]
@@ -205,6 +206,12 @@ def main() -> int:
     p.add_argument("--probe", type=int, default=0, help="reproducibility probe: this many requests alone vs mixed")
     p.add_argument("--probe-others", type=int, default=24)
     p.add_argument("--probe-tokens", type=int, default=128)
+    p.add_argument(
+        "--reproducible",
+        choices=["true", "false"],
+        default=None,
+        help="the load's reproducible option (false: llama.cpp's stock CUDA kernels: what the promise costs)",
+    )
     p.add_argument("--json", action="store_true")
     return anyio.run(main_async, p.parse_args())
 

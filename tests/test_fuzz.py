@@ -315,7 +315,7 @@ generate_options = fuzzed(
         "minP": st.floats(0, 1),
         "repeatPenalty": st.floats(0.01, 3),
         "repeatLastN": st.integers(-1, 64),
-        "seed": st.integers(0, 2**63 - 1),
+        "seed": st.integers(0, 2**53 - 1),
         "ignoreEos": st.booleans(),
         "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
     },

@@ -18,8 +18,8 @@ from reliability_helpers import (
     CONTEXT_OVERFLOW,
     GREEDY,
     INT31,
-    INT63,
     INVALID_PARAMS,
+    SEED_MAX,
     chat,
     no_traceback,
     tokens_of,
@@ -134,7 +134,8 @@ def test_a_huge_prompt_is_refused_quickly_and_the_server_goes_on(small):
         ("repeatLastN", -2),
         ("repeatLastN", INT31 + 1),
         ("seed", -1),
-        ("seed", INT63 + 1),
+        ("seed", SEED_MAX + 1),
+        ("seed", 4363940103922254300),  # a JavaScript number would read it as another seed
         ("seed", 2**64),
         ("seed", 10**40),
         ("drafts", -1),
@@ -154,7 +155,7 @@ def test_out_of_range_numbers_are_32602_naming_the_field(small, method, option, 
     "options",
     [
         {"maxTokens": INT31, "stop": "."},  # the largest maxTokens: ends at the slot's end or a stop
-        {"seed": INT63, "temperature": 0.7},
+        {"seed": SEED_MAX, "temperature": 0.7},
         {"seed": 0, "temperature": 100},
         {"topK": INT31, "temperature": 0.5, "seed": 1},
         {"repeatLastN": INT31, "repeatPenalty": 100, "seed": 2},
@@ -204,3 +205,21 @@ def test_out_of_range_load_options_are_32602(bare, options, field):
 def test_token_ids_outside_the_vocabulary_are_32602(small, ids):
     err = error_of(small.request("inference/generate", {"tokens": ids, "options": {"maxTokens": 1}}))
     assert err["code"] == INVALID_PARAMS
+
+
+@pytest.mark.model
+def test_a_random_seed_is_exact_in_javascript_and_gives_its_reply_again(small):
+    """A seed the server picks is below 2^53, so any client (JSON.parse in JavaScript included)
+    can hand it back unchanged and get the same reply."""
+    first = result_of(
+        small.request("inference/generate", {"prompt": "Once", "options": {"maxTokens": 6, "temperature": 1}})
+    )
+    assert 0 <= first["seed"] < 2**53
+    assert float(first["seed"]) == first["seed"]  # what a JavaScript number holds
+    again = result_of(
+        small.request(
+            "inference/generate",
+            {"prompt": "Once", "options": {"maxTokens": 6, "temperature": 1, "seed": first["seed"]}},
+        )
+    )
+    assert again["tokens"] == first["tokens"]

@@ -168,6 +168,9 @@ def check_text(value: str, where: str) -> None:
         raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
 
 
+# Seeds are integers below 2^53, which every JSON parser (JavaScript's included) reads exactly: a
+# seed handed back must give the same reply.
+SEED_BITS = 53
 CONSTRAINTS = ("format", "grammar", "regex")  # request options that hold a reply to a shape
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 64  # stop strings a request may give, each at most MAX_STOP_CHARS long
@@ -204,7 +207,7 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
         min_p=f.float("minP", 0.05, lo=0.0, hi=1.0),
         repeat_penalty=repeat_penalty,
         repeat_last_n=f.int("repeatLastN", 64, lo=-1),
-        seed=f.int("seed", seed_default, lo=0, hi=2**63 - 1),
+        seed=f.int("seed", seed_default, lo=0, hi=2**SEED_BITS - 1),
     )
     ignore_eos = f.bool("ignoreEos", False)
     drafts = f.int("drafts", None, lo=0, hi=64)

@@ -17,7 +17,7 @@ import attrs
 from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 from kinfer_rpc.host import tools
-from kinfer_rpc.host.options import Fields, generate_options, with_defaults
+from kinfer_rpc.host.options import SEED_BITS, Fields, generate_options, with_defaults
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
@@ -172,7 +172,7 @@ class Handlers:
         f.done()
         if (prompt is None) == (tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
-        seed = random.getrandbits(63)
+        seed = random.getrandbits(SEED_BITS)
         opts = generate_options(options, seed)
         entry = await self.runtime.model_for(name)
         if entry.defaults:
@@ -196,7 +196,7 @@ class Handlers:
         tool_list = params.tools(f.raw("tools"))
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)
         f.done()
-        seed = random.getrandbits(63)
+        seed = random.getrandbits(SEED_BITS)
         opts = generate_options(options, seed)
         entry = await self.runtime.model_for(name)
         if entry.defaults:

@@ -160,6 +160,9 @@ def test_ollama_layers_become_defaults(store):
     assert ref.defaults == {"maxTokens": 3, "seed": 42, "topK": 20, "temperature": 0, "stop": ["<|im_end|>"]}
     assert ref.context_length == 1024
     assert store.resolve("smollm2:q4").defaults == {} and store.resolve("smollm2:q4").system is None
+    # ... and the load result says which were left out, and why
+    assert dict(ref.ignored).keys() == {"mirostat", "top_p"}
+    assert "no equivalent" in dict(ref.ignored)["mirostat"] and "topP" in dict(ref.ignored)["top_p"]
 
 
 def test_names_as_ollama_shows_them_and_other_namespaces_and_hosts(store):
@@ -505,3 +508,11 @@ def test_store_files_that_never_end_are_refused_unread(tmp_path, gguf, monkeypat
     odd = [r for r in listed if r.name == "odd:latest"]
     assert len(odd) == 1 and odd[0].template is None and odd[0].system is None
     assert not any(r.name.startswith("piped") for r in listed)
+
+
+def test_the_load_result_says_what_an_ollama_model_brought_that_is_not_used(server):
+    r = server.call("model/load", {"model": "smollm2:135m"})
+    assert {p["name"] for p in r["ignoredParameters"]} == {"mirostat", "top_p"}
+    assert r["chatTemplate"] == "gguf" and "Go template is not run" in r["chatTemplateNote"]
+    plain = server.call("model/load", {"model": "smollm2:q4"})
+    assert plain["ignoredParameters"] == [] and "chatTemplateNote" not in plain

@@ -53,6 +53,8 @@ class Loaded:
     placement_reason: str = ""
     defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
+    ignored: tuple[tuple[str, str], ...] = ()  # Ollama parameters left out, and why
+    go_template: bool = False  # the model came with Ollama's Go template (never run)
     # One tokenizing thread a model: requests reach the engine in the order they came.
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
@@ -259,6 +261,8 @@ class Runtime:
             source=ref.source,
             defaults=dict(ref.defaults),
             system=ref.system,
+            ignored=ref.ignored,
+            go_template=ref.template is not None,
             draft_policy=None if policy == "none" else policy,
             placement=placed[0],
             placement_reason=placed[1],

@@ -72,6 +72,8 @@ class ModelRef:
     defaults: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
     context_length: int | None = None  # the default contextLength of a load (Ollama's num_ctx)
     template: str | None = None  # Ollama's Go template: kept for information, never executed
+    # Ollama parameters with no kinfer equivalent or an invalid value: (name, why)
+    ignored: tuple[tuple[str, str], ...] = ()
     unsupported: str | None = None  # why this model cannot be served, if it cannot
     blobs: tuple[tuple[str, str], ...] = ()  # (tensor name, blob path) of an Ollama safetensors model
 
@@ -155,22 +157,27 @@ _OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
 }
 
 
-def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | None]:
-    """Ollama's params layer as kinfer's generate options (each checked as a request's would be)."""
+def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | None, list[tuple[str, str]]]:
+    """Ollama's params layer as kinfer's generate options (each checked as a request's would be),
+    with the parameters left out and why (a model's load result reports them)."""
 
     defaults: dict[str, Any]
     num_ctx: int | None
     defaults, num_ctx = {}, None
+    ignored: list[tuple[str, str]] = []
     if not isinstance(raw, dict):
         log.warning("%s: the params layer is not a JSON object; ignored", where)
-        return defaults, num_ctx
+        return defaults, num_ctx, [("params", "the params layer is not a JSON object")]
     for key, value in raw.items():
         if key == "num_ctx":
             if isinstance(value, int) and not isinstance(value, bool) and value >= 16:
                 num_ctx = value
+            else:
+                ignored.append((key, f"{value!r} is not a context length (an integer of at least 16)"))
             continue
         if key not in _OLLAMA_PARAMS:
             log.debug("%s: Ollama parameter %s has no kinfer equivalent; ignored", where, key)
+            ignored.append((key, "kinfer has no equivalent"))
             continue
         if isinstance(value, float) and value.is_integer() and key in ("top_k", "repeat_last_n", "seed", "num_predict"):
             value = int(value)
@@ -181,9 +188,10 @@ def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | Non
             generate_options(option, 0)
         except errors.KinferError as exc:
             log.warning("%s: Ollama parameter %s=%r ignored: %s", where, key, value, exc.message)
+            ignored.append((key, exc.message))
             continue
         defaults.update(option)
-    return defaults, num_ctx
+    return defaults, num_ctx, ignored
 
 
 def _exists(name: str) -> bool:
@@ -288,7 +296,7 @@ class ModelStore:
             raw = json.loads(params) if params else {}
         except ValueError:
             raw = None
-        defaults, num_ctx = _ollama_defaults(raw, display)
+        defaults, num_ctx, ignored = _ollama_defaults(raw, display)
         aliases = (f"{host}/{namespace}/{model}:{tag}", f"{namespace}/{model}:{tag}")
         return ModelRef(
             display,
@@ -302,6 +310,7 @@ class ModelStore:
             defaults=defaults,
             context_length=num_ctx,
             template=text("template"),
+            ignored=tuple(ignored),
             unsupported=unsupported,
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
         )

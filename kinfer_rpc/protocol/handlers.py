@@ -104,7 +104,20 @@ class Handlers:
             "weights": info.weights,
             "reproducible": self._reproducible(model),
             **self._placement_fields(entry),
+            **self._template_fields(entry),
+            "ignoredParameters": [{"name": n, "reason": why} for n, why in entry.ignored],
         }
+
+    @staticmethod
+    def _template_fields(entry: Loaded) -> dict[str, Any]:
+        """Which chat template chats use; where an Ollama model brought a Go template (which kinfer
+        never runs), a note saying what is used instead."""
+        used = "gguf" if entry.engine.template else "chatml"
+        out: dict[str, Any] = {"chatTemplate": used}
+        if entry.go_template:
+            instead = "the GGUF's own chat template" if used == "gguf" else "ChatML (the GGUF has no chat template)"
+            out["chatTemplateNote"] = f"Ollama's Go template is not run: chats use {instead}"
+        return out
 
     @staticmethod
     def _reproducible(model: LoadedModel) -> dict[str, Any]:

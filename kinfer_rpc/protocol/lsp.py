@@ -1,0 +1,446 @@
+"""LSP's editor features: kinfer-rpc as a language server that completes code with the local model.
+
+An editor's stock LSP client (Neovim's, a VS Code generic client, Helix, eglot) opens documents
+with `textDocument/didOpen`, keeps them current with `textDocument/didChange` (incremental edits,
+positions in UTF-16 code units as LSP requires) and asks for `textDocument/completion` or
+`textDocument/inlineCompletion` (LSP 3.18). Each completion is one `inference/infill` over the
+document: the text before the cursor is the prefix, the text after it the suffix (the infill
+method budgets both).
+
+Typing stays fast: a completion request for a document makes the one it sent before (same
+method, same document) stale; a stale request still running is stopped and answered with an
+empty result. The document's text is taken when the request arrives (`Editor.accept`, called in
+message order), so an edit that follows a request in the input never leaks into it.
+
+Settings come from `initializationOptions.completion` and `workspace/didChangeConfiguration`
+(`settings.kinfer.completion` or `settings.completion`); docs/editors.md describes the shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import anyio
+import attrs
+
+from kinfer_rpc import errors
+from kinfer_rpc.host.options import Fields, generate_options, load_options
+from kinfer_rpc.protocol.connection import RequestContext
+
+log = logging.getLogger(__name__)
+
+COMPLETION = "textDocument/completion"
+INLINE_COMPLETION = "textDocument/inlineCompletion"
+METHODS = (COMPLETION, INLINE_COMPLETION)
+
+# LSP's TextDocumentSyncKind.Incremental; CompletionItemKind.Text; InsertTextFormat.PlainText.
+SYNC_INCREMENTAL = 2
+KIND_TEXT = 1
+PLAIN_TEXT = 1
+
+# What completions ask infill for unless the settings say otherwise: a short, greedy continuation
+# of the current line (clients without inline completion show one line best).
+DEFAULT_OPTIONS: dict[str, Any] = {"maxTokens": 64, "stopAtLine": True, "temperature": 0}
+INFILL_ONLY = ("stopAtLine",)  # inference/infill's options that inference/generate does not take
+COMPLETION_FIELDS = ("model", "backend", "loadOptions", "languages", "enabled", "openFiles")
+
+# Where a completion request's snapshot travels from accept() to its handler, inside its params.
+PINNED = "kinfer/pinned"
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+Infill = Callable[..., Awaitable[dict[str, Any]]]  # Handlers.inference_infill(ctx, /, **params)
+Load = Callable[..., Awaitable[dict[str, Any]]]  # Handlers.model_load(ctx, /, **params)
+Notify = Callable[[str, Any], None]
+
+
+def capabilities() -> dict[str, Any]:
+    """The LSP members of initialize's ServerCapabilities."""
+    return {
+        "positionEncoding": "utf-16",
+        "textDocumentSync": {"openClose": True, "change": SYNC_INCREMENTAL},
+        "completionProvider": {"resolveProvider": False},
+        "inlineCompletionProvider": {},
+    }
+
+
+# -- positions ----------------------------------------------------------------------------------
+def utf16_len(text: str) -> int:
+    """The length of `text` in UTF-16 code units (a character above U+FFFF counts two)."""
+    if text.isascii():
+        return len(text)
+    return len(text) + sum(1 for c in text if ord(c) > 0xFFFF)
+
+
+def _index_in_line(line: str, units: int) -> int:
+    """The index in `line` of the UTF-16 offset `units`; past the end, the line's end (as LSP
+    says). An offset inside a surrogate pair falls after its character."""
+    if units <= 0:
+        return 0
+    if line.isascii():
+        return min(units, len(line))
+    n = 0
+    for i, c in enumerate(line):
+        if n >= units:
+            return i
+        n += 2 if ord(c) > 0xFFFF else 1
+    return len(line)
+
+
+def offset_at(text: str, line: int, character: int) -> int:
+    """The index in `text` of an LSP position. Lines end at \\n, \\r\\n or \\r; a line past the
+    last is the end of the text."""
+    start = 0
+    for _ in range(line):
+        m = _LINE_BREAK.search(text, start)
+        if m is None:
+            return len(text)
+        start = m.end()
+    m = _LINE_BREAK.search(text, start)
+    end = m.start() if m is not None else len(text)
+    return start + _index_in_line(text[start:end], character)
+
+
+def _position(value: object, where: str) -> tuple[int, int]:
+    f = Fields(value, where)
+    line = f.int("line", None, lo=0)
+    character = f.int("character", None, lo=0)
+    if line is None or character is None:
+        raise errors.invalid_params(f"{where} must have line and character", {"field": where})
+    return line, character
+
+
+def _range(value: object, where: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    f = Fields(value, where)
+    start = _position(f.raw("start"), f"{where}.start")
+    end = _position(f.raw("end"), f"{where}.end")
+    return start, end
+
+
+def apply_change(text: str, change: object) -> str:
+    """One TextDocumentContentChangeEvent applied: a range's replacement, or the whole text."""
+    f = Fields(change, "contentChange")
+    new = f.str("text")
+    rng = f.raw("range")
+    f.raw("rangeLength")  # deprecated in LSP; the range says it all
+    if new is None:
+        raise errors.invalid_params("contentChange.text is required")
+    if rng is None:
+        return new
+    (sl, sc), (el, ec) = _range(rng, "contentChange.range")
+    a, b = offset_at(text, sl, sc), offset_at(text, el, ec)
+    if b < a:
+        a, b = b, a
+    return text[:a] + new + text[b:]
+
+
+# -- settings -----------------------------------------------------------------------------------
+@attrs.frozen
+class Settings:
+    """What completions use: which model, loaded how, and the options of each request."""
+
+    model: str | None = None
+    backend: str | None = None
+    load_options: dict[str, Any] | None = None
+    options: dict[str, Any] = attrs.field(factory=lambda: dict(DEFAULT_OPTIONS))
+    languages: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    enabled: bool = True
+    open_files: bool = False
+
+    def options_for(self, language: str) -> tuple[bool, dict[str, Any]]:
+        """Whether completions are on for `language`, and the inference options they use."""
+        own = dict(self.languages.get(language, {}))
+        enabled = own.pop("enabled", self.enabled)
+        return bool(enabled), {**self.options, **own}
+
+
+def _check_options(options: dict[str, Any], where: str) -> None:
+    """The inference options a completion will send, checked now (as inference/infill will)."""
+    stop_at_line = options.get("stopAtLine")
+    if stop_at_line is not None and not isinstance(stop_at_line, bool):
+        raise errors.invalid_params(f"{where}.stopAtLine must be true or false", {"field": f"{where}.stopAtLine"})
+    try:
+        generate_options({k: v for k, v in options.items() if k not in INFILL_ONLY}, 0)
+    except errors.KinferError as exc:
+        raise errors.KinferError(exc.code, exc.message.replace("options", where, 1), exc.data) from None
+
+
+def parse_settings(value: object, where: str) -> Settings:
+    """The `completion` settings object; every mistake is a -32602 that names the field."""
+    if value is None:
+        return Settings()
+    if not isinstance(value, dict):
+        raise errors.invalid_params(f"{where} must be an object", {"field": where})
+    f = Fields(value, where)
+    model = f.str("model")
+    backend = f.str("backend")
+    loads = f.raw("loadOptions")
+    if loads is not None and not isinstance(loads, dict):
+        raise errors.invalid_params(f"{where}.loadOptions must be an object", {"field": f"{where}.loadOptions"})
+    if loads is not None:
+        try:
+            load_options(loads)
+        except errors.KinferError as exc:
+            raise errors.KinferError(
+                exc.code, exc.message.replace("options", f"{where}.loadOptions", 1), exc.data
+            ) from None
+    enabled = f.bool("enabled", True)
+    open_files = f.bool("openFiles", False)
+    languages_raw = f.raw("languages") or {}
+    if not isinstance(languages_raw, dict):
+        raise errors.invalid_params(f"{where}.languages must be an object", {"field": f"{where}.languages"})
+    options = {k: v for k, v in value.items() if k not in COMPLETION_FIELDS and v is not None}
+    merged = {**DEFAULT_OPTIONS, **options}
+    _check_options(merged, where)
+    languages: dict[str, dict[str, Any]] = {}
+    for lang, own in languages_raw.items():
+        lwhere = f"{where}.languages.{lang}"
+        if not isinstance(own, dict):
+            raise errors.invalid_params(f"{lwhere} must be an object", {"field": lwhere})
+        own = {k: v for k, v in own.items() if v is not None}
+        lang_enabled = own.get("enabled")
+        if lang_enabled is not None and not isinstance(lang_enabled, bool):
+            raise errors.invalid_params(f"{lwhere}.enabled must be true or false", {"field": f"{lwhere}.enabled"})
+        _check_options({**merged, **{k: v for k, v in own.items() if k != "enabled"}}, lwhere)
+        languages[lang] = own
+    return Settings(model, backend, loads, merged, languages, bool(enabled), bool(open_files))
+
+
+def settings_in(value: object) -> object:
+    """The completion settings inside a didChangeConfiguration's `settings` (or initialization
+    options): `kinfer.completion`, else `completion`; None when neither is there."""
+    if not isinstance(value, dict):
+        return None
+    inner = value.get("kinfer")
+    if isinstance(inner, dict) and "completion" in inner:
+        return inner["completion"]
+    return value.get("completion")
+
+
+# -- documents ----------------------------------------------------------------------------------
+@attrs.define
+class Document:
+    uri: str
+    language: str
+    version: int
+    text: str
+
+
+@attrs.frozen
+class Pinned:
+    """A completion request's view of its document, taken when the request arrived."""
+
+    uri: str
+    method: str
+    generation: int
+    language: str
+    prefix: str
+    suffix: str
+    word: str  # the identifier characters just before the cursor on its line
+    line: int
+    character: int
+
+
+def _filename(uri: str) -> str:
+    parsed = urlparse(uri)
+    return unquote(parsed.path) if parsed.scheme == "file" else uri
+
+
+class Editor:
+    """Open documents, completion settings, and the completion requests running per document."""
+
+    def __init__(
+        self,
+        infill: Infill,
+        load: Load,
+        loaded: Callable[[str], bool],
+        notify: Notify,
+    ) -> None:
+        self._infill = infill
+        self._load = load
+        self._loaded = loaded
+        self._notify = notify
+        self.documents: dict[str, Document] = {}
+        self.settings = Settings()
+        self._generation: dict[tuple[str, str], int] = {}  # (uri, method) -> requests accepted
+        self._live: dict[tuple[str, str], tuple[int, anyio.CancelScope]] = {}
+        self._model: tuple[str, str] | None = None  # (the settings' load, as JSON; the model it loaded)
+
+    # -- settings ----------------------------------------------------------------------------
+    def initialize(self, init: dict[str, Any]) -> None:
+        """initializationOptions' `completion` member, checked (raises -32602) and applied."""
+        value = settings_in(init)
+        if value is not None:
+            self.settings = parse_settings(value, "initializationOptions.completion")
+
+    async def did_change_configuration(self, **p: Any) -> None:
+        value = settings_in(p.get("settings"))
+        if value is None:
+            return  # not ours (or a client's "pull" hint, with null settings): keep what we have
+        try:
+            self.settings = parse_settings(value, "settings.kinfer.completion")
+        except errors.KinferError as exc:
+            # A notification has no answer: say why in the client's log, keep the settings we had.
+            self._notify(
+                "window/logMessage", {"type": 1, "message": f"kinfer-rpc: settings not applied: {exc.message}"}
+            )
+
+    # -- documents ---------------------------------------------------------------------------
+    async def did_open(self, **p: Any) -> None:
+        f = Fields(p.get("textDocument"), "params.textDocument")
+        uri, language, version, text = f.str("uri"), f.str("languageId", ""), f.int("version", 0), f.str("text", "")
+        if uri is None:
+            raise errors.invalid_params("params.textDocument.uri is required")
+        self.documents[uri] = Document(uri, language, version, text)
+
+    async def did_change(self, **p: Any) -> None:
+        f = Fields(p.get("textDocument"), "params.textDocument")
+        uri, version = f.str("uri"), f.int("version", None)
+        doc = self.documents.get(uri) if uri is not None else None
+        if doc is None:
+            log.warning("didChange for a document that is not open: %r", uri)
+            return
+        changes = p.get("contentChanges")
+        if not isinstance(changes, list):
+            raise errors.invalid_params("params.contentChanges must be an array")
+        text = doc.text
+        for change in changes:
+            text = apply_change(text, change)
+        doc.text = text
+        if version is not None:
+            doc.version = version
+
+    async def did_close(self, **p: Any) -> None:
+        f = Fields(p.get("textDocument"), "params.textDocument")
+        uri = f.str("uri")
+        if uri is None:
+            return
+        self.documents.pop(uri, None)
+        for key in [k for k in self._live if k[0] == uri]:
+            self._live.pop(key)[1].cancel()
+
+    # -- completions -------------------------------------------------------------------------
+    def accept(self, method: str, params: dict[str, Any] | list[Any]) -> None:
+        """A completion request arriving (in message order): its document's text now, and the
+        request it makes stale stopped. Raises -32602 for params a completion cannot use."""
+        if not isinstance(params, dict):
+            raise errors.invalid_params("params must be an object")
+        params.pop(PINNED, None)
+        f = Fields(params.get("textDocument"), "params.textDocument")
+        uri = f.str("uri")
+        if uri is None:
+            raise errors.invalid_params("params.textDocument.uri is required", {"field": "params.textDocument.uri"})
+        line, character = _position(params.get("position"), "params.position")
+        doc = self.documents.get(uri)
+        if doc is None:
+            raise errors.invalid_params(
+                f"{uri} is not open (textDocument/didOpen first)", {"field": "params.textDocument"}
+            )
+        key = (uri, method)
+        generation = self._generation.get(key, 0) + 1
+        self._generation[key] = generation
+        live = self._live.pop(key, None)
+        if live is not None:
+            live[1].cancel()  # stale: it answers an empty result
+        at = offset_at(doc.text, line, character)
+        prefix = doc.text[:at]
+        i = len(prefix)
+        while i > 0 and (prefix[i - 1].isalnum() or prefix[i - 1] == "_"):
+            i -= 1
+        word = prefix[i:]
+        params[PINNED] = Pinned(uri, method, generation, doc.language, prefix, doc.text[at:], word, line, character)
+
+    async def _complete(self, pin: Pinned) -> dict[str, Any] | None:
+        """The infill result for a pinned request; None when it went stale or is turned off."""
+        key = (pin.uri, pin.method)
+        if self._generation.get(key) != pin.generation:
+            return None  # a newer request came before this one started
+        enabled, options = self.settings.options_for(pin.language)
+        if not enabled:
+            return None
+        scope = anyio.CancelScope()
+        self._live[key] = (pin.generation, scope)
+        result: dict[str, Any] | None = None
+        try:
+            with scope:
+                model = await self._model_name()
+                params: dict[str, Any] = {"prefix": pin.prefix, "suffix": pin.suffix, "options": options}
+                if model is not None:
+                    params["model"] = model
+                if self.settings.open_files:
+                    extra = [
+                        {"filename": _filename(d.uri), "text": d.text}
+                        for d in self.documents.values()
+                        if d.uri != pin.uri and d.language == pin.language
+                    ]
+                    if extra:
+                        params["extra"] = extra
+                result = await self._infill(None, **params)
+        finally:
+            live = self._live.get(key)
+            if live is not None and live[0] == pin.generation:
+                del self._live[key]
+        return result  # None when the scope was cancelled: a newer request made it stale
+
+    async def _model_name(self) -> str | None:
+        """The model the settings name, loaded with their load options (once); None to let
+        inference/infill choose (the model used last, else the default)."""
+        s = self.settings
+        if s.model is None and s.backend is None and s.load_options is None:
+            return None
+        wanted = json.dumps([s.model, s.backend, s.load_options], sort_keys=True)
+        if self._model is not None and self._model[0] == wanted and self._loaded(self._model[1]):
+            return self._model[1]
+        described = await self._load(None, model=s.model, backend=s.backend, options=s.load_options)
+        name: str = described["model"]
+        self._model = (wanted, name)
+        return name
+
+    def running(self, uri: str) -> int:
+        """Completion requests for `uri` still running (for tests: at most one per method)."""
+        return sum(1 for k in self._live if k[0] == uri)
+
+    async def completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
+        pin = p.pop(PINNED)
+        assert isinstance(pin, Pinned), "accept() pinned the request"
+        result = await self._complete(pin)
+        text = result["text"] if result is not None else ""
+        if not text.strip():
+            return {"isIncomplete": True, "items": []}
+        assert result is not None
+        new_text = pin.word + text
+        first = new_text.split("\n", 1)[0].rstrip("\r")
+        label = first if first.strip() else next(line.strip() for line in new_text.splitlines() if line.strip())
+        start = pin.character - utf16_len(pin.word)
+        item: dict[str, Any] = {
+            "label": label,
+            "kind": KIND_TEXT,
+            "detail": f"kinfer ({result['model']})",
+            "preselect": True,
+            "sortText": "0",
+            "insertTextFormat": PLAIN_TEXT,
+            "textEdit": {
+                "range": {
+                    "start": {"line": pin.line, "character": start},
+                    "end": {"line": pin.line, "character": pin.character},
+                },
+                "newText": new_text,
+            },
+        }
+        # isIncomplete: the next keystroke asks again rather than filtering this list.
+        return {"isIncomplete": True, "items": [item]}
+
+    async def inline_completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
+        pin = p.pop(PINNED)
+        assert isinstance(pin, Pinned), "accept() pinned the request"
+        result = await self._complete(pin)
+        text = result["text"] if result is not None else ""
+        if not text:
+            return {"items": []}
+        here = {"line": pin.line, "character": pin.character}
+        return {"items": [{"insertText": text, "range": {"start": here, "end": here}}]}

@@ -29,12 +29,18 @@ from kinfer_rpc.host.runtime import Runtime
 from kinfer_rpc.protocol.connection import Connection, RequestContext
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, ByteSource, FrameReader, encode
 from kinfer_rpc.protocol.handlers import Handlers
+from kinfer_rpc.protocol.lsp import METHODS as LSP_COMPLETIONS
+from kinfer_rpc.protocol.lsp import Editor
+from kinfer_rpc.protocol.lsp import capabilities as lsp_capabilities
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 log = logging.getLogger("kinfer_rpc")
 
+# InitializeParams members of LSP 3.17 that kinfer takes and ignores (processId and
+# initializationOptions it reads; workDoneToken the connection takes).
+LSP_INITIALIZE_FIELDS = ("clientInfo", "locale", "rootPath", "rootUri", "capabilities", "trace", "workspaceFolders")
 LOG_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 MESSAGE_TYPE = {logging.ERROR: 1, logging.WARNING: 2, logging.INFO: 3, logging.DEBUG: 4}
 
@@ -76,6 +82,13 @@ class Server:
         self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         self._stop = anyio.Event()
         r = self.handlers = Handlers(self.runtime)
+        # LSP's editor features: code completion from the model for stock LSP clients.
+        lsp = self.editor = Editor(
+            getattr(r, "inference_infill", _no_infill),
+            r.model_load,
+            lambda name: name in self.runtime.loaded,
+            self.queue_notification,
+        )
         self.connection = Connection(
             self.send,
             {
@@ -88,8 +101,17 @@ class Server:
                 "inference/generate": r.inference_generate,
                 "inference/chat": r.inference_chat,
                 "inference/tokenize": r.inference_tokenize,
+                "textDocument/completion": lsp.completion,
+                "textDocument/inlineCompletion": lsp.inline_completion,
             },
-            {"initialized": self.initialized, "exit": self.exit},
+            {
+                "initialized": self.initialized,
+                "exit": self.exit,
+                "textDocument/didOpen": lsp.did_open,
+                "textDocument/didChange": lsp.did_change,
+                "textDocument/didClose": lsp.did_close,
+                "workspace/didChangeConfiguration": lsp.did_change_configuration,
+            },
             gate=self.gate,
             accept=self.accept,
             send_nowait=self._send_nowait,
@@ -159,6 +181,8 @@ class Server:
 
                 Fields(_named(params), "params").done()
                 self.state = "shutdown"
+            elif method in LSP_COMPLETIONS:
+                self.editor.accept(method, params)
         except errors.KinferError as exc:
             return exc
         return None
@@ -168,18 +192,17 @@ class Server:
 
         f = Fields(p, "params")
         pid = f.int("processId", None, lo=0)
-        f.raw("clientInfo")
-        f.raw("capabilities")
-        f.raw("rootUri")
-        f.raw("trace")
+        for name in LSP_INITIALIZE_FIELDS:  # a stock LSP client's: accepted and ignored
+            f.raw(name)
         init = f.raw("initializationOptions") or {}
         f.done()
         if not isinstance(init, dict):
             raise errors.invalid_params("params.initializationOptions must be an object")
         level = init.get("logLevel")
+        if level is not None and level not in LOG_LEVELS:
+            raise errors.invalid_params("initializationOptions.logLevel must be one of " + ", ".join(LOG_LEVELS))
+        self.editor.initialize(init)  # the completion settings (raises before anything changed)
         if level is not None:
-            if level not in LOG_LEVELS:
-                raise errors.invalid_params("initializationOptions.logLevel must be one of " + ", ".join(LOG_LEVELS))
             self.log_handler.setLevel(LOG_LEVELS[level])
         if pid is not None and self.client_pid is None:
             self.client_pid = pid
@@ -202,6 +225,7 @@ class Server:
                 "workDoneProgress": True,
                 "cancellation": True,
                 "maxFrameBytes": self.max_frame,
+                **lsp_capabilities(),
             },
         }
 
@@ -317,6 +341,10 @@ def _process_id(text: str) -> int:
     if not 1 <= pid < 2**31:
         raise argparse.ArgumentTypeError(f"not a process id: {pid} (1 to {2**31 - 1})")
     return pid
+
+
+async def _no_infill(ctx: RequestContext | None, /, **_: Any) -> dict[str, Any]:
+    raise errors.KinferError(errors.NOT_SUPPORTED, "this build has no inference/infill: completions are unavailable")
 
 
 def _named(params: dict[str, Any] | list[Any]) -> dict[str, Any]:

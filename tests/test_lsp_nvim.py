@@ -1,0 +1,116 @@
+"""Neovim's own LSP client (no plugin) completing from kinfer-rpc: `vim.lsp.start_client` with
+`init_options`, a buffer attached, typing in insert mode (incremental didChange), then
+`<C-x><C-o>` with `omnifunc=v:lua.vim.lsp.omnifunc`: the completion lands in the buffer.
+
+Written for Neovim 0.7 (Debian's `neovim` package), the oldest with the API used here; skipped
+only when `nvim` is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from lsp_helpers import events, fake_server
+
+NVIM = shutil.which("nvim")
+
+pytestmark = pytest.mark.skipif(NVIM is None, reason="Neovim is not installed (apt-get install neovim)")
+
+SCRIPT = r"""
+local out = vim.env.KINFER_TEST_OUT
+local report = { lines_before = {}, events = {} }
+local function finish()
+  report.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  report.mode = vim.fn.mode()
+  vim.fn.writefile({ vim.fn.json_encode(report) }, out .. '/report.json')
+  vim.cmd('qa!')
+end
+
+local buf = vim.api.nvim_get_current_buf()
+vim.api.nvim_buf_set_name(buf, out .. '/add.py')
+vim.bo[buf].filetype = 'python'
+vim.api.nvim_buf_set_lines(buf, 0, -1, false, { 'def add(a, b):', '    return a' })
+vim.o.completeopt = 'menu'  -- the first match is inserted
+
+local initialized = false
+local id = vim.lsp.start_client({
+  name = 'kinfer',
+  cmd = vim.fn.json_decode(vim.env.KINFER_LSP_CMD),
+  root_dir = out,
+  init_options = vim.fn.json_decode(vim.env.KINFER_LSP_INIT),
+  on_init = function(client, result)
+    report.sync = result.capabilities.textDocumentSync
+    report.completion_provider = result.capabilities.completionProvider ~= nil
+    initialized = true
+  end,
+})
+report.client_id = id
+vim.lsp.buf_attach_client(buf, id)
+vim.bo[buf].omnifunc = 'v:lua.vim.lsp.omnifunc'
+vim.wait(30000, function() return initialized end, 20)
+report.initialized = initialized
+
+vim.api.nvim_win_set_cursor(0, { 2, 0 })
+local keys = vim.api.nvim_replace_termcodes('A + b<C-x><C-o>', true, false, true)
+vim.api.nvim_feedkeys(keys, 'nt', false)
+
+local deadline = vim.loop.now() + tonumber(vim.env.KINFER_TEST_WAIT_MS)
+local timer = vim.loop.new_timer()
+timer:start(100, 50, vim.schedule_wrap(function()
+  local line = vim.api.nvim_buf_get_lines(buf, 1, 2, false)[1]
+  report.seen = line
+  if line ~= '    return a + b' and line ~= '    return a' and vim.startswith(line, '    return a + b') then
+    timer:stop()
+    report.completed = true
+    finish()
+  elseif vim.loop.now() > deadline then
+    timer:stop()
+    report.completed = false
+    finish()
+  end
+end))
+"""
+
+
+def run_nvim(tmp_path, cmd, env, init_options, wait_ms=30000):
+    script = tmp_path / "test.lua"
+    script.write_text(SCRIPT)
+    env = {
+        **env,
+        "KINFER_TEST_OUT": str(tmp_path),
+        "KINFER_LSP_CMD": json.dumps(cmd),
+        "KINFER_LSP_INIT": json.dumps(init_options),
+        "KINFER_TEST_WAIT_MS": str(wait_ms),
+        "XDG_STATE_HOME": str(tmp_path / "state"),  # the LSP log goes here, not to the user's
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    proc = subprocess.run(
+        [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n", "-c", f"luafile {script}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=wait_ms / 1000 + 90,
+        stdin=subprocess.DEVNULL,
+    )
+    report_file = tmp_path / "report.json"
+    assert report_file.exists(), f"nvim wrote no report\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    return json.loads(report_file.read_text())
+
+
+def test_nvim_omnifunc_completes_from_the_server(tmp_path):
+    log = tmp_path / "infill.jsonl"
+    cmd, env = fake_server(log)
+    report = run_nvim(tmp_path, cmd, env, {"completion": {"maxTokens": 16}})
+    assert report["initialized"] and report["completion_provider"]
+    assert report["sync"]["change"] == 2
+    start = [e for e in events(log) if e["event"] == "start"][-1]
+    # the buffer as typed reached the server through incremental changes
+    assert start["prefix"] == "def add(a, b):\n    return a + b"
+    assert start["suffix"] == "\n"
+    assert start["options"]["maxTokens"] == 16
+    expected = f"    return a + b_fake({len(start['prefix'])},{len(start['suffix'])})"
+    assert report["completed"], report
+    assert report["lines"] == ["def add(a, b):", expected]

@@ -3,6 +3,11 @@ settings, and completion requests over a fake `inference/infill` (no model, no p
 
 from __future__ import annotations
 
+import json
+import re
+import tomllib
+from pathlib import Path
+
 import anyio
 import pytest
 
@@ -349,3 +354,18 @@ def test_requests_for_documents_not_open_or_without_a_position_are_refused():
         with pytest.raises(errors.KinferError) as raised:
             editor.accept(lsp.COMPLETION, params)
         assert raised.value.code == errors.INVALID_PARAMS
+
+
+def test_the_settings_docs_editors_md_shows_are_accepted():
+    """Every settings example in docs/editors.md (JSON, VS Code's settings, Helix's TOML) parses."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "editors.md").read_text()
+    blocks = re.findall(r"```(json|toml)\n(.*?)```", text, re.S)
+    assert len(blocks) >= 3
+    for kind, body in blocks:
+        if kind == "json":
+            value = json.loads(body)
+            init = value.get("glspc.server.initializationOptions", value)
+        else:
+            init = tomllib.loads(body)["language-server"]["kinfer"]["config"]
+        settings = parse_settings(settings_in(init), "completion")
+        assert settings.options["maxTokens"] in (48, 64)

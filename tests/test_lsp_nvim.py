@@ -9,13 +9,18 @@ only when `nvim` is not installed.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from lsp_helpers import events, fake_server
 
 NVIM = shutil.which("nvim")
+EDITORS_MD = Path(__file__).resolve().parent.parent / "docs" / "editors.md"
 
 pytestmark = pytest.mark.skipif(NVIM is None, reason="Neovim is not installed (apt-get install neovim)")
 
@@ -114,3 +119,82 @@ def test_nvim_omnifunc_completes_from_the_server(tmp_path):
     expected = f"    return a + b_fake({len(start['prefix'])},{len(start['suffix'])})"
     assert report["completed"], report
     assert report["lines"] == ["def add(a, b):", expected]
+
+
+DRIVE_DOCS_CONFIG = r"""
+local out = vim.env.KINFER_TEST_OUT
+local report = {}
+vim.cmd('edit ' .. vim.fn.fnameescape(out .. '/add.py'))  -- FileType python: the docs' autocmd
+local buf = vim.api.nvim_get_current_buf()
+vim.api.nvim_buf_set_lines(buf, 0, -1, false, { 'def add(a, b):', '    return a' })
+report.omnifunc = vim.bo[buf].omnifunc
+vim.wait(30000, function()
+  local clients = vim.lsp.buf_get_clients(buf)
+  return next(clients) ~= nil and clients[next(clients)].initialized ~= false
+end, 20)
+vim.wait(500)
+vim.api.nvim_win_set_cursor(0, { 2, 0 })
+vim.api.nvim_feedkeys(vim.api.nvim_replace_termcodes('A + b<C-x><C-o>', true, false, true), 'nt', false)
+local deadline = vim.loop.now() + 30000
+local timer = vim.loop.new_timer()
+timer:start(100, 50, vim.schedule_wrap(function()
+  local line = vim.api.nvim_buf_get_lines(buf, 1, 2, false)[1]
+  if vim.startswith(line, '    return a + b_') or vim.loop.now() > deadline then
+    timer:stop()
+    report.lines = vim.api.nvim_buf_get_lines(buf, 0, -1, false)
+    vim.fn.writefile({ vim.fn.json_encode(report) }, out .. '/report.json')
+    vim.cmd('qa!')
+  end
+end))
+"""
+
+
+def test_the_neovim_config_in_docs_editors_md(tmp_path):
+    """docs/editors.md's init.lua, as written, with `kinfer-rpc` on PATH (the fake server)."""
+    config = re.search(r"## Neovim.*?```lua\n(.*?)```", EDITORS_MD.read_text(), re.S).group(1)
+    assert "vim.lsp.start_client" in config and "omnifunc" in config
+    (tmp_path / "init.lua").write_text(config)
+    (tmp_path / "drive.lua").write_text(DRIVE_DOCS_CONFIG)
+    log = tmp_path / "infill.jsonl"
+    cmd, env = fake_server(log)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "kinfer-rpc"
+    shim.write_text("#!/bin/sh\nexec " + shlex.join(cmd) + ' "$@"\n')
+    shim.chmod(0o755)
+    env = {
+        **env,
+        "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        "KINFER_TEST_OUT": str(tmp_path),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    proc = subprocess.run(
+        [
+            NVIM,
+            "--headless",
+            "-u",
+            str(tmp_path / "init.lua"),
+            "-i",
+            "NONE",
+            "-n",
+            "-c",
+            "filetype on",
+            "-c",
+            f"luafile {tmp_path / 'drive.lua'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    report_file = tmp_path / "report.json"
+    assert report_file.exists(), f"nvim wrote no report\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    report = json.loads(report_file.read_text())
+    assert report["omnifunc"] == "v:lua.vim.lsp.omnifunc"
+    start = [e for e in events(log) if e["event"] == "start"][-1]
+    assert start["options"]["maxTokens"] == 48  # the docs' init_options reached the server
+    assert [e for e in events(log) if e["event"] == "load"][0]["model"] == "qwen2.5-coder:1.5b"
+    assert report["lines"][1] == f"    return a + b_fake({len(start['prefix'])},{len(start['suffix'])})"

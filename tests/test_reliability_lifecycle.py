@@ -195,10 +195,11 @@ def test_parent_death_without_a_process_id_exits(subreaper, tmp_path, initialize
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_answers_the_requests_in_flight_then_exits(spawn, signum) -> None:  # noqa: F811
-    """SIGTERM or SIGINT (Ctrl-C in the server's terminal): every request still running is
-    answered -32800 with its partial reply before the server exits with 128 + the signal."""
+    """SIGTERM, SIGINT (Ctrl-C in the server's terminal) or SIGHUP (that terminal closed): every
+    request still running is answered -32800 with its partial reply before the server exits with
+    128 + the signal."""
     c = spawn()
     c.initialize()
     c.load_model(slots=2)

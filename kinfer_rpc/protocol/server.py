@@ -261,7 +261,7 @@ class Server:
                 return
 
     def _on_signal(self, signum: int) -> None:
-        """SIGINT or SIGTERM: end as `exit` would, answering what runs; exit code 128 + signum."""
+        """SIGINT, SIGTERM or SIGHUP: end as `exit` would, answering what runs; exit code 128 + signum."""
         log.warning("%s: answering the requests in flight and exiting", signal.Signals(signum).name)
         if self.exit_code is None:
             self.exit_code = 128 + signum
@@ -282,7 +282,10 @@ class Server:
                 self._stop.set()
 
             tg.start_soon(read)
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            # SIGHUP: the terminal the server was started from closed (no such signal on Windows).
+            for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+                if signum is None:
+                    continue
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     self.loop.add_signal_handler(signum, self._on_signal, signum)
             await self._stop.wait()

@@ -8,7 +8,8 @@
     kinfer doctor                  backends, devices, memory, the default model
 
 Every command takes `--json` for scripts. Colours and progress bars only on a terminal
-(and never with NO_COLOR set).
+(and never with NO_COLOR set). Ctrl-C stops a reply (the server cancels it and goes on); at an
+empty prompt, a second Ctrl-C or Ctrl-D leaves.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__
-from kinfer_rpc.client import AsyncClient, Client, LoadedModel, RpcError, ToolCall, server_command
+from kinfer_rpc.client import AsyncClient, Client, LoadedModel, Result, RpcError, ToolCall, server_command
 from kinfer_rpc.client import Progress as WorkProgress
 
 out = Console(highlight=False, soft_wrap=True)
@@ -144,6 +145,44 @@ def _call_text(call: ToolCall) -> str:
     return f"{call.name}({arguments})"
 
 
+def _line_buffer() -> str:
+    """What was typed at the prompt when Ctrl-C came ("" without line editing: the terminal
+    dropped it)."""
+    try:
+        import readline
+    except ImportError:  # no line editing here
+        return ""
+    return readline.get_line_buffer()
+
+
+def _line_editing() -> None:
+    """input() edits the line and keeps a history (readline, where Python has it)."""
+    try:
+        import readline  # noqa: F401  (importing it is what turns it on)
+    except ImportError:
+        pass
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    return {
+        "model": result.model,
+        "text": result.text,
+        "tokens": result.tokens,
+        "stopReason": result.stop_reason,
+        "seed": result.seed,
+        "usage": {
+            "promptTokens": result.usage.prompt_tokens,
+            "completionTokens": result.usage.completion_tokens,
+        },
+        "timings": {
+            "queueMs": result.timings.queue_ms,
+            "promptMs": result.timings.prompt_ms,
+            "generateMs": result.timings.generate_ms,
+            "tokensPerSecond": result.timings.tokens_per_second,
+        },
+    } | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
+
+
 def _chat(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"maxTokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
@@ -159,12 +198,16 @@ def _chat(args: argparse.Namespace) -> int:
         loaded = _load(kinfer, model, args)
         model = loaded.model
         interactive = prompt is None
-        if interactive and not args.json and sys.stdin.isatty():
-            err.print(
-                f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
-                "Ctrl-C stops a reply.[/dim]"
-            )
+        tty = sys.stdin.isatty()
+        if interactive and tty:
+            _line_editing()
+            if not args.json:
+                err.print(
+                    f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
+                    "Ctrl-C stops a reply.[/dim]"
+                )
         history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
+        leaving = False  # the last key at the prompt was Ctrl-C on an empty line
         while True:
             if not interactive:
                 if prompt is None:
@@ -172,11 +215,23 @@ def _chat(args: argparse.Namespace) -> int:
                 text, prompt = prompt, None
             else:
                 try:
-                    text = input(">>> " if sys.stdin.isatty() else "")
+                    text = input(">>> " if tty else "")
                 except EOFError:
-                    if sys.stdin.isatty():
+                    if tty:
                         print()
                     return 0
+                except KeyboardInterrupt:  # Ctrl-C at the prompt: clear the line
+                    if not tty:
+                        return 130
+                    typed = _line_buffer()
+                    print()
+                    if not typed and leaving:
+                        return 0
+                    leaving = not typed
+                    if leaving:
+                        err.print("[dim](Ctrl-C again, Ctrl-D or /bye to leave)[/dim]")
+                    continue
+                leaving = False
                 if text.strip() in ("/bye", "/exit", "/quit"):
                     return 0
                 if text.strip() == "/clear":
@@ -184,31 +239,13 @@ def _chat(args: argparse.Namespace) -> int:
                     continue
                 if not text.strip():
                     continue
+            turn = len(history)
             history.append({"role": "user", "content": text})
             stream = kinfer.stream_chat(history, model, tools=tools, tool_choice=args.tool_choice, **options)
             try:
                 if args.json:
                     result = stream.wait()
-                    _emit(
-                        {
-                            "model": result.model,
-                            "text": result.text,
-                            "tokens": result.tokens,
-                            "stopReason": result.stop_reason,
-                            "seed": result.seed,
-                            "usage": {
-                                "promptTokens": result.usage.prompt_tokens,
-                                "completionTokens": result.usage.completion_tokens,
-                            },
-                            "timings": {
-                                "queueMs": result.timings.queue_ms,
-                                "promptMs": result.timings.prompt_ms,
-                                "generateMs": result.timings.generate_ms,
-                                "tokensPerSecond": result.timings.tokens_per_second,
-                            },
-                        }
-                        | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
-                    )
+                    _emit(_result_json(result))
                 elif calling:
                     # Streamed pieces are the raw reply, call markup included: print the result's
                     # text (the reply without the calls), then the calls.
@@ -232,14 +269,16 @@ def _chat(args: argparse.Namespace) -> int:
                             f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
                             f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]"
                         )
+                history.append(result.message)  # with its toolCalls, if it made any
             except KeyboardInterrupt:
+                # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on
+                # serving; the question and its cut reply leave the history.
                 stream.close()
                 sys.stdout.write("\n")
-                history.pop()
+                sys.stdout.flush()
+                del history[turn:]
                 if not interactive:
                     return 130
-                continue
-            history.append(result.message)  # with its toolCalls, if it made any
 
 
 # -- list --------------------------------------------------------------------------------------

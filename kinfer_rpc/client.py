@@ -20,10 +20,13 @@ Async (anyio: asyncio or trio):
 
 Breaking out of a stream, closing it, cancelling the task that awaits a call (an anyio cancel
 scope, a timeout) or Ctrl-C in a blocking call sends `$/cancelRequest`; the server stops the work
-and answers -32800. Options are the protocol's camelCase ones (`maxTokens`, `temperature`, `seed`,
-`stop`, `ignoreEos`, `logprobs`, `topLogprobs`, `grammar`, `regex`, ...), sent as given. `format`
-takes a JSON schema (a dict), "json", or a class with a `model_json_schema()` classmethod (a
-pydantic model), whose schema is sent. `close()`, leaving the `with` block, and garbage collection
+and answers -32800. The server runs in a session of its own, so a terminal's Ctrl-C reaches the
+script alone: catch KeyboardInterrupt around a stream and the same server takes the next request.
+
+Options are the protocol's camelCase ones (`maxTokens`, `temperature`, `seed`, `stop`,
+`ignoreEos`, `logprobs`, `topLogprobs`, `grammar`, `regex`, ...), sent as given. `format` takes a
+JSON schema (a dict), "json", or a class with a `model_json_schema()` classmethod (a pydantic
+model), whose schema is sent. `close()`, leaving the `with` block, and garbage collection
 of a `Client` shut the server down cleanly (`shutdown`, `exit`, exit code 0, the process reaped).
 
 Agents: `chat(messages, tools=[...], tool_choice=...)` offers tools (OpenAI's shape); the
@@ -402,8 +405,16 @@ class _Wire:
         stderr: int | IO[Any] | None,
         cwd: str | os.PathLike[str] | None,
     ):
+        # A session of its own: a terminal's Ctrl-C (SIGINT to its foreground process group)
+        # reaches the client, which cancels what it waits for, never the server it shares.
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are PIPE
         self.stdin: IO[bytes] = self.proc.stdin
@@ -667,8 +678,12 @@ class Client:
         try:
             rid, fut = self._wire.request("model/load", {**params, "workDoneToken": token})
             fut.add_done_callback(lambda _: q.put(_DONE))
-            while (value := q.get()) is not _DONE:
-                progress(Progress.from_json(value or {}))
+            try:
+                while (value := q.get()) is not _DONE:
+                    progress(Progress.from_json(value or {}))
+            except BaseException:  # Ctrl-C, or the callback raised: the load is not waited for
+                self._wire.cancel(rid)
+                raise
             while not q.empty():  # progress that raced the response
                 value = q.get_nowait()
                 if value is not _DONE:
@@ -877,8 +892,14 @@ class AsyncClient:
 
     async def __aenter__(self) -> AsyncClient:
         self._thread = threading.get_ident()
-        self._proc = await anyio.open_process(
-            self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=self._env, cwd=self._cwd
+        self._proc = await anyio.open_process(  # a session of its own, as in Client
+            self._argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=self._env,
+            cwd=self._cwd,
+            start_new_session=True,
         )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()

@@ -69,6 +69,10 @@ export class KinferClient {
       stdio: ['pipe', 'pipe', opts.stderr ?? 'inherit'],
       env: opts.env ?? process.env,
       cwd: opts.cwd,
+      // A process group (a session) of its own: a terminal's Ctrl-C (SIGINT to the foreground
+      // group) reaches this program, not the server. Not unref'd: the server is still this
+      // process's child, and it exits when this process dies (its stdin closes).
+      detached: process.platform !== 'win32',
     });
     const exited = new Promise((resolve) => child.once('exit', (code, signal) => resolve(code ?? signal)));
     await new Promise((resolve, reject) => {

@@ -32,15 +32,26 @@ local function in_order(fn)
   end
 end
 
+-- The server runs in a process group (a session) of its own: Ctrl-C at the terminal while Neovim
+-- runs a shell command (`:!make`), or at a headless Neovim, sends SIGINT to Neovim's group, and
+-- must not end the server. Neovim 0.8+ spawns it detached (extra_spawn_params.detached); 0.7
+-- cannot, so `setsid` runs it there: setsid execs it in place (a child is not a group leader, so
+-- it does not fork), and the server stays Neovim's child, which exits when Neovim goes (its stdin
+-- closes, its parent is gone). Not on Windows, where a detached process gets a console of its own.
 local function start_rpc(cmd, dispatchers)
+  local unix = vim.fn.has('win32') == 0
+  local extra = { detached = unix }
   if vim.fn.has('nvim-0.10') == 1 then
-    return vim.lsp.rpc.start(cmd, dispatchers)
+    return vim.lsp.rpc.start(cmd, dispatchers, extra)
+  end
+  if unix and vim.fn.has('nvim-0.8') == 0 and vim.fn.executable('setsid') == 1 then
+    cmd = vim.list_extend({ 'setsid' }, cmd)
   end
   local args = {}
   for i = 2, #cmd do
     args[#args + 1] = cmd[i]
   end
-  return vim.lsp.rpc.start(cmd[1], args, dispatchers)
+  return vim.lsp.rpc.start(cmd[1], args, dispatchers, extra)
 end
 
 --- Spawn and initialize a server. opts: cmd (list), on_notification(method, params), on_exit(code).

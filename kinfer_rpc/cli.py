@@ -1,15 +1,20 @@
 """`kinfer`: the command line for people. It speaks to `kinfer-rpc` like any client does.
 
-    kinfer chat [MODEL] [PROMPT]   chat (interactive without a prompt); --format FILE|json holds
-                                   the reply to a JSON schema, --tool FILE offers tools
-    kinfer list                    the models this machine can serve
-    kinfer ps                      the kinfer-rpc processes running here and the models they hold
-    kinfer bench                   concurrent chats through the client; tokens per second
-    kinfer doctor                  backends, devices, memory, the default model
+    kinfer chat [-m MODEL] [PROMPT]  chat (interactive without a prompt; without -m, the embedded
+                                     SmolLM2); --format FILE|json holds the reply to a JSON
+                                     schema, --tool FILE offers tools
+    kinfer run MODEL [PROMPT]        the same, the model named first (as Ollama spells it)
+    kinfer list                      the models this machine can serve
+    kinfer ps                        the kinfer-rpc processes running here and the models they hold
+    kinfer bench                     concurrent chats through the client; tokens per second
+    kinfer doctor                    backends, devices, memory, the default model
 
 Every command takes `--json` for scripts. Colours and progress bars only on a terminal
-(and never with NO_COLOR set). Ctrl-C stops a reply (the server cancels it and goes on); at an
-empty prompt, a second Ctrl-C or Ctrl-D leaves.
+(and never with NO_COLOR set). The server resolves a model's name: an unknown or ambiguous one is
+its error (with the names to choose from) and kinfer's exit code 1. A chat sends only the options
+given, so a model's own parameters (an Ollama model's temperature, num_predict...) apply otherwise.
+Ctrl-C stops a reply (the server cancels it and goes on); at an empty prompt, a second Ctrl-C or
+Ctrl-D leaves.
 """
 
 from __future__ import annotations
@@ -103,13 +108,6 @@ def _load(kinfer: Client, model: str | None, args: argparse.Namespace) -> Loaded
 
 
 # -- chat --------------------------------------------------------------------------------------
-def _is_model(kinfer: Client, name: str) -> bool:
-    if os.path.exists(os.path.expanduser(name)):
-        return True
-    names = [m.name for m in kinfer.models()]
-    return name in names or len([n for n in names if n.startswith(name)]) == 1
-
-
 def _json_file(path: str) -> Any:
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
@@ -184,19 +182,18 @@ def _result_json(result: Result) -> dict[str, Any]:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {"maxTokens": args.max_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        options["seed"] = args.seed
+    # Only what was given: the model's own parameters (an Ollama model's) apply to the rest.
+    options: dict[str, Any] = {}
+    for attr, name in (("max_tokens", "maxTokens"), ("temperature", "temperature"), ("seed", "seed")):
+        if getattr(args, attr) is not None:
+            options[name] = getattr(args, attr)
     if args.format is not None:
         options["format"] = args.format
     tools = [t for group in args.tools for t in group] if args.tools else None
     calling = tools is not None and args.tool_choice != "none"  # "none": the tools are not offered
     with Client() as kinfer:
-        model, prompt = args.model, args.prompt
-        if model is not None and prompt is None and not _is_model(kinfer, model):
-            model, prompt = None, model  # `kinfer chat "a question"`
-        loaded = _load(kinfer, model, args)
-        model = loaded.model
+        loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
+        model, prompt = loaded.model, args.prompt
         interactive = prompt is None
         tty = sys.stdin.isatty()
         if interactive and tty:
@@ -695,21 +692,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     loading.add_argument("--context-length", type=int, default=None, help="context per slot")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", parents=[common, loading], help="chat with a model (interactive without a prompt)")
-    chat.add_argument("model", nargs="?", default=None, help="model name or path (default: the embedded SmolLM2)")
-    chat.add_argument("prompt", nargs="?", default=None, help="one question; without it the chat is interactive")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--system", default=None, help="a system message")
-    chat.add_argument(
+    talking = argparse.ArgumentParser(add_help=False)  # chat and run
+    talking.add_argument(
+        "--max-tokens", type=int, default=None, help="the most tokens in a reply (default: the model's own, or none)"
+    )
+    talking.add_argument(
+        "--temperature", type=float, default=None, help="(default: the model's own, or the server's 0.8)"
+    )
+    talking.add_argument("--seed", type=int, default=None)
+    talking.add_argument("--system", default=None, help="a system message")
+    talking.add_argument(
         "--format",
         type=_format_arg,
         default=None,
         metavar="FILE|json",
         help="hold the reply to the JSON schema in FILE, or to any JSON value (json)",
     )
-    chat.add_argument(
+    talking.add_argument(
         "--tool",
         dest="tools",
         type=_tool_arg,
@@ -717,19 +716,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="a JSON file with a tool definition (OpenAI's shape) or a list of them; repeatable",
     )
-    chat.add_argument(
+    talking.add_argument(
         "--tool-choice",
         default=None,
         metavar="CHOICE",
         help="auto (default with tools), none, required, or a function's name",
     )
-    chat.add_argument("-v", "--verbose", action="store_true", help="timings after each reply")
+    talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply")
+
+    chat = sub.add_parser(
+        "chat", parents=[common, loading, talking], help="chat with a model (interactive without a prompt)"
+    )
+    chat.add_argument("-m", "--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+    run = sub.add_parser(
+        "run", parents=[common, loading, talking], help="chat with the model NAME (interactive without a prompt)"
+    )
+    run.add_argument("model", metavar="NAME", help="model name (as Ollama names it, or a prefix) or path")
+    for command in (chat, run):
+        command.add_argument("prompt", nargs="?", default=None, help="one question; without it the chat is interactive")
 
     sub.add_parser("list", parents=[common], help="list the models this machine can serve")
     sub.add_parser("ps", parents=[common], help="kinfer-rpc processes on this machine and the models they hold")
 
     bench = sub.add_parser("bench", parents=[common, loading], help="run concurrent chats and report tokens per second")
-    bench.add_argument("--model", default=None)
+    bench.add_argument("-m", "--model", default=None)
     bench.add_argument("-n", "--requests", type=int, default=8)
     bench.add_argument("-c", "--concurrency", type=int, default=4)
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (end of text is ignored)")
@@ -741,9 +751,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", parents=[common], help="backends, devices, memory and the default model")
     doctor.add_argument("--no-load", dest="load", action="store_false", help="skip loading the default model")
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command == "chat" and not any(e.startswith("-") for e in extra):
+            chat.error(
+                f"unrecognized arguments: {' '.join(extra)} (one prompt; the model is -m NAME, "
+                "or `kinfer run NAME PROMPT`)"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    commands = {"chat": _chat, "run": _chat, "list": _list, "ps": _ps, "bench": _bench, "doctor": _doctor}
     try:
-        return {"chat": _chat, "list": _list, "ps": _ps, "bench": _bench, "doctor": _doctor}[args.command](args)
+        return commands[args.command](args)
     except RpcError as exc:
         err.print(f"kinfer: {exc}", markup=False)
         return 1

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pty
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from test_store import MEDIA, OllamaStore, _place
 
 from kinfer_rpc.cli import _call_text
 from kinfer_rpc.client import Client, ToolCall
+from kinfer_rpc.host.store import embedded_default_path
 
 BIN = os.path.dirname(sys.executable)
 KINFER = os.path.join(BIN, "kinfer")
@@ -50,11 +54,12 @@ def json_lines(text: str) -> list:
 
 @pytest.mark.model
 def test_chat_with_a_prompt():
-    proc = kinfer("chat", "Name a colour.", "--max-tokens", "8", "--threads", "1")  # temperature 0 by default
+    greedy = ["--max-tokens", "8", "--threads", "1", "--temperature", "0"]
+    proc = kinfer("chat", "Name a colour.", *greedy)  # the embedded default model
     assert proc.stdout.strip()
-    # or the model first (a unique prefix names it), then the prompt
-    again = kinfer("chat", "smollm2", "Name a colour.", "--max-tokens", "8", "--threads", "1", "--temperature", "0")
-    assert proc.stdout == again.stdout
+    # or the model named (a unique prefix names it): -m, or first as `kinfer run` takes it
+    assert kinfer("chat", "-m", "smollm2", "Name a colour.", *greedy).stdout == proc.stdout
+    assert kinfer("run", "smollm2", "Name a colour.", *greedy).stdout == proc.stdout
 
 
 @pytest.mark.model
@@ -162,12 +167,96 @@ def test_colours_on_a_terminal_only():
     assert b"\x1b[" in data and DEFAULT.encode() in data
 
 
-@pytest.mark.parametrize("args", [["bench", "-n", "0"], ["chat", "--max-tokens", "x"]])
+@pytest.mark.parametrize("args", [["bench", "-n", "0"], ["chat", "--max-tokens", "x"], ["run"]])
 def test_bad_arguments_fail(args):
     proc = subprocess.run(
         [KINFER, *args], capture_output=True, text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL
     )
     assert proc.returncode == 2
+
+
+# -- naming the model: -m, `kinfer run NAME`, and the server's word on the name --------------------
+def kinfer_fails(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [KINFER, *args], capture_output=True, text=True, env=env(), timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert proc.returncode != 0, f"kinfer {' '.join(args)} did not fail\nstdout:\n{proc.stdout}"
+    return proc
+
+
+@pytest.fixture
+def small_store(tmp_path, monkeypatch):
+    """Model stores that hold tiny-a and tiny-b (the embedded model's file) beside the default."""
+    folder = tmp_path / "kinfer"
+    folder.mkdir()
+    for name in ("tiny-a", "tiny-b"):
+        _place(Path(embedded_default_path()), folder / f"{name}.gguf")
+    monkeypatch.setenv("KINFER_MODELS", str(folder))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
+
+
+def test_an_unknown_model_is_an_error_with_the_names_to_choose_from(small_store):
+    # Never another model answering: the server resolves the name and says why it cannot.
+    for args in (
+        ["run", "qwen3:8b", "Name a colour."],
+        ["run", "qwen3:8b"],  # interactive
+        ["chat", "-m", "qwen3:8b", "Name a colour."],
+        ["chat", "--json", "--model", "qwen3:8b", "Name a colour."],
+    ):
+        proc = kinfer_fails(*args)
+        assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)
+        assert "model 'qwen3:8b' not found" in proc.stderr and "-31001" in proc.stderr, proc.stderr
+        for name in (DEFAULT, "tiny-a", "tiny-b"):
+            assert name in proc.stderr.split("available:", 1)[1], proc.stderr
+    proc = kinfer_fails("run", "tiny", "Name a colour.")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "ambiguous" in proc.stderr and "tiny-a" in proc.stderr and "tiny-b" in proc.stderr, proc.stderr
+
+
+def test_chat_takes_one_prompt_and_the_model_by_option():
+    # `kinfer chat NAME PROMPT` (the model first) is refused with the spellings that name a model.
+    proc = kinfer_fails("chat", "qwen3:8b", "Name a colour.")
+    assert proc.returncode == 2 and "-m NAME" in proc.stderr and "kinfer run" in proc.stderr, proc.stderr
+    proc = kinfer_fails("run")
+    assert proc.returncode == 2 and "NAME" in proc.stderr, proc.stderr
+
+
+# -- options: only those given are sent, so a model's own parameters apply -------------------------
+def test_chat_sends_only_the_options_given(fake_server):
+    kinfer("chat", "Name a colour.")
+    assert "options" not in fake_server()[-1]  # no maxTokens, no temperature: the model's own apply
+    kinfer("run", "fake", "Name a colour.", "--temperature", "0.5")
+    assert fake_server()[-1]["options"] == {"temperature": 0.5}
+    kinfer("chat", "--max-tokens", "7", "--seed", "3", "--temperature", "0", stdin="Name a colour.\n")
+    assert fake_server()[-1]["options"] == {"maxTokens": 7, "seed": 3, "temperature": 0}
+
+
+@pytest.mark.model
+def test_an_ollama_models_parameters_apply_unless_given(tmp_path, monkeypatch):
+    """An Ollama model whose params layer sets num_predict 3 and seed 42: kinfer's replies have
+    3 tokens (the server applies the model's defaults under a request's options), unless
+    --max-tokens says otherwise."""
+    gguf = Path(embedded_default_path())
+    store = OllamaStore(tmp_path / "ollama")
+    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+    _place(gguf, store.root / "blobs" / digest.replace(":", "-"))
+    model = {"mediaType": MEDIA + "model", "digest": digest, "size": gguf.stat().st_size}
+    params = store.blob(json.dumps({"num_predict": 3, "seed": 42, "temperature": 0}).encode(), "params")
+    store.manifest("registry.ollama.ai/library/counter/latest", [model, params])
+    monkeypatch.setenv("OLLAMA_MODELS", str(store.root))
+    monkeypatch.setenv("KINFER_MODELS", str(tmp_path / "kinfer"))
+    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
+    prompt = "Count from 1 to 100, one number per line."
+    (three,) = json_lines(kinfer("run", "counter", prompt, "--json", "--threads", "1").stdout)
+    assert three["model"] == "counter:latest"
+    assert (three["usage"]["completionTokens"], three["stopReason"], three["seed"]) == (3, "length", 42)
+    # the same reply for a person (the model's temperature 0 and seed 42)
+    assert kinfer("run", "counter", prompt, "--threads", "1").stdout.strip() == three["text"].strip()
+    (five,) = json_lines(
+        kinfer("chat", "-m", "counter", prompt, "--json", "--threads", "1", "--max-tokens", "5").stdout
+    )
+    assert (five["usage"]["completionTokens"], five["stopReason"]) == (5, "length")
 
 
 # -- agents: --format, --tool, --tool-choice -----------------------------------------------------
@@ -270,7 +359,7 @@ def test_chat_prints_tool_calls(tmp_path, fake_server):
     assert proc.stdout.splitlines() == ['get_weather(city="Paris")', 'get_weather(city="Zürich", days=2)']
     (params,) = fake_server()
     assert params["tools"] == [WEATHER, WEATHER, {**WEATHER, "function": {"name": "get_time"}}]
-    assert params["toolChoice"] == "required" and "tools" not in params["options"]
+    assert params["toolChoice"] == "required" and "tools" not in params.get("options", {})
     # --json: the reply's document carries the calls as the protocol has them
     (doc,) = json_lines(kinfer("chat", "--json", "Weather?", "--tool", tool).stdout)
     assert doc["stopReason"] == "toolCalls" and [c["function"]["arguments"] for c in doc["toolCalls"]] == [
@@ -325,7 +414,7 @@ def test_bad_format_and_tool_files_fail(tmp_path):
 @pytest.mark.model
 def test_chat_format_holds_the_reply(tmp_path):
     schema = _write(tmp_path, "city.json", CITY)
-    args = ["--max-tokens", "60", "--threads", "1"]
+    args = ["--max-tokens", "60", "--threads", "1", "--temperature", "0"]
     (doc,) = json_lines(
         kinfer("chat", "--json", "A city to visit and for how many days?", "--format", schema, *args).stdout
     )
@@ -355,8 +444,8 @@ def test_chat_prints_the_calls_of_a_model_with_tools(tmp_path):
 
     model = make_tool_model(tmp_path / "smollm2-tools.gguf")
     tool = _write(tmp_path, "weather.json", WEATHER)
-    args = [model, "What is the weather in Paris?", "--tool", tool, "--tool-choice", "required"]
-    args += ["--max-tokens", "80", "--threads", "1"]
+    args = ["-m", model, "What is the weather in Paris?", "--tool", tool, "--tool-choice", "required"]
+    args += ["--max-tokens", "80", "--threads", "1", "--temperature", "0"]
     lines = kinfer("chat", *args).stdout.splitlines()
     assert lines and all(line.startswith('get_weather(city="') for line in lines), lines
     (doc,) = json_lines(kinfer("chat", "--json", *args).stdout)

@@ -136,14 +136,16 @@ from kinfer_rpc.client import Client
 with Client() as kinfer:
     kinfer.load(threads=1)
     print("server", kinfer.pid, flush=True)
-    stream = kinfer.stream_generate("Count to a thousand.", maxTokens=5000, ignoreEos=True, temperature=0)
-    try:
-        for n, piece in enumerate(stream):
-            if n == 3:
-                print("streaming", flush=True)
-        print("the stream ran to its end", flush=True)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
+    # The with block: Ctrl-C may land between two pieces, outside the stream's own code;
+    # leaving the block unfinished cancels the request either way.
+    with kinfer.stream_generate("Count to a thousand.", maxTokens=5000, ignoreEos=True, temperature=0) as stream:
+        try:
+            for n, piece in enumerate(stream):
+                if n == 3:
+                    print("streaming", flush=True)
+            print("the stream ran to its end", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
     answer = stream.response.result(30)  # the server's answer to the cancelled request
     print("answered", answer["error"]["code"], answer["error"]["data"]["usage"]["completionTokens"] > 0, flush=True)
     time.sleep(1)  # a while later, the next question

@@ -121,7 +121,8 @@ def test_settings_are_found_under_kinfer_or_at_the_top():
 class FakeInfill:
     """inference/infill's contract: records calls; each waits for `release` unless told not to."""
 
-    def __init__(self, wait: bool = False):
+    def __init__(self, wait: bool = False, text: str = "_name(x)\n    return x"):
+        self.text = text
         self.calls: list[dict] = []
         self.cancelled = 0
         self.finished = 0
@@ -139,7 +140,7 @@ class FakeInfill:
             self.cancelled += 1
             raise
         self.finished += 1
-        return {"model": "fake-fim", "text": "_name(x)\n    return x", "tokens": [1, 2], "stopReason": "stop"}
+        return {"model": "fake-fim", "text": self.text, "tokens": [1, 2], "stopReason": "stop"}
 
 
 def make_editor(infill, loads=None, notes=None):
@@ -200,6 +201,29 @@ def test_completion_replaces_the_word_before_the_cursor_with_it_and_the_continua
         assert inline == {
             "items": [{"insertText": "_name(x)\n    return x", "range": {"start": pos(1, 10), "end": pos(1, 10)}}]
         }
+
+    run(main)
+
+
+def test_a_line_completion_does_not_end_with_the_line_break():
+    infill = FakeInfill(text=" = compute(x)\n")
+    editor = make_editor(infill)
+
+    async def main():
+        await open_doc(editor, "value")
+        (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 5)))["items"]
+        assert item["textEdit"]["newText"] == "value = compute(x)"
+        inline = await editor.inline_completion(None, **request(editor, lsp.INLINE_COMPLETION, 0, 5))
+        assert inline["items"][0]["insertText"] == " = compute(x)"
+        # without stopAtLine the text is the model's, line break and all
+        editor.initialize({"completion": {"stopAtLine": False}})
+        (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 5)))["items"]
+        assert item["textEdit"]["newText"] == "value = compute(x)\n"
+        # nothing but a line break: no item
+        infill.text = "\n"
+        editor.initialize({"completion": {}})
+        assert (await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 5)))["items"] == []
+        assert (await editor.inline_completion(None, **request(editor, lsp.INLINE_COMPLETION, 0, 5)))["items"] == []
 
     run(main)
 

@@ -355,14 +355,16 @@ class Editor:
         word = prefix[i:]
         params[PINNED] = Pinned(uri, method, generation, doc.language, prefix, doc.text[at:], word, line, character)
 
-    async def _complete(self, pin: Pinned) -> dict[str, Any] | None:
-        """The infill result for a pinned request; None when it went stale or is turned off."""
+    async def _complete(self, pin: Pinned) -> tuple[str, str]:
+        """The continuation for a pinned request and the model that wrote it; an empty text when
+        the request went stale or completions are off. A line completion (stopAtLine) never ends
+        with the line break the model stopped at: accepting it must not split the line."""
         key = (pin.uri, pin.method)
         if self._generation.get(key) != pin.generation:
-            return None  # a newer request came before this one started
+            return "", ""  # a newer request came before this one started
         enabled, options = self.settings.options_for(pin.language)
         if not enabled:
-            return None
+            return "", ""
         scope = anyio.CancelScope()
         self._live[key] = (pin.generation, scope)
         result: dict[str, Any] | None = None
@@ -385,7 +387,12 @@ class Editor:
             live = self._live.get(key)
             if live is not None and live[0] == pin.generation:
                 del self._live[key]
-        return result  # None when the scope was cancelled: a newer request made it stale
+        if result is None:  # the scope was cancelled: a newer request made it stale
+            return "", ""
+        text: str = result["text"]
+        if options.get("stopAtLine"):
+            text = text.removesuffix("\n").removesuffix("\r")
+        return text, result.get("model", "")
 
     async def _model_name(self) -> str | None:
         """The model the settings name, loaded with their load options (once); None to let
@@ -408,11 +415,9 @@ class Editor:
     async def completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         pin = p.pop(PINNED)
         assert isinstance(pin, Pinned), "accept() pinned the request"
-        result = await self._complete(pin)
-        text = result["text"] if result is not None else ""
+        text, model = await self._complete(pin)
         if not text.strip():
             return {"isIncomplete": True, "items": []}
-        assert result is not None
         new_text = pin.word + text
         first = new_text.split("\n", 1)[0].rstrip("\r")
         label = first if first.strip() else next(line.strip() for line in new_text.splitlines() if line.strip())
@@ -420,7 +425,7 @@ class Editor:
         item: dict[str, Any] = {
             "label": label,
             "kind": KIND_TEXT,
-            "detail": f"kinfer ({result['model']})",
+            "detail": f"kinfer ({model})",
             "preselect": True,
             "sortText": "0",
             "insertTextFormat": PLAIN_TEXT,
@@ -438,8 +443,7 @@ class Editor:
     async def inline_completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         pin = p.pop(PINNED)
         assert isinstance(pin, Pinned), "accept() pinned the request"
-        result = await self._complete(pin)
-        text = result["text"] if result is not None else ""
+        text, _ = await self._complete(pin)
         if not text:
             return {"items": []}
         here = {"line": pin.line, "character": pin.character}

@@ -68,3 +68,21 @@ def events(log: Path) -> list[dict]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def fim_model(dst_dir: Path) -> str | None:
+    """A GGUF with fill-in-the-middle tokens, written by tests/modelgen's FIM helper (`make_fim*`),
+    or None when that helper or the server's `inference/infill` is not there."""
+    import importlib
+    import inspect
+
+    from kinfer_rpc.protocol.handlers import Handlers
+
+    if not hasattr(Handlers, "inference_infill"):
+        return None
+    for path in sorted((Path(__file__).resolve().parent / "modelgen").glob("make_fim*.py")):
+        module = importlib.import_module(path.stem)
+        makers = [f for n, f in inspect.getmembers(module, inspect.isfunction) if n.startswith("make_fim")]
+        if makers:
+            return str(makers[0](dst_dir / "fim.gguf"))
+    return None

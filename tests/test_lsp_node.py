@@ -9,13 +9,16 @@ Skipped when node or npm is missing or `npm ci` cannot reach a registry.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from lsp_helpers import events, fake_server
+from lsp_helpers import events, fake_server, fim_model
 
+KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 NODE_DIR = Path(__file__).resolve().parent / "lsp_node"
 
 
@@ -59,4 +62,19 @@ def test_vscode_languageserver_protocol_client(node, tmp_path):
     assert item["textEdit"]["newText"] == "_fake(29,1)"
     assert item["textEdit"]["range"]["start"] == {"line": 1, "character": 14}
     assert report["inline"]["items"][0]["insertText"] == "_fake(29,1)"
+    assert report["exitCode"] == 0
+
+
+@pytest.mark.model
+def test_vscode_languageserver_protocol_client_with_a_fim_model(node, tmp_path):
+    model = fim_model(tmp_path)
+    if model is None:
+        pytest.skip("the server has no inference/infill or tests/modelgen no FIM model helper")
+    env = {k: v for k, v in os.environ.items() if k != "KINFER_RPC_PLUGINS"}
+    init = {"completion": {"model": model, "loadOptions": {"contextLength": 2048, "slots": 1}, "maxTokens": 8}}
+    report = drive(node, [KINFER_RPC], env, init)
+    assert report["completion"]["isIncomplete"] is True
+    for item in report["completion"]["items"]:
+        assert item["textEdit"]["range"]["end"] == {"line": 1, "character": 14}
+    assert isinstance(report["inline"]["items"], list)
     assert report["exitCode"] == 0

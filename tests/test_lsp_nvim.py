@@ -14,12 +14,14 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from lsp_helpers import events, fake_server
+from lsp_helpers import events, fake_server, fim_model
 
 NVIM = shutil.which("nvim")
+KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 EDITORS_MD = Path(__file__).resolve().parent.parent / "docs" / "editors.md"
 
 pytestmark = pytest.mark.skipif(NVIM is None, reason="Neovim is not installed (apt-get install neovim)")
@@ -198,3 +200,16 @@ def test_the_neovim_config_in_docs_editors_md(tmp_path):
     assert start["options"]["maxTokens"] == 48  # the docs' init_options reached the server
     assert [e for e in events(log) if e["event"] == "load"][0]["model"] == "qwen2.5-coder:1.5b"
     assert report["lines"][1] == f"    return a + b_fake({len(start['prefix'])},{len(start['suffix'])})"
+
+
+@pytest.mark.model
+def test_nvim_omnifunc_completes_from_a_fim_model(tmp_path):
+    model = fim_model(tmp_path)
+    if model is None:
+        pytest.skip("the server has no inference/infill or tests/modelgen no FIM model helper")
+    env = {k: v for k, v in os.environ.items() if k != "KINFER_RPC_PLUGINS"}
+    init = {"completion": {"model": model, "loadOptions": {"contextLength": 2048, "slots": 1}, "maxTokens": 8}}
+    report = run_nvim(tmp_path, [KINFER_RPC], env, init, wait_ms=90000)
+    assert report["completed"], report
+    assert report["lines"][0] == "def add(a, b):"
+    assert report["lines"][1].startswith("    return a + b") and len(report["lines"][1]) > len("    return a + b")

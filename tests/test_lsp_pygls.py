@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import pytest
-from lsp_helpers import events, fake_server
+from lsp_helpers import events, fake_server, fim_model
 from lsprotocol import types as t
 from pygls.exceptions import JsonRpcInvalidParams, JsonRpcRequestCancelled
 from pygls.lsp.client import LanguageClient
 
 TIMEOUT = 60.0
+KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 URI = "file:///work/project/app.py"
 
 
@@ -279,3 +281,46 @@ def test_bad_completion_settings_refuse_initialize(tmp_path):
             await drain
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def fim(tmp_path_factory):
+    path = fim_model(tmp_path_factory.mktemp("fim"))
+    if path is None:
+        pytest.skip("the server has no inference/infill or tests/modelgen no FIM model helper")
+    return path
+
+
+@pytest.mark.model
+def test_a_real_fim_model_completes_and_stale_requests_stop(tmp_path, fim):
+    init = {
+        "completion": {
+            "model": fim,
+            "loadOptions": {"contextLength": 2048, "slots": 2},
+            "maxTokens": 8,
+            "stopAtLine": False,
+        }
+    }
+    env = {k: v for k, v in os.environ.items() if k != "KINFER_RPC_PLUGINS"}
+
+    async def body(client, log, result):
+        did_open(client, "def add(a, b):\n    return \n\nprint(add(1, 2))\n")
+        got = await completion(client, 1, 11)  # loads the model
+        assert isinstance(got, t.CompletionList) and got.is_incomplete
+        for item in got.items:
+            assert item.text_edit.range == t.Range(start=t.Position(1, 11), end=t.Position(1, 11))
+            assert item.detail.startswith("kinfer (")
+        got = await inline(client, 1, 11)
+        assert isinstance(got, t.InlineCompletionList)
+        # a keystroke storm: every request but the last answers empty, and nothing runs after
+        pending = []
+        for n, ch in enumerate("a + b"):
+            did_change(client, n + 2, edit(1, 11 + n, 1, 11 + n, ch))
+            pending.append(asyncio.ensure_future(completion(client, 1, 12 + n)))
+            await asyncio.sleep(0.005)
+        answers = await asyncio.gather(*pending)
+        assert all(len(a.items) == 0 for a in answers[:-1])
+        status = await client.protocol.send_request_async("model/status", {})
+        assert all(m.slotsBusy == 0 for m in status.models if m.state == "ready")
+
+    session(tmp_path, body, init_options=init, cmd=[KINFER_RPC], env=env)

@@ -192,6 +192,20 @@ class Reproducible(Protocol):
     def reproducible(self) -> tuple[bool, str]: ...
 
 
+# A model's fill-in-the-middle tokens: prefix, suffix, middle, pad, repository, file separator.
+FIM_KEYS = ("pre", "suf", "mid", "pad", "rep", "sep")
+
+
+@runtime_checkable
+class FillInMiddle(Protocol):
+    """Optional LoadedModel capability: `fim_tokens()` names the model's fill-in-the-middle
+    tokens as its file declares them: a dict of some of "pre", "suf", "mid", "pad", "rep", "sep"
+    (prefix, suffix, middle, pad, repository, file separator) to token ids. Without it the host
+    looks for the usual spellings of those tokens in the vocabulary."""
+
+    def fim_tokens(self) -> dict[str, int]: ...
+
+
 class Backend(Protocol):
     """A way to run models (llama.cpp, MLX), registered by a plugin.
 
@@ -360,7 +374,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "backend": (Backend, (WeightForms, MachineAware)),
     "draft policy": (DraftPolicy, (SessionPolicy,)),
     "placement": (Placement, ()),
-    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, Reproducible)),
+    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, Reproducible, FillInMiddle)),
 }
 
 

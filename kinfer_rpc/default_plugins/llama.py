@@ -25,6 +25,7 @@ import numpy as np
 import kinfer_rpc
 from kinfer_rpc.default_plugins import llama_buft, llama_native
 from kinfer_rpc.types import (
+    FIM_KEYS,
     Backend,
     DraftPolicy,
     DraftRequest,
@@ -370,6 +371,12 @@ class LlamaModel:
 
     def eog_tokens(self) -> frozenset[int]:
         return self._eog
+
+    def fim_tokens(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens llama.cpp found: the GGUF's tokenizer.ggml.fim_*_token_id
+        keys, else the usual spellings in the vocabulary (the FillInMiddle capability)."""
+        found = {key: int(getattr(self.L, f"llama_vocab_fim_{key}")(self.vocab)) for key in FIM_KEYS}
+        return {key: token for key, token in found.items() if 0 <= token < self.n_vocab}
 
     # -- decoding ---------------------------------------------------------------------------
     def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:

@@ -56,6 +56,12 @@ class GenerateOptions:
 
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    # Tokens that end a reply as end of generation does, whatever ignore_eos says (an infill's
+    # fill-in-the-middle pad and file separators)
+    stop_tokens: tuple[int, ...] = ()
+    # End the reply at the first line break after non-blank text (a line completion); the break
+    # is not part of the reply, as a stop string is not
+    stop_at_line: bool = False
     ignore_eos: bool = False  # benchmarks: keep generating through end-of-generation tokens
     # draft tokens checked per step (0: no speculative decoding; None: as many as the load's, which
     # the host settles before the job reaches the engine)
@@ -133,7 +139,7 @@ class Job:
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
 
     def __attrs_post_init__(self) -> None:
-        self.stream = TextStream(self.options.stop)
+        self.stream = TextStream(self.options.stop, stop_at_line=self.options.stop_at_line)
         sampling = self.options.sampling
         self.greedy = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and self.options.logprobs is None
         self.plain = self.greedy and self.constraint is None
@@ -785,8 +791,8 @@ class Engine:
         return True
 
     def _ends(self, job: Job, token: int) -> bool:
-        """Whether `token` ends the job's reply (end of generation)."""
-        return token in self._eog and not job.options.ignore_eos
+        """Whether `token` ends the job's reply (end of generation, or one of its stop tokens)."""
+        return (token in self._eog and not job.options.ignore_eos) or token in job.options.stop_tokens
 
     def _full(self, job: Job, generated: int, next_pos: int) -> bool:
         """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached

@@ -177,8 +177,10 @@ MAX_STOPS = 64  # stop strings a request may give, each at most MAX_STOP_CHARS l
 MAX_STOP_CHARS = 256
 
 
-def generate_options(obj: object, seed_default: int) -> GenerateOptions:
+def generate_options(obj: object, seed_default: int, *, infill: bool = False) -> GenerateOptions:
+    """A request's options; `infill`: inference/infill's, which also take stopAtLine."""
     f = Fields(obj, "options")
+    stop_at_line = f.bool("stopAtLine", False) if infill else False
     max_tokens = f.int("maxTokens", None, lo=0)
     stop = f.raw("stop")
     if stop is None:
@@ -231,6 +233,7 @@ def generate_options(obj: object, seed_default: int) -> GenerateOptions:
         draft_policy=policy,
         constraint=constraint,
         logprobs=top if logprobs else None,
+        stop_at_line=stop_at_line,
     )
 
 

@@ -17,6 +17,7 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host import gguf as gguf_meta
+from kinfer_rpc.host import infill
 from kinfer_rpc.host.options import load_options
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
@@ -58,6 +59,7 @@ class Loaded:
     # One tokenizing thread a model: requests reach the engine in the order they came.
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
+    fim: dict[str, int] | None = None  # the model's fill-in-the-middle tokens, once asked for
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, context: int | None = None) -> list[int]:
         """Tokenize with the model held open (an unload waits), off the event loop. With a
@@ -65,10 +67,7 @@ class Loaded:
         -31002 before any of it is tokenized."""
         with self.engine.hold() as model:
             if context is not None:
-                piece = _max_piece.get(model.info.path)
-                if piece is None:  # once a model file: the scan fills the backend's piece cache
-                    piece = max(1, max(len(model.token_bytes(t)) for t in range(model.info.n_vocab)))
-                    _max_piece[model.info.path] = piece
+                piece = _piece(model)
                 size = len(text.encode("utf-8", "surrogatepass"))
                 if size > context * piece:
                     raise errors.KinferError(
@@ -79,6 +78,22 @@ class Loaded:
                     )
             return model.tokenize(text, add_special, parse_special)
 
+    def fim_tokens(self) -> dict[str, int]:
+        """The model's fill-in-the-middle tokens (kinfer_rpc.host.infill), found once."""
+        if self.fim is None:
+            with self.engine.hold() as model:
+                self.fim = infill.fim_tokens(model)
+        return self.fim
+
+    def infill_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]], n_predict: int) -> infill.Prompt:
+        """A fill-in-the-middle prompt for this model (its FIM tokens known to be there), with the
+        model held open, off the event loop."""
+        fim = self.fim_tokens()
+        with self.engine.hold() as model:
+            n_ctx = model.info.context_length
+            budget = infill.Budget.of(self.options.batch, n_ctx, n_predict)
+            return infill.build(model, fim, prefix, suffix, extra, budget, _piece(model))
+
     def constrain(self, opts: GenerateOptions) -> Any:
         """The matcher of a request's format, grammar or regex (None without one), compiled
         against the model's vocabulary with the model held open, off the event loop."""
@@ -86,6 +101,15 @@ class Loaded:
             return None
         with self.engine.hold() as model:
             return self.grammars.matcher(model, *opts.constraint)
+
+
+def _piece(model: LoadedModel) -> int:
+    """The most bytes one token of the model's vocabulary stands for."""
+    piece = _max_piece.get(model.info.path)
+    if piece is None:  # once a model file: the scan fills the backend's piece cache
+        piece = max(1, max(len(model.token_bytes(t)) for t in range(model.info.n_vocab)))
+        _max_piece[model.info.path] = piece
+    return piece
 
 
 def reproducibility(model: LoadedModel) -> tuple[bool, str]:

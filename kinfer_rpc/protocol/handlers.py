@@ -16,6 +16,7 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host import infill as fill
 from kinfer_rpc.host import tools
 from kinfer_rpc.host.options import SEED_BITS, Fields, generate_options, with_defaults
 from kinfer_rpc.host.render import Renderer
@@ -180,11 +181,18 @@ class Handlers:
         name = f.str("model")
         prompt = f.str("prompt")
         tokens = f.raw("tokens")
+        suffix = f.str("suffix")
         add_special = f.bool("addSpecial", None)
         options = f.raw("options")
         f.done()
         if (prompt is None) == (tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
+        if suffix is not None:  # Ollama's fill-in-the-middle: the prompt is the text before the gap
+            if prompt is None or add_special is not None:
+                raise errors.invalid_params(
+                    "params.suffix goes with params.prompt (not tokens or addSpecial)", {"field": "params.suffix"}
+                )
+            return await self._infill(ctx, name, prompt, suffix, [], options, infill=False)
         seed = random.getrandbits(SEED_BITS)
         opts = generate_options(options, seed)
         entry = await self.runtime.model_for(name)
@@ -200,6 +208,55 @@ class Handlers:
             context = model.info.context_length
             ids = await anyio.to_thread.run_sync(entry.tokenize, prompt, add, True, context, limiter=entry.tokenizer)
         return await self._stream(ctx, entry, ids, opts)
+
+    async def inference_infill(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
+        f = Fields(p, "params")
+        name = f.str("model")
+        prefix = f.str("prefix")
+        suffix = f.str("suffix", "")
+        extra = params.infill_extra(f.raw("extra"))
+        options = f.raw("options")
+        f.done()
+        if prefix is None:
+            raise errors.invalid_params("params.prefix is required", {"field": "params.prefix"})
+        return await self._infill(ctx, name, prefix, suffix, extra, options, infill=True)
+
+    async def _infill(
+        self,
+        ctx: RequestContext | None,
+        name: str | None,
+        prefix: str,
+        suffix: str,
+        extra: list[tuple[str, str]],
+        options: Any,
+        *,
+        infill: bool,
+    ) -> dict[str, Any]:
+        """Fill the gap between `prefix` and `suffix` (kinfer_rpc.host.infill): the model's FIM
+        prompt, ended by its pad and file separator tokens too; a reply that repeats the suffix
+        loses the repeat."""
+        seed = random.getrandbits(SEED_BITS)
+        opts = generate_options(options, seed, infill=infill)
+        entry = await self.runtime.model_for(name)
+        if entry.defaults:
+            opts = generate_options(with_defaults(entry.defaults, options), seed, infill=infill)
+        fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
+        if lacking := fill.missing(fim):
+            raise errors.invalid_params(
+                f"model {entry.name!r} cannot fill in the middle: its vocabulary has no "
+                + "/".join(f"fim_{k}" for k in lacking)
+                + " token",
+                {"field": "model", "fimTokens": fim},
+            )
+        n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
+        prompt = await anyio.to_thread.run_sync(
+            entry.infill_prompt, prefix, suffix, extra, n_predict, limiter=entry.tokenizer
+        )
+        stops = tuple(fim[k] for k in fill.STOPS if k in fim)
+        result = await self._stream(ctx, entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops))
+        result["text"] = fill.trim_repeated_suffix(result["text"], suffix)
+        result["dropped"] = prompt.dropped
+        return result
 
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from kinfer_rpc import errors
-from kinfer_rpc.host.options import check_text
+from kinfer_rpc.host.options import Fields, check_text
 from kinfer_rpc.host.tools import ToolChoice
 
 
@@ -220,3 +220,27 @@ def tokens(value: Any, n_vocab: int) -> list[int]:
     if bad:
         raise errors.invalid_params(f"token ids out of the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
     return list(value)
+
+
+MAX_EXTRA = 1024  # files an infill's extra context may name
+
+
+def infill_extra(value: object) -> list[tuple[str, str]]:
+    """An infill's `extra`: [{filename?, text}] as (filename, text) pairs ("tmp" for a file
+    without a name, as llama.cpp's server names it)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise errors.invalid_params("params.extra must be a list of {filename, text}", {"field": "params.extra"})
+    if len(value) > MAX_EXTRA:
+        raise errors.invalid_params(f"params.extra: at most {MAX_EXTRA} files", {"field": "params.extra"})
+    out = []
+    for i, item in enumerate(value):
+        f = Fields(item, f"params.extra[{i}]")
+        name = f.str("filename", "tmp")
+        text = f.str("text")
+        f.done()
+        if text is None:
+            raise errors.invalid_params(f"params.extra[{i}].text is required", {"field": f"params.extra[{i}].text"})
+        out.append((name, text))
+    return out

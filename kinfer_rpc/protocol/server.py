@@ -84,7 +84,7 @@ class Server:
         r = self.handlers = Handlers(self.runtime)
         # LSP's editor features: code completion from the model for stock LSP clients.
         lsp = self.editor = Editor(
-            getattr(r, "inference_infill", _no_infill),
+            r.inference_infill,
             r.model_load,
             lambda name: name in self.runtime.loaded,
             self.queue_notification,
@@ -100,6 +100,7 @@ class Server:
                 "model/status": r.model_status,
                 "inference/generate": r.inference_generate,
                 "inference/chat": r.inference_chat,
+                "inference/infill": r.inference_infill,
                 "inference/tokenize": r.inference_tokenize,
                 "textDocument/completion": lsp.completion,
                 "textDocument/inlineCompletion": lsp.inline_completion,
@@ -346,10 +347,6 @@ def _process_id(text: str) -> int:
     return pid
 
 
-async def _no_infill(ctx: RequestContext | None, /, **_: Any) -> dict[str, Any]:
-    raise errors.KinferError(errors.NOT_SUPPORTED, "this build has no inference/infill: completions are unavailable")
-
-
 def _named(params: dict[str, Any] | list[Any]) -> dict[str, Any]:
     """Params for a method that takes named params only: an empty array is none at all."""
     if isinstance(params, dict):
@@ -379,6 +376,7 @@ def _take_stdout() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # before llama.cpp loads: an abort never forks gdb
     parser = argparse.ArgumentParser(prog="kinfer-rpc", description=(__doc__ or "kinfer-rpc").splitlines()[0])
     parser.add_argument("--clientProcessId", type=_process_id, default=None, help="exit when this process dies")
     parser.add_argument("--log-file", default=None, help="also write logs to this file")

@@ -12,9 +12,14 @@
 Every command takes `--json` for scripts. Colours and progress bars only on a terminal
 (and never with NO_COLOR set). The server resolves a model's name: an unknown or ambiguous one is
 its error (with the names to choose from) and kinfer's exit code 1. A chat sends only the options
-given, so a model's own parameters (an Ollama model's temperature, num_predict...) apply otherwise.
-Ctrl-C stops a reply (the server cancels it and goes on); at an empty prompt, a second Ctrl-C or
-Ctrl-D leaves.
+given (--max-tokens, --temperature, --seed, -o NAME VALUE for any other), so a model's own
+parameters (an Ollama model's temperature, num_predict...) apply otherwise.
+
+As `ollama run` does: piped stdin is the question (before the prompt, if one is given), answered
+once; at a terminal, the chat is interactive, with line editing, a history kept in
+~/.kinfer/history, \"\"\" ... \"\"\" for a multi-line message and /commands (/? lists them:
+/set parameter, /set system, /show, /load, /clear, /bye). Ctrl-C stops a reply (the server cancels
+it and goes on); at an empty prompt, a second Ctrl-C or Ctrl-D leaves.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -153,14 +158,6 @@ def _line_buffer() -> str:
     return readline.get_line_buffer()
 
 
-def _line_editing() -> None:
-    """input() edits the line and keeps a history (readline, where Python has it)."""
-    try:
-        import readline  # noqa: F401  (importing it is what turns it on)
-    except ImportError:
-        pass
-
-
 def _result_json(result: Result) -> dict[str, Any]:
     return {
         "model": result.model,
@@ -181,101 +178,419 @@ def _result_json(result: Result) -> dict[str, Any]:
     } | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
 
 
-def _chat(args: argparse.Namespace) -> int:
-    # Only what was given: the model's own parameters (an Ollama model's) apply to the rest.
+# Request options by name: kinfer's (camelCase), their snake_case spellings and Ollama's names
+# (num_predict), each with its type. `-o NAME VALUE` and `/set parameter NAME VALUE` take them.
+_OPTION_TYPES: dict[str, str] = {
+    "maxTokens": "int",
+    "temperature": "float",
+    "seed": "int",
+    "topK": "int",
+    "topP": "float",
+    "minP": "float",
+    "repeatPenalty": "float",
+    "repeatLastN": "int",
+    "stop": "list",
+    "drafts": "int",
+    "draftPolicy": "str",
+    "ignoreEos": "bool",
+    "grammar": "str",
+    "regex": "str",
+    "logprobs": "bool",
+    "topLogprobs": "int",
+}
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name)
+
+
+_OPTION_NAMES: dict[str, str] = {
+    **{name: name for name in _OPTION_TYPES},
+    **{_snake(name): name for name in _OPTION_TYPES},
+    "num_predict": "maxTokens",
+}
+
+
+class OptionError(ValueError):
+    pass
+
+
+def _option(name: str, values: Sequence[str]) -> tuple[str, Any]:
+    """A request option from its name (any spelling) and its words, checked for its type."""
+    if name == "num_ctx":
+        raise OptionError("num_ctx is the load's context length: --context-length N (when starting)")
+    key = _OPTION_NAMES.get(name)
+    if key is None:
+        raise OptionError(f"unknown parameter {name!r}; one of: {', '.join(sorted(_OPTION_TYPES))}")
+    kind = _OPTION_TYPES[key]
+    if not values:
+        raise OptionError(f"{name} needs a value")
+    if kind == "list":  # stop: each word one stop string, as Ollama's /set parameter stop a b
+        return key, list(values)
+    if len(values) > 1 and kind != "str":
+        raise OptionError(f"{name} takes one value, not {len(values)}")
+    value = " ".join(values)
+    try:
+        if kind == "int":
+            return key, int(value)
+        if kind == "float":
+            return key, float(value)
+    except ValueError:
+        raise OptionError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, not {value!r}") from None
+    if kind == "bool":
+        if value.lower() in ("true", "1", "yes", "on"):
+            return key, True
+        if value.lower() in ("false", "0", "no", "off"):
+            return key, False
+        raise OptionError(f"{name} must be true or false, not {value!r}")
+    return key, value
+
+
+def _option_arg(args: argparse.Namespace) -> dict[str, Any]:
+    """The request options given: --max-tokens, --temperature, --seed, --format, then -o NAME VALUE
+    (OptionError for a bad one)."""
     options: dict[str, Any] = {}
     for attr, name in (("max_tokens", "maxTokens"), ("temperature", "temperature"), ("seed", "seed")):
         if getattr(args, attr) is not None:
             options[name] = getattr(args, attr)
     if args.format is not None:
         options["format"] = args.format
-    tools = [t for group in args.tools for t in group] if args.tools else None
-    calling = tools is not None and args.tool_choice != "none"  # "none": the tools are not offered
-    with Client() as kinfer:
-        loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
-        model, prompt = loaded.model, args.prompt
-        interactive = prompt is None
-        tty = sys.stdin.isatty()
-        if interactive and tty:
-            _line_editing()
-            if not args.json:
-                err.print(
-                    f"[dim]{model} ({loaded.backend}). /bye or Ctrl-D to leave, /clear to forget, "
-                    "Ctrl-C stops a reply.[/dim]"
-                )
-        history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
-        leaving = False  # the last key at the prompt was Ctrl-C on an empty line
-        while True:
-            if not interactive:
-                if prompt is None:
-                    return 0
-                text, prompt = prompt, None
-            else:
-                try:
-                    text = input(">>> " if tty else "")
-                except EOFError:
-                    if tty:
-                        print()
-                    return 0
-                except KeyboardInterrupt:  # Ctrl-C at the prompt: clear the line
-                    if not tty:
-                        return 130
-                    typed = _line_buffer()
-                    print()
-                    if not typed and leaving:
-                        return 0
-                    leaving = not typed
-                    if leaving:
-                        err.print("[dim](Ctrl-C again, Ctrl-D or /bye to leave)[/dim]")
-                    continue
-                leaving = False
-                if text.strip() in ("/bye", "/exit", "/quit"):
-                    return 0
-                if text.strip() == "/clear":
-                    history = history[:1] if args.system else []
-                    continue
-                if not text.strip():
-                    continue
-            turn = len(history)
-            history.append({"role": "user", "content": text})
-            stream = kinfer.stream_chat(history, model, tools=tools, tool_choice=args.tool_choice, **options)
-            try:
-                if args.json:
-                    result = stream.wait()
-                    _emit(_result_json(result))
-                elif calling:
-                    # Streamed pieces are the raw reply, call markup included: print the result's
-                    # text (the reply without the calls), then the calls.
-                    result = stream.wait()
-                    if result.text or not result.tool_calls:
-                        sys.stdout.write(result.text + "\n")
-                        sys.stdout.flush()
-                    for call in result.tool_calls:
-                        out.print(_call_text(call), style="bold", markup=False)
-                else:
-                    for piece in stream:
-                        sys.stdout.write(piece)
-                        sys.stdout.flush()
-                    sys.stdout.write("\n")
+    for name, value in args.options or []:
+        try:
+            key, parsed = _option(name, [value])
+        except OptionError as exc:
+            raise OptionError(f"-o {name}: {exc}") from None
+        if key == "stop":  # -o stop X, repeatable
+            options["stop"] = [*options.get("stop", []), *parsed]
+        else:
+            options[key] = parsed
+    return options
+
+
+_HELP = """Available commands:
+  /set parameter NAME VALUE  set a request option: temperature, seed, num_predict (maxTokens), top_k,
+                             top_p, min_p, repeat_penalty, repeat_last_n, stop WORD..., ...
+  /set system TEXT           set the system message (/set system alone: none)
+  /set format json           hold replies to JSON (/set noformat: free text)
+  /set verbose               timings after each reply (/set quiet: none)
+  /show info                 the model
+  /show parameters           the options this chat sends
+  /show system               the system message
+  /load MODEL                chat with another model (the conversation starts over)
+  /clear                     forget the conversation
+  /bye                       leave (also Ctrl-D)
+  /?, /help                  this help
+
+Use \"\"\" to begin a multi-line message, and \"\"\" again to end it."""
+
+_SET_HELP = """Available /set commands:
+  /set parameter NAME VALUE  set a request option (/set parameter alone lists them)
+  /set system TEXT           set the system message
+  /set format json           hold replies to JSON; /set noformat to stop
+  /set verbose, /set quiet   timings after each reply, or not"""
+
+_SHOW_HELP = """Available /show commands:
+  /show info                 the model
+  /show parameters           the options this chat sends
+  /show system               the system message"""
+
+
+class _Chat:
+    """One conversation: the model, the options it sends, the system message and the turns."""
+
+    def __init__(self, kinfer: Client, loaded: LoadedModel, args: argparse.Namespace, options: dict[str, Any]):
+        self.kinfer, self.loaded, self.args = kinfer, loaded, args
+        self.options = options
+        self.system: str | None = args.system
+        self.verbose: bool = args.verbose
+        self.turns: list[dict[str, Any]] = []
+        self.tools = [t for group in args.tools for t in group] if args.tools else None
+        # "none": the tools are not offered, the reply is text
+        self.calling = self.tools is not None and args.tool_choice != "none"
+
+    def say(self, text: str) -> None:
+        """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
+        (err if self.args.json else out).print(text, markup=False, highlight=False)
+
+    def ask(self, text: str) -> Result | None:
+        """One question and its reply, printed; None when Ctrl-C stopped it (the turn is dropped)."""
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+        messages.append({"role": "user", "content": text})
+        args = self.args
+        stream = self.kinfer.stream_chat(
+            messages, self.loaded.model, tools=self.tools, tool_choice=args.tool_choice, **self.options
+        )
+        try:
+            if args.json:
+                result = stream.wait()
+                _emit(_result_json(result))
+            elif self.calling:
+                # Streamed pieces are the raw reply, call markup included: print the result's
+                # text (the reply without the calls), then the calls.
+                result = stream.wait()
+                if result.text or not result.tool_calls:
+                    sys.stdout.write(result.text + "\n")
                     sys.stdout.flush()
-                    assert stream.result is not None  # set when the stream ran to its end
-                    result = stream.result
-                    if args.verbose:
-                        t = result.timings
-                        err.print(
-                            f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
-                            f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]"
-                        )
-                history.append(result.message)  # with its toolCalls, if it made any
-            except KeyboardInterrupt:
-                # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on
-                # serving; the question and its cut reply leave the history.
-                stream.close()
+                for call in result.tool_calls:
+                    out.print(_call_text(call), style="bold", markup=False)
+            else:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
                 sys.stdout.write("\n")
                 sys.stdout.flush()
-                del history[turn:]
-                if not interactive:
-                    return 130
+                assert stream.result is not None  # set when the stream ran to its end
+                result = stream.result
+            if self.verbose and not args.json:
+                t = result.timings
+                err.print(
+                    f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
+                    f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]"
+                )
+        except KeyboardInterrupt:
+            # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on serving;
+            # the question and its cut reply stay out of the conversation.
+            stream.close()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            return None
+        self.turns += [messages[-1], result.message]  # the reply with its toolCalls, if it made any
+        return result
+
+    # -- the commands of an interactive chat ---------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command; False when it says to leave."""
+        words = line.split()
+        name = words[0]
+        if name in ("/bye", "/exit", "/quit"):
+            return False
+        if name in ("/?", "/help"):
+            self.say(_HELP)
+        elif name == "/clear":
+            self.turns = []
+            self.say("Cleared session context")
+        elif name == "/set":
+            self.set(line, words[1:])
+        elif name == "/show":
+            self.show(words[1:])
+        elif name == "/load":
+            if len(words) != 2:
+                self.error("usage: /load MODEL")
+            else:
+                self.load(words[1])
+        else:
+            self.error(f"Unknown command '{name}'. Type /? for help")
+        return True
+
+    def error(self, text: str) -> None:
+        err.print(text, markup=False, highlight=False)
+
+    def set(self, line: str, words: list[str]) -> None:
+        what = words[0] if words else ""
+        if what == "parameter":
+            if len(words) < 2:
+                self.say("Parameters: " + ", ".join(sorted(_OPTION_TYPES)) + " (and num_predict for maxTokens)")
+                return
+            try:
+                key, value = _option(words[1], words[2:])
+            except OptionError as exc:
+                self.error(f"/set parameter: {exc}")
+                return
+            self.options[key] = value
+            shown = " ".join(value) if isinstance(value, list) else value
+            self.say(f"Set parameter '{words[1]}' to '{shown}'")
+        elif what == "system":
+            text = line.split(None, 2)[2].strip() if len(words) > 1 else ""
+            if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+                text = text[1:-1]
+            self.system = text or None
+            self.say("Set system message." if text else "Cleared system message.")
+        elif what == "format" and words[1:] == ["json"]:
+            self.options["format"] = "json"
+            self.say("Set format to 'json' mode.")
+        elif what == "noformat":
+            self.options.pop("format", None)
+            self.say("Disabled format.")
+        elif what == "verbose":
+            self.verbose = True
+            self.say("Set 'verbose' mode.")
+        elif what == "quiet":
+            self.verbose = False
+            self.say("Set 'quiet' mode.")
+        else:
+            self.say(_SET_HELP)
+
+    def show(self, words: list[str]) -> None:
+        what = words[0] if words else ""
+        if what == "info":
+            self.say(self.info())
+        elif what == "parameters":
+            if not self.options:
+                self.say("No parameters set in this chat: the model's own apply.")
+                return
+
+            def shown(key: str, value: Any) -> str:
+                if key == "format" and not isinstance(value, str):
+                    return "(a JSON schema)"
+                return value if isinstance(value, str) else json.dumps(value)
+
+            lines = [f"  {k:<20} {shown(k, v)}" for k, v in self.options.items()]
+            self.say("Parameters set in this chat:\n" + "\n".join(lines))
+        elif what == "system":
+            self.say(self.system if self.system else "No system message was set in this chat.")
+        else:
+            self.say(_SHOW_HELP)
+
+    def info(self) -> str:
+        m = self.loaded
+        entry = next((e for e in self.kinfer.models() if e.name == m.model), None)
+        rows = [
+            ("name", m.model),
+            ("architecture", m.architecture or "-"),
+            ("parameters", _human(m.parameters or None, ["", "K", "M", "B", "T"])),
+            ("quantization", (entry.quantization if entry else None) or "-"),
+            ("context length", f"{m.context_length} (trained {m.context_train})"),
+            ("backend", m.backend),
+            ("slots", str(m.slots)),
+            ("gpu layers", str(m.gpu_layers)),
+            ("path", m.path),
+        ]
+        return "  Model\n" + "\n".join(f"    {k:<16} {v}" for k, v in rows)
+
+    def load(self, name: str) -> None:
+        try:
+            loaded = _load(self.kinfer, name, self.args)
+        except RpcError as exc:
+            self.error(f"kinfer: {exc}")
+            return
+        self.loaded, self.turns = loaded, []
+        self.say(f"Loaded {loaded.model} ({loaded.backend}); the conversation starts over.")
+
+
+def _history_file() -> str:
+    from kinfer_rpc.host.store import kinfer_home
+
+    return str(kinfer_home() / "history")
+
+
+def _line_editing() -> Callable[[], None]:
+    """input() edits the line and keeps a history (readline, where Python has it), read from and
+    saved to ~/.kinfer/history; returns what saves it."""
+    try:
+        import readline
+    except ImportError:  # no line editing here
+        return lambda: None
+    path = _history_file()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    return save
+
+
+class _Abandoned(Exception):
+    """Ctrl-C in the middle of a multi-line message: the message is dropped."""
+
+
+def _read_message(tty: bool) -> str:
+    """One message as typed: a line, or the lines between \"\"\" and \"\"\" (as Ollama reads
+    them; text may stand beside either). EOFError at the end of the input, _Abandoned when Ctrl-C
+    drops a multi-line message."""
+    line = input(">>> " if tty else "")
+    opener = '"""'
+    head = ""
+    if line.startswith("/set system "):  # /set system """ ... """ spans lines too
+        rest = line[len("/set system ") :].lstrip()
+        if rest.startswith(opener):
+            head, line = "/set system ", rest
+    if not line.startswith(opener):
+        return line
+    line = line[len(opener) :]
+    if line.endswith(opener):
+        return head + line[: -len(opener)]
+    lines = [line]
+    while True:
+        try:
+            line = input("... " if tty else "")
+        except KeyboardInterrupt:
+            raise _Abandoned from None
+        if line.endswith(opener):
+            lines.append(line[: -len(opener)])
+            return head + "\n".join(lines)
+        lines.append(line)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    # Only what was given: the model's own parameters (an Ollama model's) apply to the rest.
+    options = args.request_options
+    prompt = args.prompt
+    tty = sys.stdin.isatty()
+    if not tty:
+        # Piped in: the text is the question, before the prompt when there is one (as Ollama and
+        # llm join them: `cat f.py | kinfer run NAME "explain"`); one reply, then it ends.
+        piped = sys.stdin.read()
+        if piped.strip():
+            prompt = piped.rstrip("\n") if prompt is None else piped.rstrip("\n") + "\n\n" + prompt
+    with Client() as kinfer:
+        loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
+        chat = _Chat(kinfer, loaded, args, options)
+        if prompt is not None or not tty:
+            if prompt is None:
+                return 0  # nothing was piped in: nothing to ask
+            return 0 if chat.ask(prompt) is not None else 130
+        return _interactive(chat)
+
+
+def _interactive(chat: _Chat) -> int:
+    save_history = _line_editing()
+    if not chat.args.json:
+        err.print(
+            f"[dim]{escape(chat.loaded.model)} ({chat.loaded.backend}). /? for help, /bye or Ctrl-D to leave, "
+            "Ctrl-C stops a reply.[/dim]"
+        )
+    leaving = False  # the last key at the prompt was Ctrl-C on an empty line
+    try:
+        while True:
+            try:
+                text = _read_message(True)
+            except EOFError:
+                print()
+                return 0
+            except _Abandoned:
+                print()
+                leaving = False
+                continue
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: clear the line
+                typed = _line_buffer()
+                print()
+                if not typed and leaving:
+                    return 0
+                leaving = not typed
+                if leaving:
+                    err.print("[dim](Ctrl-C again, Ctrl-D or /bye to leave)[/dim]")
+                continue
+            leaving = False
+            if text.startswith("/"):
+                if not chat.command(text.strip()):
+                    return 0
+                continue
+            if not text.strip():
+                continue
+            try:
+                chat.ask(text)
+            except RpcError as exc:  # this question failed (bad options...): the chat goes on
+                chat.error(f"kinfer: {exc}")
+    finally:
+        save_history()
 
 
 # -- list --------------------------------------------------------------------------------------
@@ -722,6 +1037,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="CHOICE",
         help="auto (default with tools), none, required, or a function's name",
     )
+    talking.add_argument(
+        "-o",
+        "--option",
+        dest="options",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "VALUE"),
+        help="any request option: -o top_k 20, -o num_predict 64, -o stop END (repeatable)",
+    )
     talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply")
 
     chat = sub.add_parser(
@@ -759,6 +1083,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "or `kinfer run NAME PROMPT`)"
             )
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("chat", "run"):
+        try:
+            args.request_options = _option_arg(args)
+        except OptionError as exc:
+            (chat if args.command == "chat" else run).error(str(exc))
     commands = {"chat": _chat, "run": _chat, "list": _list, "ps": _ps, "bench": _bench, "doctor": _doctor}
     try:
         return commands[args.command](args)

@@ -76,12 +76,13 @@ def test_chat_json_output_parses():
 
 
 @pytest.mark.model
-def test_interactive_chat_keeps_the_history():
-    proc = kinfer("chat", "--json", "--max-tokens", "4", "--threads", "1", stdin="Say one word.\n\nSay another word.\n")
-    first, second = json_lines(proc.stdout)
-    assert second["usage"]["promptTokens"] > first["usage"]["promptTokens"] + first["usage"]["completionTokens"]
-    proc = kinfer("chat", "--max-tokens", "4", "--threads", "1", stdin="Say one word.\n/bye\nnot asked\n")
-    assert len(proc.stdout.strip().splitlines()) == 1
+def test_piped_stdin_is_the_question():
+    # `echo question | kinfer run NAME`: the reply, only it, then the end (the interactive chat,
+    # its /commands and history are tests/test_cli_session.py's, at a terminal)
+    greedy = ["--max-tokens", "8", "--threads", "1", "--temperature", "0"]
+    piped = kinfer("run", "smollm2", *greedy, stdin="Name a colour.\n")
+    assert piped.stdout.strip() and piped.stdout == kinfer("chat", "Name a colour.", *greedy).stdout
+    assert piped.stderr == ""
 
 
 def test_list():
@@ -167,12 +168,26 @@ def test_colours_on_a_terminal_only():
     assert b"\x1b[" in data and DEFAULT.encode() in data
 
 
-@pytest.mark.parametrize("args", [["bench", "-n", "0"], ["chat", "--max-tokens", "x"], ["run"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "-n", "0"],
+        ["chat", "--max-tokens", "x"],
+        ["run"],
+        ["chat", "-o", "nope", "1"],
+        ["chat", "-o", "temperature", "hot"],
+        ["chat", "-o", "top_k", "1.5"],
+        ["run", "x", "-o", "num_ctx", "8192"],
+        ["chat", "-o", "seed"],
+    ],
+)
 def test_bad_arguments_fail(args):
     proc = subprocess.run(
         [KINFER, *args], capture_output=True, text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL
     )
     assert proc.returncode == 2
+    if "-o" in args:
+        assert "-o" in proc.stderr, proc.stderr
 
 
 # -- naming the model: -m, `kinfer run NAME`, and the server's word on the name --------------------
@@ -369,23 +384,39 @@ def test_chat_prints_tool_calls(tmp_path, fake_server):
     assert "toolChoice" not in fake_server()[-1]
 
 
-def test_chat_sends_the_tool_calls_back_in_the_history(tmp_path, fake_server):
-    tool = _write(tmp_path, "weather.json", WEATHER)
-    kinfer("chat", "--json", "--tool", tool, "--format", "json", stdin="Weather?\nAnd now?\n")
-    first, second = fake_server()
-    assert first["options"]["format"] == "json"
-    assert second["messages"][1] == {
-        "role": "assistant",
-        "content": "",
-        "toolCalls": [
-            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}},
-            },
-        ],
+def test_piped_stdin_joins_the_prompt(fake_server):
+    # All of stdin is one question (lines and all), before the prompt, as Ollama and llm join them.
+    kinfer("run", "fake", stdin="def f():\n    return 1\n\n/bye\n")
+    (params,) = fake_server()
+    assert params["messages"] == [{"role": "user", "content": "def f():\n    return 1\n\n/bye"}]
+    kinfer("chat", "Explain.", "--system", "Be brief.", stdin="x = 1\n")
+    assert fake_server()[-1]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "x = 1\n\nExplain."},
+    ]
+    kinfer("chat", "Explain.", stdin="")  # nothing piped: the prompt alone
+    assert fake_server()[-1]["messages"] == [{"role": "user", "content": "Explain."}]
+    kinfer("chat", stdin=" \n")  # nothing to ask: no chat
+    assert len(fake_server()) == 3
+
+
+def test_o_sets_any_request_option(fake_server):
+    kinfer(
+        "chat",
+        "Name a colour.",
+        *("-o", "top_k", "20", "-o", "num_predict", "9", "--option", "repeatPenalty", "1.1"),
+        *("-o", "stop", "END", "-o", "stop", "STOP", "-o", "ignore_eos", "true", "--seed", "4"),
+    )
+    assert fake_server()[-1]["options"] == {
+        "seed": 4,
+        "topK": 20,
+        "maxTokens": 9,
+        "repeatPenalty": 1.1,
+        "stop": ["END", "STOP"],
+        "ignoreEos": True,
     }
+    kinfer("run", "fake", "Name a colour.", "--max-tokens", "5", "-o", "max_tokens", "6")  # the last one says
+    assert fake_server()[-1]["options"] == {"maxTokens": 6}
 
 
 def test_bad_format_and_tool_files_fail(tmp_path):

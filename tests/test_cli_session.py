@@ -1,0 +1,208 @@
+"""`kinfer chat` / `kinfer run` at a terminal, as a person types at it (tmux: keys sent, the screen
+read back): the /commands, multi-line messages, the history file."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import FAKE_SERVER, KINFER, WEATHER, _write, json_lines
+from test_interrupt import Tmux, at_prompt, tmux_binary, wait_until
+
+DEFAULT = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def term(tmp_path, monkeypatch):
+    """A terminal (tmux) of our own; the history file goes to a home of its own."""
+    binary = tmux_binary()
+    if binary is None:
+        pytest.skip("tmux is not installed and could not be installed (apt-get install tmux)")
+    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
+    t = Tmux(binary, tmp_path)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """The stand-in server of tests/test_cli.py: the command line that runs kinfer on it, and the
+    params of the chats it got."""
+    script = tmp_path / "fake-kinfer-rpc"
+    script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
+    script.chmod(0o755)
+    log = tmp_path / "chats.jsonl"
+
+    class Fake:
+        command = f"exec env KINFER_RPC={script} FAKE_LOG={log} {KINFER}"
+
+        @staticmethod
+        def chats() -> list:
+            return json_lines(log.read_text()) if log.exists() else []
+
+    return Fake
+
+
+def answered(term: Tmux, text: str, timeout: float = 60) -> str:
+    """Wait for `text` after the last command typed, and the prompt back."""
+    return term.wait_for(lambda s: text in s.rsplit(">>> /", 1)[-1] and at_prompt(s), repr(text), timeout)
+
+
+def typed(term: Tmux, *lines: str) -> None:
+    for line in lines:
+        term.keys("-l", line)
+        term.keys("Enter")
+
+
+def test_commands_change_what_the_chat_sends(term, fake):
+    term.start(f"{fake.command} chat --temperature 0.5")
+    term.wait_for(at_prompt, "the prompt")
+
+    typed(term, "/set parameter num_predict 7")
+    answered(term, "Set parameter 'num_predict' to '7'")
+    typed(term, "/set parameter stop END STOP")
+    answered(term, "Set parameter 'stop' to 'END STOP'")
+    typed(term, "/set system You are terse.")
+    answered(term, "Set system message.")
+    # a multi-line message: from """ to """
+    typed(term, '"""line one', "line two", 'line three"""')
+    wait_until(lambda: len(fake.chats()) == 1, 30, "the first chat")
+    (first,) = fake.chats()
+    assert first["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "line one\nline two\nline three"},
+    ]
+    assert first["options"] == {"temperature": 0.5, "maxTokens": 7, "stop": ["END", "STOP"]}
+    term.wait_for(at_prompt, "the prompt after the reply")
+
+    typed(term, "Second question")
+    wait_until(lambda: len(fake.chats()) == 2, 30, "the second chat")
+    assert [m["role"] for m in fake.chats()[1]["messages"]] == ["system", "user", "assistant", "user"]
+    term.wait_for(at_prompt, "the prompt after the reply")
+
+    typed(term, "/clear")
+    answered(term, "Cleared session context")
+    typed(term, "/set system")
+    answered(term, "Cleared system message.")
+    # mistakes are said, and the chat goes on as it was
+    typed(term, "/foo bar")
+    answered(term, "Unknown command '/foo'. Type /? for help")
+    typed(term, "/set parameter temperature hot")
+    answered(term, "temperature must be a number, not 'hot'")
+    typed(term, "/set parameter num_ctx 8192")
+    answered(term, "--context-length")
+    typed(term, "/set parameter nope 1")
+    answered(term, "unknown parameter 'nope'")
+    # Ctrl-C in a multi-line message drops it
+    typed(term, '"""not sent', "either")
+    term.wait_for(lambda s: s.splitlines()[-1] == "...", "the continuation prompt")
+    term.keys("C-c")
+    term.wait_for(at_prompt, "the prompt after Ctrl-C")
+    typed(term, '"""Third"""')  # """ on one line
+    wait_until(lambda: len(fake.chats()) == 3, 30, "the third chat")
+    third = fake.chats()[2]
+    assert third["messages"] == [{"role": "user", "content": "Third"}]
+    assert third["options"] == first["options"]
+    term.wait_for(at_prompt, "the prompt after the reply")
+
+    typed(term, "/show parameters")
+    screen = answered(term, "Parameters set in this chat:")
+    shown = screen.rsplit(">>> /show parameters", 1)[1]
+    assert "temperature" in shown and "0.5" in shown and "maxTokens" in shown and '["END", "STOP"]' in shown
+    typed(term, "/show system")
+    answered(term, "No system message")
+    typed(term, "/set system You are a pirate.", "/show system")
+    answered(term, "You are a pirate.")
+    typed(term, "/set format json", "Fourth")
+    wait_until(lambda: len(fake.chats()) == 4, 30, "the fourth chat")
+    fourth = fake.chats()[3]
+    assert fourth["options"]["format"] == "json" and fourth["messages"][0]["content"] == "You are a pirate."
+    assert len(fourth["messages"]) == 4  # the system message, then Third, its reply and Fourth
+    term.wait_for(at_prompt, "the prompt after the reply")
+
+    typed(term, "/bye")
+    wait_until(term.dead, 30, "kinfer chat to leave")
+    assert term.exit() == "0"
+    assert len(fake.chats()) == 4  # the commands, the mistakes and the dropped message sent nothing
+    # what was typed is kept for the next chat (the arrow keys bring it back)
+    history = (Path(os.environ["KINFER_HOME"]) / "history").read_text()
+    assert "/set parameter num_predict 7" in history and "Second question" in history
+
+
+def test_help_lists_the_commands(term, fake):
+    term.start(f"{fake.command} run fake")
+    term.wait_for(at_prompt, "the prompt")
+    for command in ("/?", "/help"):
+        typed(term, command)
+        screen = answered(term, "/bye")
+        help_text = screen.rsplit(f">>> {command}", 1)[1]
+        for line in ("/set parameter", "/set system", "/show info", "/clear", "/load", '"""'):
+            assert line in help_text, help_text
+    typed(term, "/set")
+    answered(term, "Available /set commands")
+    typed(term, "/show")
+    answered(term, "Available /show commands")
+    term.keys("C-d")
+    wait_until(term.dead, 30, "kinfer to leave on Ctrl-D")
+    assert term.exit() == "0" and fake.chats() == []
+
+
+def test_tool_calls_go_back_in_the_history(term, fake, tmp_path):
+    tool = _write(tmp_path, "weather.json", WEATHER)
+    term.start(f"{fake.command} chat --json --tool {tool} --format json")
+    time.sleep(0.5)
+    term.wait_for(lambda s: s.splitlines()[-1:] == [">>>"], "the prompt")
+    typed(term, "Weather?")
+    wait_until(lambda: len(fake.chats()) == 1, 30, "the first chat")
+    term.wait_for(lambda s: '"toolCalls"' in s and at_prompt(s), "the first reply")
+    typed(term, "And now?")
+    wait_until(lambda: len(fake.chats()) == 2, 30, "the second chat")
+    first, second = fake.chats()
+    assert first["options"]["format"] == "json"
+    assert second["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "toolCalls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}},
+            },
+        ],
+    }
+
+
+@pytest.mark.model
+def test_a_session_with_the_default_model(term):
+    term.start(f"exec {KINFER} run smollm2 --threads 1 --temperature 0")
+    term.wait_for(at_prompt, "the prompt")
+    typed(term, "/show info")
+    screen = answered(term, "architecture")
+    info = screen.rsplit(">>> /show info", 1)[1]
+    assert DEFAULT in info and "llama" in info and "135" in info and "context length" in info, info
+
+    # the model's reply follows what was set: 3 tokens, seed 7 (the verbose line says so)
+    typed(term, "/set parameter num_predict 3", "/set parameter seed 7", "/set verbose")
+    answered(term, "Set 'verbose' mode.")
+    typed(term, "Count from 1 to 100, one number per line.")
+    screen = term.wait_for(lambda s: "tok/s, seed 7" in s and at_prompt(s), "the reply and its timings")
+    assert "\n3 tokens, prompt " in screen and "tok/s, seed 7, length" in screen, screen
+
+    # another model; an unknown one is the server's error, and the chat goes on
+    typed(term, "/load qwen3:8b")
+    screen = answered(term, "not found")
+    assert DEFAULT in screen.rsplit(">>> /load qwen3:8b", 1)[1]
+    typed(term, "/load smollm2-135m")
+    answered(term, f"Loaded {DEFAULT}")
+    typed(term, "Name a colour.")
+    screen = term.wait_for(lambda s: s.count("tok/s, seed 7, length") == 2 and at_prompt(s), "the second reply")
+    assert "Traceback" not in screen
+    typed(term, "/bye")
+    wait_until(term.dead, 30, "kinfer run to leave")
+    assert term.exit() == "0"

@@ -7,18 +7,26 @@ by length, never by value), sum the tensor shapes for the parameter count, and c
 tensor's data lies inside the file: a truncated download is caught here, before a backend sees it.
 Anything malformed is a KinferError (LOAD_FAILED), never a crash. Results are cached by
 (path, size, mtime). `read_mlx` does the same for an MLX folder (config.json, safetensors headers).
+
+`check_llama` goes further for a file llama.cpp is about to load: llama.cpp asserts on some
+hyperparameters (GGML_ASSERT aborts the whole process, every model and request with it) or divides
+by them, and some only fail at the first decode (a NaN norm epsilon). It refuses, with what is
+wrong, the values that do: layer and expert counts out of range or without their partner, norm
+epsilons that are not finite and positive, head counts that do not divide, the main tensors'
+shapes against the hyperparameters, and the tensor table's offsets and block sizes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
 import struct
 import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 
@@ -121,6 +129,13 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+class Tensor(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # ggml's order: ne[0] (the row's length) first
+    type: int
+    offset: int  # from the start of the tensor data
+
+
 @attrs.frozen
 class GGUFInfo:
     version: int
@@ -140,6 +155,11 @@ class GGUFInfo:
     weight_bytes: int = 0
     expert_bytes: int = 0
     outside_bytes: int = 0
+    # Every key's value: scalars as they are, strings only for the keys read above (else None),
+    # arrays as ("array", element type, length). The tensor table, and the data's alignment.
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    tensors: tuple[Tensor, ...] = ()
+    alignment: int = 32
 
 
 class _Corrupt(Exception):
@@ -238,15 +258,16 @@ def _parse(buf: bytes | mmap.mmap, size: int) -> GGUFInfo:
     by_type: dict[int, int]  # elements of each tensor type
     params, by_type, ends = 0, {}, 0
     weight_bytes = expert_bytes = outside_bytes = 0
+    tensors: list[Tensor] = []
     for _ in range(n_tensors):
         tname = r.string()
         n_dims = r.unpack("I")
         if n_dims > 8:
             raise _Corrupt(f"a tensor with {n_dims} dimensions")
-        elements = 1
-        for _ in range(n_dims):
-            elements *= r.count()
+        shape = tuple(r.count() for _ in range(n_dims))
+        elements = math.prod(shape)
         ttype, offset = r.unpack("I"), r.count()
+        tensors.append(Tensor(tname, shape, ttype, offset))
         params += elements
         by_type[ttype] = by_type.get(ttype, 0) + elements
         block = TENSOR_TYPES.get(ttype)
@@ -287,6 +308,9 @@ def _parse(buf: bytes | mmap.mmap, size: int) -> GGUFInfo:
         weight_bytes=weight_bytes,
         expert_bytes=expert_bytes,
         outside_bytes=outside_bytes,
+        metadata=kv,
+        tensors=tuple(tensors),
+        alignment=alignment,
     )
 
 
@@ -323,6 +347,191 @@ def read(path: str | os.PathLike[str]) -> GGUFInfo:
     with _lock:
         _cache[key] = info
     return info
+
+
+# What check_llama accepts. llama.cpp keeps per-layer values in arrays of LLAMA_MAX_LAYERS entries
+# and asserts the expert count against LLAMA_MAX_EXPERTS; the other bounds are far above any real
+# model and only keep the sizes computed from them sane.
+MAX_LAYERS = 512
+MAX_EXPERTS = 512
+MAX_EMBEDDING = 1 << 20
+MAX_FEED_FORWARD = 1 << 24
+MAX_HEADS = 1 << 14
+MAX_HEAD_SIZE = 1 << 16
+MAX_CONTEXT = 1 << 28
+# Architectures whose head count may be 0: layers without attention (recurrent ones), or no heads at all.
+_NO_ATTENTION = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "wavtokenizer-dec"})
+# Architectures whose layers are llama's (attn_q/k/v/output, ffn_gate/up/down): their main tensors
+# are checked one by one against the hyperparameters.
+_LLAMA_LAYOUT = frozenset({"llama", "qwen2", "qwen3"})
+# Layer tensors are blk.N.* (enc.blk.N.* and dec.blk.N.* in encoder-decoder models).
+_LAYER = re.compile(r"(?:^|\.)blk\.(\d+)\.")
+_EPSILONS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.group_norm_epsilon")
+
+
+def check_llama(path: str | os.PathLike[str]) -> None:
+    """Refuse (LOAD_FAILED, saying what is wrong) a GGUF whose hyperparameters or tensor table
+    llama.cpp would assert on, divide by or compute garbage from; the header must read (see read)."""
+    path = os.fspath(path)
+    problems = llama_problems(read(path))
+    if problems:
+        shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        raise errors.KinferError(errors.LOAD_FAILED, f"{path} cannot be loaded safely: {shown}", {"path": path})
+
+
+def llama_problems(info: GGUFInfo) -> list[str]:
+    """What is wrong with a GGUF for llama.cpp, in words; empty when nothing is."""
+    meta, arch = info.metadata, info.architecture
+    if arch is None:
+        return ["it names no general.architecture"]
+    problems: list[str] = []
+
+    def number(key: str, low: int, high: int, required: bool = False) -> int | None:
+        """The integer value of `{arch}.key` if it lies in low..high; None (a problem noted
+        when it is not) otherwise, or when it is missing or an array (per-layer values)."""
+        full = f"{arch}.{key}"
+        v = meta.get(full)
+        if v is None:
+            if full in meta:  # a string (left unread)
+                problems.append(f"{full} is a string, not an integer")
+            elif required:
+                problems.append(f"it has no {full}")
+            return None
+        if isinstance(v, tuple):
+            return None
+        if not isinstance(v, int) or isinstance(v, bool):
+            problems.append(f"{full} is {v!r}, not an integer")
+            return None
+        if not low <= v <= high:
+            problems.append(f"{full} is {v} (must be {low} to {high})")
+            return None
+        return v
+
+    for key, v in meta.items():
+        if key.startswith(f"{arch}.") and isinstance(v, float) and not math.isfinite(v):
+            problems.append(f"{key} is {v} (must be a finite number)")
+    for key in (*_EPSILONS, "rope.freq_base"):
+        full = f"{arch}.{key}"
+        v = meta.get(full)
+        if full not in meta or isinstance(v, float) and (v > 0 or not math.isfinite(v)):
+            continue  # missing, fine, or not finite (said above)
+        shown = f"{v:.6g}" if isinstance(v, float) else "a string" if v is None else repr(v)
+        problems.append(f"{full} is {shown} (must be a number above 0)")
+
+    layers = number("block_count", 1, MAX_LAYERS, required=True)
+    embd = number("embedding_length", 1, MAX_EMBEDDING, required=True)
+    number("context_length", 1, MAX_CONTEXT, required=True)
+    n_ff = number("feed_forward_length", 0, MAX_FEED_FORWARD)
+    attention = arch not in _NO_ATTENTION
+    heads = number("attention.head_count", 1 if attention else 0, MAX_HEADS)
+    if attention and f"{arch}.attention.head_count" not in meta:
+        problems.append(f"it has no {arch}.attention.head_count")
+    heads_kv = number("attention.head_count_kv", 1 if attention else 0, MAX_HEADS)
+    if heads and heads_kv and (heads_kv > heads or heads % heads_kv):
+        problems.append(
+            f"{arch}.attention.head_count_kv is {heads_kv}, which does not divide {arch}.attention.head_count {heads}"
+        )
+    key_len = number("attention.key_length", 1 if attention else 0, MAX_HEAD_SIZE)
+    value_len = number("attention.value_length", 1 if attention else 0, MAX_HEAD_SIZE)
+
+    n_problems = len(problems)
+    experts = number("expert_count", 0, MAX_EXPERTS) or 0
+    used = number("expert_used_count", 0, MAX_EXPERTS) or 0
+    groups = number("expert_group_count", 0, MAX_EXPERTS) or 0
+    groups_used = number("expert_group_used_count", 0, MAX_EXPERTS) or 0
+    if arch in ("hunyuan-dense", "hunyuan-vl") and experts <= 1:
+        experts = used = 0  # llama.cpp reads these as dense
+    if len(problems) > n_problems:
+        pass  # a count out of range or of the wrong type: said already
+    elif used > experts:
+        problems.append(
+            f"{arch}.expert_used_count is {used} but {arch}.expert_count is {experts}"
+            + ("" if experts else " (missing or 0): an expert count goes with its partner key")
+        )
+    elif experts and not used:
+        problems.append(f"{arch}.expert_count is {experts} without {arch}.expert_used_count (or it is 0)")
+    if experts and groups >= experts:
+        problems.append(f"{arch}.expert_group_count {groups} is not below {arch}.expert_count {experts}")
+    elif experts and groups > 1 and (experts % groups or not 0 < groups_used < groups):
+        problems.append(
+            f"{arch}.expert_group_count {groups} must divide {arch}.expert_count {experts} and "
+            f"{arch}.expert_group_used_count ({groups_used}) must be 1 to {groups - 1}"
+        )
+    elif not experts and groups:
+        problems.append(f"{arch}.expert_group_count is {groups} in a model without experts")
+
+    problems += _table_problems(info)
+    if layers is not None and arch != "wavtokenizer-dec":
+        seen = {int(m.group(1)) for t in info.tensors if (m := _LAYER.search(t.name))}
+        missing = [n for n in range(layers) if n not in seen]
+        if missing:
+            problems.append(
+                f"{arch}.block_count is {layers} but the tensor table has no tensors of "
+                f"{len(missing)} of those layers (first blk.{missing[0]})"
+            )
+    if embd is None:
+        return problems
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = tokens[2] if isinstance(tokens, tuple) else number("vocab_size", 1, 1 << 31)
+    shapes: dict[str, tuple[tuple[int | None, ...], str]] = {}
+    required: list[str] = []
+    if arch != "wavtokenizer-dec":
+        shapes["token_embd.weight"] = ((embd, vocab), "embedding_length x the vocabulary's size")
+    if arch in _LLAMA_LAYOUT and layers is not None and heads:
+        k = key_len or embd // heads
+        v = value_len or k
+        kv = heads_kv or heads
+        shapes["output_norm.weight"] = ((embd,), "embedding_length")
+        shapes["output.weight"] = ((embd, vocab), "embedding_length x the vocabulary's size")
+        for i in range(layers):
+            b = f"blk.{i}."
+            shapes[b + "attn_norm.weight"] = ((embd,), "embedding_length")
+            shapes[b + "ffn_norm.weight"] = ((embd,), "embedding_length")
+            shapes[b + "attn_q.weight"] = ((embd, k * heads), "embedding_length x key_length * head_count")
+            shapes[b + "attn_k.weight"] = ((embd, k * kv), "embedding_length x key_length * head_count_kv")
+            shapes[b + "attn_v.weight"] = ((embd, v * kv), "embedding_length x value_length * head_count_kv")
+            shapes[b + "attn_output.weight"] = ((k * heads, embd), "key_length * head_count x embedding_length")
+            if n_ff and not experts:  # a dense FFN (a mixture of experts has ffn_*_exps instead)
+                shapes[b + "ffn_gate.weight"] = ((embd, n_ff), "embedding_length x feed_forward_length")
+                shapes[b + "ffn_up.weight"] = ((embd, n_ff), "embedding_length x feed_forward_length")
+                shapes[b + "ffn_down.weight"] = ((n_ff, embd), "feed_forward_length x embedding_length")
+        required = [name for name in shapes if name != "output.weight"]  # no output: tied to token_embd
+    names = {t.name for t in info.tensors}
+    absent = [name for name in required if name not in names]
+    if absent:
+        problems.append(
+            f"the tensor table lacks {len(absent)} tensor(s) the {arch} architecture needs (first {absent[0]})"
+        )
+    for t in info.tensors:
+        want = shapes.get(t.name)
+        if want is None:
+            continue
+        expected, meaning = want
+        if len(t.shape) != len(expected) or any(w is not None and w != d for w, d in zip(expected, t.shape)):
+            problems.append(
+                f"tensor {t.name} is {_dims(t.shape)}, but the hyperparameters make it {_dims(expected)} ({meaning})"
+            )
+    return problems
+
+
+def _table_problems(info: GGUFInfo) -> list[str]:
+    """The tensor table's own faults: names twice, misaligned data, rows not whole blocks."""
+    problems: list[str] = []
+    names: set[str] = set()
+    for t in info.tensors:
+        if t.name in names:
+            problems.append(f"tensor {t.name} is in the tensor table twice")
+        names.add(t.name)
+        if t.offset % info.alignment:
+            problems.append(f"tensor {t.name}'s data offset {t.offset} is not a multiple of {info.alignment}")
+        block = TENSOR_TYPES.get(t.type)
+        if block is not None and t.shape and t.shape[0] % block[1]:
+            problems.append(f"tensor {t.name}'s rows of {t.shape[0]} are not whole {block[0]} blocks of {block[1]}")
+    return problems
+
+
+def _dims(shape: tuple[int | None, ...]) -> str:
+    return " x ".join("?" if d is None else str(d) for d in shape) or "a scalar"
 
 
 def read_mlx(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -228,6 +228,9 @@ class Runtime:
                 )
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
             await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
+            if backend.name == "llama":  # llama.cpp aborts the process on some bad hparams: refuse them first
+                for path in (ref.path, draft_model) if draft_model else (ref.path,):
+                    await anyio.to_thread.run_sync(gguf_meta.check_llama, path)
             opts, placed = await anyio.to_thread.run_sync(self._place, ref, backend, opts, placement, extra["given"])
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:

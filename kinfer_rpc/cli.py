@@ -5,6 +5,7 @@
                                      schema, --tool FILE offers tools
     kinfer run MODEL [PROMPT]        the same, the model named first (as Ollama spells it)
     kinfer list                      the models this machine can serve
+    kinfer show NAME                 a model: header, its own parameters, template, system message
     kinfer ps                        the kinfer-rpc processes running here and the models they hold
     kinfer bench                     concurrent chats through the client; tokens per second
     kinfer doctor                    backends, devices, memory, the default model
@@ -604,9 +605,24 @@ def _human(n: float | None, units: list[str], step: float = 1000.0, digits: int 
     return "-"
 
 
+def _num_ctx() -> dict[str, int]:
+    """The context length each model loads with by default where its own parameters set one
+    (Ollama's num_ctx), read from the stores."""
+    from kinfer_rpc.host.store import ModelStore
+
+    try:
+        return {r.name: r.context_length for r in ModelStore().list() if r.context_length}
+    except Exception:  # noqa: BLE001 - the list is the server's; this column is extra
+        return {}
+
+
 def _list(args: argparse.Namespace) -> int:
     with Client() as kinfer:
         models = kinfer.request("model/list", {})["models"]
+    num_ctx = _num_ctx()
+    for m in models:
+        if m["name"] in num_ctx:
+            m["numCtx"] = num_ctx[m["name"]]
     if args.json:
         _emit(models)
         return 0
@@ -622,13 +638,112 @@ def _list(args: argparse.Namespace) -> int:
                 _human(m.get("parameters"), ["", "K", "M", "B", "T"]),
                 m.get("quantization") or "-",
                 str(m["contextLength"]) if m.get("contextLength") else "-",
+                str(m["numCtx"]) if m.get("numCtx") else "-",
                 m["path"],
             ]
         )
-    _table(["NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT", "PATH"], rows, right={3, 5, 7})
+    headers = ["NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT", "NUM_CTX", "PATH"]
+    _table(headers, rows, right={3, 5, 7, 8})
     for m in models:
         if m.get("error"):
             err.print(m["error"] if m["name"] in m["error"] else f"{m['name']}: {m['error']}", markup=False)
+    return 0
+
+
+# -- show --------------------------------------------------------------------------------------
+def _model_facts(name: str) -> dict[str, Any]:
+    """What the stores and the file's header say of a model, resolved as the server resolves
+    names; nothing is loaded. KinferError for a name that names no model, or several."""
+    from kinfer_rpc.host import gguf as gguf_meta
+    from kinfer_rpc.host.store import ModelStore
+
+    store = ModelStore()
+    ref = store.resolve(name)
+    facts = store.describe(ref)
+    facts["embeddingLength"] = None
+    facts["chatTemplate"] = None  # the file's Jinja template, which chats render with
+    if ref.format == "gguf" and not facts.get("error"):
+        try:
+            info = gguf_meta.read(ref.path)
+            facts["embeddingLength"] = info.hparams.get("embedding_length")
+            facts["chatTemplate"] = info.chat_template
+        except Exception:  # noqa: BLE001 - describe() has said what is wrong with the file
+            pass
+    facts["system"] = ref.system
+    facts["defaults"] = dict(ref.defaults) | ({"contextLength": ref.context_length} if ref.context_length else {})
+    facts["ignoredParameters"] = [{"name": n, "reason": r} for n, r in ref.ignored]
+    facts["ollamaTemplate"] = ref.template
+    return facts
+
+
+def _show(args: argparse.Namespace) -> int:
+    from kinfer_rpc.errors import KinferError
+
+    try:
+        facts = _model_facts(args.model)
+    except KinferError as exc:
+        err.print(f"kinfer: {exc.message} ({exc.code})", markup=False)
+        return 1
+    if args.json:
+        _emit(facts)
+        return 0
+    template = facts["chatTemplate"]
+    if args.part == "template":
+        print(template if template is not None else "(none in the file: chats use ChatML)")
+        return 0
+    if args.part == "system":
+        if facts["system"]:
+            print(facts["system"])
+        return 0
+    if args.part == "parameters":
+        for key, value in facts["defaults"].items():
+            print(f"{key:<16} {json.dumps(value)}")
+        return 0
+
+    def section(title: str, rows: list[tuple[str, str]]) -> None:
+        out.print(f"  [bold]{title}[/bold]")
+        for key, value in rows:
+            out.print(f"    {key:<18} {escape(value)}")
+        out.print()
+
+    section(
+        "Model",
+        [
+            ("name", facts["name"]),
+            ("architecture", facts.get("architecture") or "-"),
+            ("parameters", _human(facts.get("parameters"), ["", "K", "M", "B", "T"])),
+            ("quantization", facts.get("quantization") or "-"),
+            ("context length", str(facts.get("contextLength") or "-")),
+            ("embedding length", str(facts["embeddingLength"] or "-")),
+            ("format", facts["format"]),
+            ("size", _human(facts.get("sizeBytes"), [" B", " KB", " MB", " GB", " TB"])),
+            ("source", facts["source"]),
+            ("path", facts["path"]),
+        ],
+    )
+    if facts["defaults"] or facts["ignoredParameters"]:
+        rows = [(k, json.dumps(v)) for k, v in facts["defaults"].items()]
+        rows += [(p["name"], f"ignored: {p['reason']}") for p in facts["ignoredParameters"]]
+        section("Parameters", rows)
+    if template is not None:
+        first = template.strip().splitlines()[0] if template.strip() else ""
+        lines = len(template.strip().splitlines())
+        how = [("chats render with", f"the file's Jinja template ({lines} lines; kinfer show --template)")]
+    else:
+        how = [("chats render with", "ChatML (the file has no template)")]
+        first = ""
+    if first:
+        how.append(("begins", first[:100] + ("..." if len(first) > 100 else "")))
+    if facts["ollamaTemplate"]:
+        how.append(("Ollama's template", "a Go template, not run"))
+    section("Template", how)
+    if facts["system"]:
+        out.print("  [bold]System[/bold]")
+        for line in facts["system"].splitlines():
+            out.print(f"    {escape(line)}")
+        out.print()
+    if facts.get("error"):
+        err.print(f"kinfer: {facts['error']}", markup=False)
     return 0
 
 
@@ -1061,6 +1176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sub.add_parser("list", parents=[common], help="list the models this machine can serve")
     sub.add_parser("ps", parents=[common], help="kinfer-rpc processes on this machine and the models they hold")
+    show = sub.add_parser("show", parents=[common], help="what a model is: its header, parameters, template, system")
+    show.add_argument("model", metavar="NAME", help="model name (as Ollama names it, or a prefix) or path")
+    part = show.add_mutually_exclusive_group()
+    for flag in ("template", "system", "parameters"):
+        part.add_argument(f"--{flag}", dest="part", action="store_const", const=flag, help=f"only the {flag}")
 
     bench = sub.add_parser("bench", parents=[common, loading], help="run concurrent chats and report tokens per second")
     bench.add_argument("-m", "--model", default=None)
@@ -1088,7 +1208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.request_options = _option_arg(args)
         except OptionError as exc:
             (chat if args.command == "chat" else run).error(str(exc))
-    commands = {"chat": _chat, "run": _chat, "list": _list, "ps": _ps, "bench": _bench, "doctor": _doctor}
+    commands = {
+        "chat": _chat,
+        "run": _chat,
+        "list": _list,
+        "ps": _ps,
+        "show": _show,
+        "bench": _bench,
+        "doctor": _doctor,
+    }
     try:
         return commands[args.command](args)
     except RpcError as exc:

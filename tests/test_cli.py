@@ -482,3 +482,64 @@ def test_chat_prints_the_calls_of_a_model_with_tools(tmp_path):
     (doc,) = json_lines(kinfer("chat", "--json", *args).stdout)
     assert doc["stopReason"] == "toolCalls"
     assert [_call_text(ToolCall.from_json(c)) for c in doc["toolCalls"]] == lines  # the same reply
+
+
+# -- show, and list's NUM_CTX: what the stores say of a model, nothing loaded -----------------------
+@pytest.fixture
+def pirate_store(tmp_path, monkeypatch):
+    """An Ollama model with its own parameters, system message and Go template."""
+    gguf = Path(embedded_default_path())
+    store = OllamaStore(tmp_path / "ollama")
+    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+    _place(gguf, store.root / "blobs" / digest.replace(":", "-"))
+    model = {"mediaType": MEDIA + "model", "digest": digest, "size": gguf.stat().st_size}
+    params = {"num_ctx": 2048, "temperature": 0.2, "num_predict": 40, "stop": ["<|im_end|>"], "mirostat": 1}
+    layers = [
+        model,
+        store.blob(json.dumps(params).encode(), "params"),
+        store.blob(b"You are a pirate.\nAnswer like one.", "system"),
+        store.blob(b"{{ .System }}{{ .Prompt }}", "template"),
+    ]
+    store.manifest("registry.ollama.ai/library/pirate/latest", layers)
+    monkeypatch.setenv("OLLAMA_MODELS", str(store.root))
+    monkeypatch.setenv("KINFER_MODELS", str(tmp_path / "kinfer"))
+    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
+
+
+def test_show_a_model(pirate_store):
+    text = kinfer("show", "pirate").stdout
+    rows = {line.strip().split("  ")[0]: line.strip() for line in text.splitlines() if line.strip()}
+    assert "pirate:latest" in rows["name"] and "llama" in rows["architecture"] and "Q4_1" in rows["quantization"]
+    assert "8192" in rows["context length"] and "576" in rows["embedding length"] and "ollama" in rows["source"]
+    # the model's own parameters, kinfer's names; the one with no equivalent, and why
+    assert "2048" in rows["contextLength"] and "0.2" in rows["temperature"] and "40" in rows["maxTokens"]
+    assert "ignored" in rows["mirostat"]
+    assert "Jinja" in rows["chats render with"] and "not run" in rows["Ollama's template"]
+    assert "You are a pirate." in text and "Answer like one." in text
+    assert kinfer("show", "pirate", "--system").stdout == "You are a pirate.\nAnswer like one.\n"
+    params = dict(line.split(None, 1) for line in kinfer("show", "pir", "--parameters").stdout.splitlines())
+    assert json.loads(params["contextLength"]) == 2048 and json.loads(params["stop"]) == ["<|im_end|>"]
+    assert kinfer("show", "pirate", "--template").stdout.startswith("{% for message in messages %}")
+    doc = json.loads(kinfer("show", "--json", "pirate").stdout)
+    assert doc["name"] == "pirate:latest" and doc["parameters"] > 100_000_000 and doc["system"].startswith("You")
+    assert doc["defaults"]["contextLength"] == 2048 and doc["defaults"]["temperature"] == 0.2
+    assert doc["ignoredParameters"] == [{"name": "mirostat", "reason": "kinfer has no equivalent"}]
+    assert doc["ollamaTemplate"] == "{{ .System }}{{ .Prompt }}" and "im_start" in doc["chatTemplate"]
+    # the embedded model has none of its own
+    doc = json.loads(kinfer("show", "--json", DEFAULT).stdout)
+    assert doc["defaults"] == {} and doc["system"] is None and doc["source"] == "embedded"
+
+
+def test_show_an_unknown_model_fails(pirate_store):
+    proc = kinfer_fails("show", "qwen3:8b")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "model 'qwen3:8b' not found" in proc.stderr and "pirate:latest" in proc.stderr, proc.stderr
+
+
+def test_list_shows_the_context_a_model_sets(pirate_store):
+    header, *rows = kinfer("list").stdout.splitlines()
+    assert header.split()[-2:] == ["NUM_CTX", "PATH"]
+    values = {row.split()[0]: row.split()[-2] for row in rows}  # (a size is two words)
+    assert values == {DEFAULT: "-", "pirate:latest": "2048"}
+    models = {m["name"]: m for m in json.loads(kinfer("list", "--json").stdout)}
+    assert models["pirate:latest"]["numCtx"] == 2048 and "numCtx" not in models[DEFAULT]

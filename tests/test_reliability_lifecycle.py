@@ -111,7 +111,7 @@ def test_shutdown_then_exit_in_the_same_write_exits_0(server):
 
 # -- exit whatever its params --------------------------------------------------------------------
 
-EXIT_PARAMS = [{"x": 1}, [], [1, 2], {"self": 1}, {"exit_code": 0}, None]
+EXIT_PARAMS = [{"x": 1}, [], [1, 2], {"self": 1}, {"exit_code": 0}, None, "now", 5, True]
 
 
 @pytest.mark.parametrize("params", EXIT_PARAMS, ids=repr)

@@ -190,8 +190,8 @@ class Connection:
                 log.warning("dropped a message without a method")
             return
         params = message.get("params")
-        if params is None:
-            params = {}
+        if params is None or (method == "exit" and not has_id and not isinstance(params, (dict, list))):
+            params = {}  # exit is honoured whatever its params: nothing must keep a server from ending
         if not isinstance(params, (dict, list)):
             if has_id:
                 await self._error(rid, errors.INVALID_REQUEST, "params must be an object or an array")

@@ -8,7 +8,7 @@
     kinfer show NAME                 a model: header, its own parameters, template, system message
     kinfer ps                        the kinfer-rpc processes running here and the models they hold
     kinfer bench                     concurrent chats through the client; tokens per second
-    kinfer doctor                    backends, devices, memory, the default model
+    kinfer doctor                    libllama, plugins (and where from), devices, memory, the stores
 
 Every command takes `--json` for scripts. Colours and progress bars only on a terminal
 (and never with NO_COLOR set). The server resolves a model's name: an unknown or ambiguous one is
@@ -998,6 +998,70 @@ def _meminfo() -> dict[str, int | None]:
     }
 
 
+def _libllama() -> dict[str, Any]:
+    """The libllama that kinfer loads (the server, started with this environment, loads the same):
+    kinfer's patched build where LLAMA_CPP_LIB_PATH names it, or the llama-cpp-python wheel's."""
+    import ctypes
+
+    from kinfer_rpc.default_plugins import llama_native
+
+    named = bool(os.environ.get("LLAMA_CPP_LIB_PATH"))
+    report: dict[str, Any] = {
+        "path": None,
+        "patched": None,
+        "from": "LLAMA_CPP_LIB_PATH" if named else "the llama-cpp-python wheel",
+    }
+    try:
+        folder = llama_native.lib_dir()
+        path = folder / "libllama.so" if folder is not None else None
+        if path is None or not path.exists():
+            return report
+        report["path"] = str(path.resolve())
+        # kinfer's patches add this function (patches/llama-output-argmax.patch)
+        report["patched"] = hasattr(ctypes.CDLL(str(path)), "llama_set_output_argmax")
+    except OSError:
+        pass
+    return report
+
+
+def _stores() -> dict[str, Any]:
+    """Where the models are read from, and how many each holds."""
+    from kinfer_rpc.host.store import ModelStore, kinfer_dir, kinfer_home, ollama_dir
+
+    try:
+        refs = ModelStore().list()
+    except Exception:  # noqa: BLE001 - the counts are extra
+        refs = []
+
+    def folder(path: Any, source: str | None) -> dict[str, Any]:
+        entry = {"path": str(path), "exists": path.is_dir()}
+        if source is not None:
+            entry["models"] = sum(1 for r in refs if r.source == source)
+        return entry
+
+    return {
+        "kinfer": folder(kinfer_dir(), "kinfer"),
+        "ollama": folder(ollama_dir(), "ollama"),
+        "home": folder(kinfer_home(), None),
+    }
+
+
+def _plugin_origins() -> dict[str, str]:
+    """Where each plugin comes from: built in (its module), or the package of its entry point."""
+    from kinfer_rpc.host.plugins import BuiltinPlugin, default_entry_points
+
+    origins: dict[str, str] = {}
+    for ep in default_entry_points():
+        if isinstance(ep, BuiltinPlugin):
+            origins.setdefault(ep.name, f"{ep.module} (built in)")
+        else:
+            dist = ep.dist  # an installed package's entry point: importlib.metadata's
+            name = getattr(dist, "name", None) or "a package"
+            where = f"{name} {dist.version}" if dist is not None else "an entry point"
+            origins.setdefault(ep.name, f"{getattr(ep, 'value', ep.name)} ({where})")
+    return origins
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from kinfer_rpc.host.store import kinfer_dir
 
@@ -1058,8 +1122,13 @@ def _doctor(args: argparse.Namespace) -> int:
         problems.append(f"the server did not start: {exc}")
     report.update(_devices())
     report["gpus"] = [d for d in report["devices"] if d["type"] in ("gpu", "igpu", "accel")]
+    report["libllama"] = _libllama()
     folder = kinfer_dir()
     report["modelsDir"] = {"path": str(folder), "exists": folder.is_dir()}
+    report["stores"] = _stores()
+    origins = _plugin_origins()
+    for plugin in report.get("plugins", []):
+        plugin["from"] = origins.get(plugin.get("name", ""))
     report["problems"] = problems
     report["ok"] = not problems
     if args.json:
@@ -1072,8 +1141,21 @@ def _doctor(args: argparse.Namespace) -> int:
     line("kinfer-rpc", f"{__version__} (protocol {PROTOCOL_VERSION}), Python {report['python']}, {report['platform']}")
     line("server", escape(" ".join(report["server"])))
     line(
-        "plugins", ", ".join(f"{p['name']} {p.get('version', '')}".strip() for p in report.get("plugins", [])) or "none"
+        "plugins",
+        escape(
+            ", ".join(
+                f"{p['name']} {p.get('version') or ''}".strip() + (f" from {p['from']}" if p.get("from") else "")
+                for p in report.get("plugins", [])
+            )
+        )
+        or "none",
     )
+    lib = report["libllama"]
+    if lib["path"]:
+        kind = "kinfer's patched build" if lib["patched"] else "without kinfer's patches"
+        line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']})"))
+    else:
+        line("libllama", f"[red]not found[/red] (from {escape(lib['from'])})")
     line("backends", ", ".join(report.get("backends", [])) or "[red]none[/red]")
     if report.get("brokenPlugins"):
         line("broken", ", ".join(b.get("name", "?") for b in report["brokenPlugins"]))
@@ -1097,6 +1179,12 @@ def _doctor(args: argparse.Namespace) -> int:
     d = report.get("defaultModel")
     line("default", escape(f"{d['name']}, {_size(d['sizeBytes'])}, {d['path']}") if d else "[red]none[/red]")
     line("models dir", escape(str(folder)) + ("" if folder.is_dir() else " (absent)"))
+    ollama = report["stores"]["ollama"]
+    line(
+        "ollama dir",
+        escape(ollama["path"]) + (f" ({ollama['models']} model(s))" if ollama["exists"] else " (absent)"),
+    )
+    line("home", escape(report["stores"]["home"]["path"]))
     if "loadCheck" in report:
         lc = report["loadCheck"]
         line(

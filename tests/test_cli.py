@@ -543,3 +543,36 @@ def test_list_shows_the_context_a_model_sets(pirate_store):
     assert values == {DEFAULT: "-", "pirate:latest": "2048"}
     models = {m["name"]: m for m in json.loads(kinfer("list", "--json").stdout)}
     assert models["pirate:latest"]["numCtx"] == 2048 and "numCtx" not in models[DEFAULT]
+
+
+def test_doctor_says_where_things_come_from(pirate_store, monkeypatch, tmp_path):
+    # a plugin installed from a package (one that registers nothing)
+    site = tmp_path / "site"
+    (site / "kinfer_quiet-1.2.dist-info").mkdir(parents=True)
+    (site / "kinfer_quiet-1.2.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kinfer-quiet\nVersion: 1.2\n"
+    )
+    (site / "kinfer_quiet-1.2.dist-info" / "entry_points.txt").write_text("[kinfer_rpc]\nquiet = kinfer_quiet\n")
+    (site / "kinfer_quiet.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    report = json.loads(kinfer("doctor", "--json", "--no-load").stdout)
+    assert report["stores"]["ollama"] == {"path": os.environ["OLLAMA_MODELS"], "exists": True, "models": 1}
+    assert report["stores"]["kinfer"] == {"path": os.environ["KINFER_MODELS"], "exists": False, "models": 0}
+    assert report["stores"]["home"]["path"] == os.environ["KINFER_HOME"]
+    origins = {p["name"]: p["from"] for p in report["plugins"]}
+    assert origins["llama"] == "kinfer_rpc.default_plugins.llama (built in)", origins
+    assert origins["quiet"] == "kinfer_quiet (kinfer-quiet 1.2)", origins
+    # the libllama loaded, and whether it carries kinfer's patches (a function they add)
+    lib = report["libllama"]
+    assert os.path.basename(lib["path"]).startswith("libllama.so")
+    assert lib["patched"] == (b"llama_set_output_argmax" in Path(lib["path"]).read_bytes())
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):  # kinfer's build (tests/conftest.py), where it was built
+        assert lib["from"] == "LLAMA_CPP_LIB_PATH" and lib["patched"] is True
+        assert Path(lib["path"]).parent == Path(os.environ["LLAMA_CPP_LIB_PATH"]).resolve()
+        monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
+        lib = json.loads(kinfer("doctor", "--json", "--no-load").stdout)["libllama"]
+    assert lib["from"] == "the llama-cpp-python wheel" and "llama_cpp" in lib["path"]
+    text = kinfer("doctor", "--no-load").stdout
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert lib["path"] in lines["libllama"] and "llama-cpp-python wheel" in lines["libllama"]
+    assert "(1 model(s))" in text and "from kinfer_rpc.default_plugins.llama (built in)" in lines["plugins"]

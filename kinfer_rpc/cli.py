@@ -275,8 +275,9 @@ _HELP = """Available commands:
   /set format json           hold replies to JSON (/set noformat: free text)
   /set verbose               timings after each reply (/set quiet: none)
   /show info                 the model
-  /show parameters           the options this chat sends
+  /show parameters           the options this chat sends, and the model's own
   /show system               the system message
+  /show template             the template chats render with
   /load MODEL                chat with another model (the conversation starts over)
   /clear                     forget the conversation
   /bye                       leave (also Ctrl-D)
@@ -292,8 +293,9 @@ _SET_HELP = """Available /set commands:
 
 _SHOW_HELP = """Available /show commands:
   /show info                 the model
-  /show parameters           the options this chat sends
-  /show system               the system message"""
+  /show parameters           the options this chat sends, and the model's own
+  /show system               the system message
+  /show template             the template chats render with"""
 
 
 class _Chat:
@@ -426,21 +428,46 @@ class _Chat:
         if what == "info":
             self.say(self.info())
         elif what == "parameters":
-            if not self.options:
-                self.say("No parameters set in this chat: the model's own apply.")
-                return
 
             def shown(key: str, value: Any) -> str:
                 if key == "format" and not isinstance(value, str):
                     return "(a JSON schema)"
                 return value if isinstance(value, str) else json.dumps(value)
 
-            lines = [f"  {k:<20} {shown(k, v)}" for k, v in self.options.items()]
-            self.say("Parameters set in this chat:\n" + "\n".join(lines))
+            if self.options:
+                lines = [f"  {k:<20} {shown(k, v)}" for k, v in self.options.items()]
+                self.say("Parameters set in this chat:\n" + "\n".join(lines))
+            else:
+                self.say("No parameters set in this chat.")
+            own = self.facts().get("defaults")
+            if own:
+                lines = [f"  {k:<20} {shown(k, v)}" for k, v in own.items()]
+                self.say("The model's own (where this chat sets none):\n" + "\n".join(lines))
         elif what == "system":
-            self.say(self.system if self.system else "No system message was set in this chat.")
+            own = self.facts().get("system")
+            if self.system:
+                self.say(self.system)
+            elif own:
+                self.say(f"The model's own system message:\n{own}")
+            else:
+                self.say("No system message was set in this chat, and the model has none of its own.")
+        elif what == "template":
+            facts = self.facts()
+            if not facts:
+                self.say("The template is the server's to know for this model.")
+            elif facts.get("chatTemplate") is None:
+                self.say("The file has no chat template: chats render with ChatML.")
+            else:
+                self.say(facts["chatTemplate"])
         else:
             self.say(_SHOW_HELP)
+
+    def facts(self) -> dict[str, Any]:
+        """What the stores say of the model (kinfer show's), {} where they cannot say."""
+        try:
+            return _model_facts(self.loaded.model)
+        except Exception:  # noqa: BLE001 - only for /show: a model the stores cannot name
+            return {}
 
     def info(self) -> str:
         m = self.loaded

@@ -9,7 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import FAKE_SERVER, KINFER, WEATHER, _write, json_lines
+from test_cli import (
+    FAKE_SERVER,
+    KINFER,
+    WEATHER,
+    _write,
+    json_lines,
+    pirate_store,  # noqa: F401  (a fixture: an Ollama model with its own parameters)
+)
 from test_interrupt import Tmux, at_prompt, tmux_binary, wait_until
 
 DEFAULT = "smollm2-135m-instruct"
@@ -203,6 +210,31 @@ def test_a_session_with_the_default_model(term):
     typed(term, "Name a colour.")
     screen = term.wait_for(lambda s: s.count("tok/s, seed 7, length") == 2 and at_prompt(s), "the second reply")
     assert "Traceback" not in screen
+    typed(term, "/bye")
+    wait_until(term.dead, 30, "kinfer run to leave")
+    assert term.exit() == "0"
+
+
+@pytest.mark.model
+@pytest.mark.usefixtures("pirate_store")
+def test_show_tells_the_models_own_parameters_and_system(term):
+    term.start(f"exec {KINFER} run pirate --threads 1")
+    term.wait_for(at_prompt, "the prompt")
+    typed(term, "/show system")
+    screen = answered(term, "Answer like one.")
+    assert "The model's own system message:\nYou are a pirate." in screen, screen
+    typed(term, "/set parameter temperature 0", "/show parameters")
+    screen = answered(term, "The model's own")
+    shown = screen.rsplit(">>> /show parameters", 1)[1]
+    chat, own = shown.split("The model's own (where this chat sets none):")
+    assert chat.split() == ["Parameters", "set", "in", "this", "chat:", "temperature", "0.0"], chat
+    own_rows = dict(line.split(None, 1) for line in own.strip().splitlines() if line.strip() != ">>>")
+    assert own_rows["temperature"] == "0.2" and own_rows["maxTokens"] == "40" and own_rows["contextLength"] == "2048"
+    typed(term, "/show template")
+    answered(term, "add_generation_prompt")
+    typed(term, "/set system Be a parrot.", "/show system")
+    screen = answered(term, "Be a parrot.")
+    assert "The model's own" not in screen.rsplit(">>> /show system", 1)[1]
     typed(term, "/bye")
     wait_until(term.dead, 30, "kinfer run to leave")
     assert term.exit() == "0"

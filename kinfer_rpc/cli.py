@@ -40,7 +40,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from kinfer_rpc import PROTOCOL_VERSION, __version__
-from kinfer_rpc.client import AsyncClient, Client, LoadedModel, Result, RpcError, ToolCall, server_command
+from kinfer_rpc.client import (
+    SERVER_GONE,
+    AsyncClient,
+    Client,
+    LoadedModel,
+    Result,
+    RpcError,
+    ToolCall,
+    server_command,
+)
 from kinfer_rpc.client import Progress as WorkProgress
 
 out = Console(highlight=False, soft_wrap=True)
@@ -216,6 +225,9 @@ class OptionError(ValueError):
     pass
 
 
+_UNSET = object()  # an option's value that takes the option away (Ollama's seed -1)
+
+
 def _option(name: str, values: Sequence[str]) -> tuple[str, Any]:
     """A request option from its name (any spelling) and its words, checked for its type."""
     if name == "num_ctx":
@@ -233,7 +245,12 @@ def _option(name: str, values: Sequence[str]) -> tuple[str, Any]:
     value = " ".join(values)
     try:
         if kind == "int":
-            return key, int(value)
+            number = int(value)
+            if number == -1 and key == "maxTokens":  # Ollama's num_predict -1: no limit
+                return key, 2**31 - 1
+            if number == -1 and key == "seed":  # Ollama's seed -1: none (the model's own, or random)
+                return key, _UNSET
+            return key, number
         if kind == "float":
             return key, float(value)
     except ValueError:
@@ -263,6 +280,8 @@ def _option_arg(args: argparse.Namespace) -> dict[str, Any]:
             raise OptionError(f"-o {name}: {exc}") from None
         if key == "stop":  # -o stop X, repeatable
             options["stop"] = [*options.get("stop", []), *parsed]
+        elif parsed is _UNSET:
+            options.pop(key, None)
         else:
             options[key] = parsed
     return options
@@ -399,8 +418,11 @@ class _Chat:
             except OptionError as exc:
                 self.error(f"/set parameter: {exc}")
                 return
-            self.options[key] = value
-            shown = " ".join(value) if isinstance(value, list) else value
+            if value is _UNSET:
+                self.options.pop(key, None)
+            else:
+                self.options[key] = value
+            shown = " ".join(value) if isinstance(value, list) else words[2]
             self.say(f"Set parameter '{words[1]}' to '{shown}'")
         elif what == "system":
             text = line.split(None, 2)[2].strip() if len(words) > 1 else ""
@@ -569,13 +591,18 @@ def _chat(args: argparse.Namespace) -> int:
         if piped.strip():
             prompt = piped.rstrip("\n") if prompt is None else piped.rstrip("\n") + "\n\n" + prompt
     with Client() as kinfer:
-        loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
-        chat = _Chat(kinfer, loaded, args, options)
-        if prompt is not None or not tty:
-            if prompt is None:
-                return 0  # nothing was piped in: nothing to ask
-            return 0 if chat.ask(prompt) is not None else 130
-        return _interactive(chat)
+        try:
+            loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
+            chat = _Chat(kinfer, loaded, args, options)
+            if prompt is not None or not tty:
+                if prompt is None:
+                    return 0  # nothing was piped in: nothing to ask
+                return 0 if chat.ask(prompt) is not None else 130
+            return _interactive(chat)
+        except RpcError as exc:
+            if exc.code == SERVER_GONE:  # nothing to shut down: don't wait for it
+                kinfer.close(timeout=1)
+            raise
 
 
 def _interactive(chat: _Chat) -> int:
@@ -616,6 +643,8 @@ def _interactive(chat: _Chat) -> int:
             try:
                 chat.ask(text)
             except RpcError as exc:  # this question failed (bad options...): the chat goes on
+                if exc.code == SERVER_GONE:
+                    raise
                 chat.error(f"kinfer: {exc}")
     finally:
         save_history()

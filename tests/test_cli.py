@@ -339,6 +339,8 @@ while True:
     elif method == "inference/chat":
         with open(os.environ["FAKE_LOG"], "a") as log:
             log.write(json.dumps(params) + "\n")
+        if params["messages"][-1]["content"] == "exit now":  # a server that dies mid-chat
+            sys.exit(3)
         token = params.get("partialResultToken")
         if token is not None:
             value = {"text": "", "tokens": [1], "toolCalls": CALLS}
@@ -417,6 +419,9 @@ def test_o_sets_any_request_option(fake_server):
     }
     kinfer("run", "fake", "Name a colour.", "--max-tokens", "5", "-o", "max_tokens", "6")  # the last one says
     assert fake_server()[-1]["options"] == {"maxTokens": 6}
+    # Ollama's -1: num_predict without a limit, no seed (the model's own, or a random one)
+    kinfer("chat", "Name a colour.", "--seed", "3", "-o", "seed", "-1", "-o", "num_predict", "-1")
+    assert fake_server()[-1]["options"] == {"maxTokens": 2**31 - 1}
 
 
 def test_bad_format_and_tool_files_fail(tmp_path):

@@ -4,6 +4,7 @@ read back): the /commands, multi-line messages, the history file."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -125,10 +126,13 @@ def test_commands_change_what_the_chat_sends(term, fake):
     answered(term, "No system message")
     typed(term, "/set system You are a pirate.", "/show system")
     answered(term, "You are a pirate.")
+    typed(term, "/set parameter seed 5", "/set parameter seed -1")  # Ollama's -1: no seed
+    answered(term, "Set parameter 'seed' to '-1'")
     typed(term, "/set format json", "Fourth")
     wait_until(lambda: len(fake.chats()) == 4, 30, "the fourth chat")
     fourth = fake.chats()[3]
-    assert fourth["options"]["format"] == "json" and fourth["messages"][0]["content"] == "You are a pirate."
+    assert fourth["options"] == {**first["options"], "format": "json"}
+    assert fourth["messages"][0]["content"] == "You are a pirate."
     assert len(fourth["messages"]) == 4  # the system message, then Third, its reply and Fourth
     term.wait_for(at_prompt, "the prompt after the reply")
 
@@ -157,6 +161,24 @@ def test_help_lists_the_commands(term, fake):
     term.keys("C-d")
     wait_until(term.dead, 30, "kinfer to leave on Ctrl-D")
     assert term.exit() == "0" and fake.chats() == []
+
+
+def test_a_server_that_exits_ends_the_chat(term, fake):
+    # A question the server refuses is said and the chat goes on; a server gone ends it.
+    term.start(f"{fake.command} chat")
+    term.wait_for(at_prompt, "the prompt")
+    typed(term, "exit now")
+    wait_until(term.dead, 30, "kinfer chat to end")
+    assert term.exit() == "1"
+    screen = term.screen()
+    assert "kinfer: the server exited (-32099)" in screen and "Traceback" not in screen, screen
+    # asked once (piped), the same, without waiting for a server that is gone
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", f"{fake.command} chat"], input="exit now\n", capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1 and "the server exited" in proc.stderr and proc.stdout == ""
+    assert time.monotonic() - start < 5
 
 
 def test_tool_calls_go_back_in_the_history(term, fake, tmp_path):

@@ -44,10 +44,12 @@ def tokens(c, text):
     return c.call("inference/tokenize", {"text": text, "addSpecial": False, "parseSpecial": False})["tokens"]
 
 
-def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict):
-    """llama.cpp's server's format_infill (tools/server/utils.hpp), non-SPM, no prompt: repository
-    and file separator tokens, then the tail of the extra context, then the prefix's last 3/4 of a
-    batch and the suffix's first 1/4 - 2 between the FIM tokens. (The model adds no BOS.)"""
+def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict, spm=False):
+    """llama.cpp's server's format_infill (tools/server/utils.hpp), no prompt: repository and file
+    separator tokens, then the tail of the extra context, then the prefix's last 3/4 of a batch
+    and the suffix's first 1/4 - 2 between the FIM tokens, suffix first with `spm`. (The model adds
+    no BOS.) One difference, kinfer's: a prefix over its budget keeps its tokens from a multiple of
+    1/8 of the budget on (infill.window_start), not exactly its last 3/4 of a batch."""
     ids = FIM_IDS
     rep = 4  # llama.cpp's repository token in SmolLM2's vocabulary: <reponame>
     extra_tokens = [rep, *tokens(c, "myproject\n")]
@@ -55,11 +57,13 @@ def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict):
         extra_tokens += [ids["sep"], *tokens(c, name + "\n"), *tokens(c, text)]
     extra_tokens += [ids["sep"], *tokens(c, "filename\n")]
     pre, suf = tokens(c, prefix), tokens(c, suffix)
-    n_prefix = min(len(pre), 3 * (n_batch // 4))
+    n_prefix = len(pre) - infill.window_start(len(pre), 3 * (n_batch // 4))
     n_suffix = min(len(suf), max(0, n_batch // 4 - 2))
     n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_tokens))
     pre, suf = pre[len(pre) - n_prefix :], suf[:n_suffix]
     kept = extra_tokens[len(extra_tokens) - n_extra :]
+    if spm:
+        return [*kept, ids["suf"], *suf, ids["pre"], *pre, ids["mid"]]
     return [*kept, ids["pre"], *pre, ids["suf"], *suf, ids["mid"]]
 
 
@@ -106,12 +110,45 @@ def test_a_short_context_drops_the_far_ends_and_says_so(spawn, fim_path):
     assert r["usage"]["promptTokens"] == len(expected)
     d = r["dropped"]
     pieces = c.call("inference/tokenize", {"text": prefix, "addSpecial": False, "parseSpecial": False})["pieces"]
-    assert d["prefix"] == len(prefix) - len("".join(pieces[-48:])) > 0  # the prefix's start went
+    start = infill.window_start(len(pieces), 48)
+    assert len(pieces) - 48 <= start < len(pieces) - 48 + 6
+    assert d["prefix"] == len(prefix) - len("".join(pieces[start:])) > 0  # the prefix's start went
     pieces = c.call("inference/tokenize", {"text": suffix, "addSpecial": False, "parseSpecial": False})["pieces"]
     assert d["suffix"] == len(suffix) - len("".join(pieces[:14])) > 0  # the suffix's end went
     assert d["suffix"] > 0 and d["extra"] == 0  # the extra context fits in 168 tokens
     ref = c.call("inference/generate", {"tokens": expected, "options": GREEDY})
     assert r["tokens"][: len(ref["tokens"])] == ref["tokens"]
+
+
+def test_spm_puts_the_suffix_first_and_a_keystroke_reads_only_the_end(fim):
+    params = {"prefix": PREFIX, "suffix": SUFFIX, "extra": [{"filename": UTIL[0], "text": UTIL[1]}]}
+    got = fim.call("inference/infill", {**params, "options": {**GREEDY, "spm": True}})
+    expected = format_infill(fim, PREFIX, SUFFIX, [UTIL], n_batch=256, n_ctx=1024, n_predict=12, spm=True)
+    assert got["usage"]["promptTokens"] == len(expected)
+    ref = fim.call("inference/generate", {"tokens": expected, "options": GREEDY})
+    assert got["tokens"][: len(ref["tokens"])] == ref["tokens"]
+    # one keystroke later the pool has everything but the typed token and [FIM_MID]
+    typed = fim.call("inference/infill", {**params, "prefix": PREFIX + "a", "options": {**GREEDY, "spm": True}})
+    assert typed["usage"]["promptTokens"] - typed["usage"]["cachedTokens"] <= 3, typed["usage"]
+    with pytest.raises(RpcError) as e:
+        fim.call("inference/infill", {**params, "options": {"spm": 1}})
+    assert e.value.code == -32602 and "spm" in e.value.message
+
+
+def test_typing_at_the_end_of_a_long_prefix_keeps_its_start(spawn, fim_path):
+    """Over its budget the prefix's kept window moves in steps: a keystroke re-reads only what
+    follows the edit (with the prefix pool), not the whole prompt."""
+    c = spawn()
+    c.initialize()
+    c.call("model/load", {"model": fim_path, "options": {"contextLength": 512, "slots": 1, "batch": 128}})
+    prefix = "".join(f"x{i} = {i}\n" for i in range(200)) + "y = "
+    opts = {**GREEDY, "maxTokens": 4, "spm": True}
+    reads = []
+    for n in range(12):
+        r = c.call("inference/infill", {"prefix": prefix + "1" * n, "suffix": "\n", "options": opts})
+        assert r["dropped"]["prefix"] > 0
+        reads.append(r["usage"]["promptTokens"] - r["usage"]["cachedTokens"])
+    assert sorted(reads)[len(reads) // 2] <= 3, reads  # the median keystroke reads a token or two
 
 
 def test_generate_with_a_suffix_is_an_infill(fim):

@@ -12,10 +12,18 @@ text after a `\\n\\n--- snippet ---\\n\\n` line), then `[FIM_SEP]filename\\n` fo
 edited. BOS only where the vocabulary adds one. Texts are tokenized as plain text (special-token
 spellings in them are not special).
 
+With `spm` (llama.cpp's `--spm-infill`, for models trained on that order) the suffix comes first:
+`extra [BOS] [FIM_SUF] suffix [FIM_PRE] prefix [FIM_MID]`. Typing at the cursor then changes only
+the prompt's end, so the prefix pool keeps all the rest; in the usual order the suffix, after the
+edit, is read again at every keystroke.
+
 When the context is short, what is far from the gap goes first, never the middle: the prefix keeps
-its last 3/4 of a batch of tokens, the suffix its first 1/4 of a batch less 2, and the extra context
-its last tokens that leave a batch and twice `maxTokens` of the context free (the batch taken as at
-most the context less that room). `Prompt.dropped` says how many characters of each were left out.
+at most its last 3/4 of a batch of tokens, the suffix its first 1/4 of a batch less 2, and the extra
+context its last tokens that leave a batch and twice `maxTokens` of the context free (the batch
+taken as at most the context less that room), as llama.cpp's server does; except that a prefix over
+its budget starts at a multiple of 1/8 of the budget from its beginning (so it keeps 7/8 to all of
+the budget), which keeps its start in place while someone types at its end. `Prompt.dropped` says
+how many characters of each part were left out.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ CURRENT_FILE = "filename\n"
 SNIPPET = "\n\n--- snippet ---\n\n"
 DEFAULT_PREDICT = 128  # maxTokens the budgets leave room for when a request gives none
 MARGIN = 16  # tokens tokenized beyond a budget when a text is cut to bound the work
+WINDOW_STEPS = 8  # a long prefix's kept window moves in steps of 1/8 of its budget
+CHUNK = 4096  # characters: where a long prefix is cut before tokenizing
 
 
 def fim_tokens(model: LoadedModel) -> dict[str, int]:
@@ -94,9 +104,12 @@ def build(
     extra: Sequence[tuple[str, str]],
     budget: Budget,
     piece: int,
+    *,
+    spm: bool = False,
 ) -> Prompt:
     """The infill prompt's tokens. `extra` is (filename, text) pairs; `piece` the most bytes one
-    token stands for (bounds how much text is tokenized when a part is over its budget)."""
+    token stands for (bounds how much text is tokenized when a part is over its budget); `spm`:
+    suffix before prefix (llama.cpp's --spm-infill)."""
 
     def tokenize(text: str) -> list[int]:
         return model.tokenize(text, False, False) if text else []
@@ -104,21 +117,42 @@ def build(
     def chars(tokens: Sequence[int]) -> int:
         return len(b"".join(model.token_bytes(t) for t in tokens).decode("utf-8", "ignore"))
 
-    pre = tokenize(prefix[-(budget.prefix + MARGIN) * piece :])
-    pre = pre[len(pre) - min(len(pre), budget.prefix) :]
+    cut = _cut(len(prefix), (budget.prefix + MARGIN) * piece)
+    pre = tokenize(prefix[cut:])
+    pre = pre[window_start(len(pre), budget.prefix) :]
     suf = tokenize(suffix[: (budget.suffix + MARGIN) * piece])[: budget.suffix]
     extra_tokens, extra_chars = _extra(model, fim, extra, (budget.extra + MARGIN) * piece if budget.extra else 0)
     kept_extra = extra_tokens[len(extra_tokens) - min(len(extra_tokens), budget.extra) :]
     tokens = list(kept_extra)
     if model.info.add_bos:
         tokens += model.tokenize("", True, False)[:1]  # the vocabulary's BOS
-    tokens += [fim["pre"], *pre, fim["suf"], *suf, fim["mid"]]
+    if spm:
+        tokens += [fim["suf"], *suf, fim["pre"], *pre, fim["mid"]]
+    else:
+        tokens += [fim["pre"], *pre, fim["suf"], *suf, fim["mid"]]
     dropped = {
         "prefix": max(0, len(prefix) - chars(pre)),
         "suffix": max(0, len(suffix) - chars(suf)),
         "extra": max(0, extra_chars - chars(kept_extra)),
     }
     return Prompt(tokens, dropped)
+
+
+def window_start(n: int, budget: int) -> int:
+    """Where a prefix of `n` tokens starts being kept, for a budget of `budget`: the last `budget`
+    tokens at most, the start moving in steps of 1/8 of the budget, so that typing at the end of
+    a long prefix leaves its start (and the prefix pool's cells) where they were for a while."""
+    over = n - budget
+    if over <= 0:
+        return 0
+    step = max(1, budget // WINDOW_STEPS)
+    return -(-over // step) * step
+
+
+def _cut(length: int, limit: int) -> int:
+    """Where to cut a text of `length` characters to keep its last `limit` or so: at a multiple of
+    CHUNK, so that the cut stays put while the text grows at its end."""
+    return max(0, length - limit) // CHUNK * CHUNK
 
 
 def _extra(

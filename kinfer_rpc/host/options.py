@@ -237,6 +237,18 @@ def generate_options(obj: object, seed_default: int, *, infill: bool = False) ->
     )
 
 
+def infill_options(obj: object, seed_default: int) -> tuple[GenerateOptions, bool]:
+    """inference/infill's options: inference/generate's, `stopAtLine`, and `spm` (whether the
+    prompt puts the suffix before the prefix, for models trained that way)."""
+    spm = None
+    if isinstance(obj, dict) and "spm" in obj:
+        obj = dict(obj)
+        spm = obj.pop("spm")
+        if spm is not None and not isinstance(spm, bool):
+            raise errors.invalid_params("options.spm must be true or false", {"field": "options.spm"})
+    return generate_options(obj, seed_default, infill=True), bool(spm)
+
+
 def _constraint(f: Fields) -> tuple[str, str] | None:
     """The reply's constraint as (option, source): a JSON schema (as JSON text), "json", a
     grammar or a regex. Whether it compiles is found out against the model's vocabulary."""

@@ -18,7 +18,7 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 from kinfer_rpc.host import infill as fill
 from kinfer_rpc.host import tools
-from kinfer_rpc.host.options import SEED_BITS, Fields, generate_options, with_defaults
+from kinfer_rpc.host.options import SEED_BITS, Fields, generate_options, infill_options, with_defaults
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
@@ -236,10 +236,14 @@ class Handlers:
         prompt, ended by its pad and file separator tokens too; a reply that repeats the suffix
         loses the repeat."""
         seed = random.getrandbits(SEED_BITS)
-        opts = generate_options(options, seed, infill=infill)
+
+        def parse(obj: Any) -> tuple[GenerateOptions, bool]:
+            return infill_options(obj, seed) if infill else (generate_options(obj, seed), False)
+
+        opts, spm = parse(options)
         entry = await self.runtime.model_for(name)
         if entry.defaults:
-            opts = generate_options(with_defaults(entry.defaults, options), seed, infill=infill)
+            opts, spm = parse(with_defaults(entry.defaults, options))
         fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
         if lacking := fill.missing(fim):
             raise errors.invalid_params(
@@ -250,7 +254,7 @@ class Handlers:
             )
         n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
         prompt = await anyio.to_thread.run_sync(
-            entry.infill_prompt, prefix, suffix, extra, n_predict, limiter=entry.tokenizer
+            entry.infill_prompt, prefix, suffix, extra, n_predict, spm, limiter=entry.tokenizer
         )
         stops = tuple(fim[k] for k in fill.STOPS if k in fim)
         result = await self._stream(ctx, entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops))

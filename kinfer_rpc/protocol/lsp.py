@@ -29,7 +29,7 @@ import anyio
 import attrs
 
 from kinfer_rpc import errors
-from kinfer_rpc.host.options import Fields, generate_options, load_options
+from kinfer_rpc.host.options import Fields, infill_options, load_options
 from kinfer_rpc.protocol.connection import RequestContext
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ PLAIN_TEXT = 1
 # What completions ask infill for unless the settings say otherwise: a short, greedy continuation
 # of the current line (clients without inline completion show one line best).
 DEFAULT_OPTIONS: dict[str, Any] = {"maxTokens": 64, "stopAtLine": True, "temperature": 0}
-INFILL_ONLY = ("stopAtLine",)  # inference/infill's options that inference/generate does not take
 COMPLETION_FIELDS = ("model", "backend", "loadOptions", "languages", "enabled", "openFiles")
 
 # Where a completion request's snapshot travels from accept() to its handler, inside its params.
@@ -161,11 +160,8 @@ class Settings:
 
 def _check_options(options: dict[str, Any], where: str) -> None:
     """The inference options a completion will send, checked now (as inference/infill will)."""
-    stop_at_line = options.get("stopAtLine")
-    if stop_at_line is not None and not isinstance(stop_at_line, bool):
-        raise errors.invalid_params(f"{where}.stopAtLine must be true or false", {"field": f"{where}.stopAtLine"})
     try:
-        generate_options({k: v for k, v in options.items() if k not in INFILL_ONLY}, 0)
+        infill_options(options, 0)
     except errors.KinferError as exc:
         raise errors.KinferError(exc.code, exc.message.replace("options", where, 1), exc.data) from None
 

@@ -530,6 +530,10 @@ def _line_editing() -> Callable[[], None]:
         import readline
     except ImportError:  # no line editing here
         return lambda: None
+    if "libedit" not in (readline.__doc__ or ""):
+        # GNU readline: pasted lines are one message, as a terminal's bracketed paste marks them
+        # (Python turns it off)
+        readline.parse_and_bind("set enable-bracketed-paste on")
     path = _history_file()
     try:
         readline.read_history_file(path)

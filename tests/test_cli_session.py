@@ -88,9 +88,14 @@ def test_commands_change_what_the_chat_sends(term, fake):
     assert first["options"] == {"temperature": 0.5, "maxTokens": 7, "stop": ["END", "STOP"]}
     term.wait_for(at_prompt, "the prompt after the reply")
 
-    typed(term, "Second question")
+    # lines pasted (the terminal marks a paste: bracketed paste) are one message, as Ollama takes them
+    term("set-buffer", "Second question,\npasted on two lines")
+    term("paste-buffer", "-p", "-t", "t")
+    term.keys("Enter")
     wait_until(lambda: len(fake.chats()) == 2, 30, "the second chat")
-    assert [m["role"] for m in fake.chats()[1]["messages"]] == ["system", "user", "assistant", "user"]
+    second = fake.chats()[1]["messages"]
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
+    assert second[-1]["content"] == "Second question,\npasted on two lines"
     term.wait_for(at_prompt, "the prompt after the reply")
 
     typed(term, "/clear")
@@ -142,7 +147,7 @@ def test_commands_change_what_the_chat_sends(term, fake):
     assert len(fake.chats()) == 4  # the commands, the mistakes and the dropped message sent nothing
     # what was typed is kept for the next chat (the arrow keys bring it back)
     history = (Path(os.environ["KINFER_HOME"]) / "history").read_text()
-    assert "/set parameter num_predict 7" in history and "Second question" in history
+    assert "/set parameter num_predict 7" in history and "Second question," in history
 
 
 def test_help_lists_the_commands(term, fake):

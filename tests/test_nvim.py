@@ -1,7 +1,9 @@
 """clients/nvim: the Lua module in a headless Neovim against a real `kinfer-rpc`.
 
 Streams a chat reply into a buffer, writes the buffer to a file, cancels a second request, and
-stops the server. Skipped when `nvim` is not installed (`apt-get install neovim`).
+stops the server; suggests fill-in-the-middle completions as ghost text (on a copy of the embedded
+model with FIM tokens, tests/modelgen/make_fim_model.py), accepts and dismisses them. Skipped when
+`nvim` is not installed (`apt-get install neovim`).
 """
 
 from __future__ import annotations
@@ -216,3 +218,270 @@ def test_sigint_to_neovims_process_group_does_not_reach_the_server(tmp_path):
     assert report.get("after_tokens") == 2, report  # the same server answered the next request
     assert report["exit_code"] == 0, report
     assert not os.path.exists(f"/proc/{server}")  # stopped and reaped by Neovim
+
+
+# -- fill in the middle: kinfer.suggest / accept / dismiss -------------------------------------
+
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n"
+GREEDY = {"temperature": 0, "maxTokens": 16}
+EXTRA = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+
+SUGGEST_SCRIPT = r"""
+local kinfer = require('kinfer')
+local out_dir = vim.env.KINFER_TEST_OUT
+local report = {}
+local function wait(pred) return vim.wait(60000, pred, 20) end
+local GREEDY = vim.json.decode(vim.env.KINFER_TEST_GREEDY)
+local keys = function(k) return vim.api.nvim_replace_termcodes(k, true, false, true) end
+-- what the extmarks show in the suggestion's highlight group: the first line, then virt_lines
+local function shown(buf)
+  local marks = vim.api.nvim_buf_get_extmarks(buf, kinfer.ns, 0, -1, { details = true })
+  local lines = {}
+  for _, m in ipairs(marks) do
+    local first = {}
+    for _, chunk in ipairs(m[4].virt_text or {}) do
+      if chunk[2] == kinfer.HL then first[#first + 1] = chunk[1] end
+    end
+    lines[#lines + 1] = table.concat(first)
+    for _, line in ipairs(m[4].virt_lines or {}) do
+      local parts = {}
+      for _, chunk in ipairs(line) do
+        if chunk[2] == kinfer.HL then parts[#parts + 1] = chunk[1] end
+      end
+      lines[#lines + 1] = table.concat(parts)
+    end
+  end
+  return { count = #marks, text = table.concat(lines, '\n'), at = marks[1] and { marks[1][2], marks[1][3] } }
+end
+local function text_of(buf)
+  return table.concat(vim.api.nvim_buf_get_lines(buf, 0, -1, false), '\n') .. '\n'
+end
+local function reset(buf)
+  vim.api.nvim_buf_set_lines(buf, 0, -1, false, { 'def add(a, b):', '    return ' })
+  vim.api.nvim_win_set_cursor(0, { 2, 11 })  -- after 'return ' ('virtualedit' lets it stand there)
+end
+
+local client = kinfer.start()
+local loaded
+client:load({ model = vim.env.KINFER_TEST_FIM, options = { threads = 1 } },
+  function(err, result) loaded = err or result end)
+wait(function() return loaded ~= nil end)
+report.loaded = loaded.model
+kinfer.setup({ client = client, infill = { options = GREEDY }, infill_keys = true })
+vim.o.virtualedit = 'onemore'
+local buf = vim.api.nvim_get_current_buf()
+
+-- Client:infill with extra and stopAtLine
+local r
+client:infill(vim.env.KINFER_TEST_PREFIX, vim.env.KINFER_TEST_SUFFIX,
+  { extra = vim.json.decode(vim.env.KINFER_TEST_EXTRA), stopAtLine = true, options = GREEDY },
+  nil, function(err, result) r = err or result end)
+wait(function() return r ~= nil end)
+report.infill_extra = r
+
+-- suggest at the cursor, streamed; then accept
+reset(buf)
+local done = nil
+kinfer.suggest(client, { options = GREEDY, on_done = function(err, result) done = err or result end })
+wait(function() return done ~= nil end)
+report.suggest_result = done
+report.suggest_shown = shown(buf)
+report.suggestion = { kinfer.suggestion(buf) }
+report.accepted = kinfer.accept(buf)
+report.after_accept = text_of(buf)
+report.after_accept_cursor = vim.api.nvim_win_get_cursor(0)
+report.after_accept_shown = shown(buf)
+
+-- dismiss
+reset(buf)
+done = nil
+kinfer.suggest(client, { options = GREEDY, on_done = function(err, result) done = err or result end })
+wait(function() return done ~= nil end)
+report.before_dismiss = shown(buf).count
+report.dismissed = kinfer.dismiss(buf)
+report.after_dismiss = shown(buf)
+report.after_dismiss_suggestion = kinfer.suggestion(buf) == nil
+report.after_dismiss_text = text_of(buf)
+
+-- a second suggestion while the first streams cancels the first
+reset(buf)
+local first, second, results = nil, nil, 0
+kinfer.suggest(client, { options = { temperature = 0, maxTokens = 1000, ignoreEos = true },
+  on_done = function(err, result) first = err or result; if not err then results = results + 1 end end })
+wait(function() local t = kinfer.suggestion(buf); return t ~= nil and #t > 0 end)
+report.first_streamed = shown(buf).count
+kinfer.suggest(client, { options = GREEDY,
+  on_done = function(err, result) second = err or result; if not err then results = results + 1 end end })
+wait(function() return first ~= nil and second ~= nil end)
+vim.wait(300)  -- nothing more arrives
+report.first_code = first.code
+report.second_result = second
+report.results = results
+report.race_shown = shown(buf)
+
+-- in insert mode: <C-F> suggests, the suggestion stays while nothing is typed, <Tab> accepts
+reset(buf)
+local steps = {}
+local timer = vim.fn.timer_start(50, function(t)
+  local text, complete = kinfer.suggestion(buf)
+  steps.ticks = (steps.ticks or 0) + 1
+  if not steps.asked then
+    steps.asked = true
+    vim.api.nvim_feedkeys(keys('<C-F>'), 'm', false)
+  elseif steps.ticks > 1200 then  -- a minute: give up, leave insert mode
+    vim.fn.timer_stop(t)
+    vim.api.nvim_feedkeys(keys('<Esc>'), 'n', false)
+  elseif complete then
+    vim.fn.timer_stop(t)
+    steps.text, steps.mode = text, vim.fn.mode()
+    vim.api.nvim_feedkeys(keys('<Tab><Esc>'), 'm', false)
+  end
+end, { ['repeat'] = -1 })
+vim.api.nvim_feedkeys('A', 'x!', false)  -- returns when <Esc> ends insert mode
+report.keys = steps
+report.keys_text = text_of(buf)
+
+-- typing in insert mode dismisses the suggestion (before insert mode ends)
+reset(buf)
+done = nil
+kinfer.suggest(client, { options = GREEDY, on_done = function(err, result) done = err or result end })
+wait(function() return done ~= nil end)
+report.before_typing = shown(buf).count
+vim.defer_fn(function()
+  report.typed = { shown = shown(buf).count, gone = kinfer.suggestion(buf) == nil, mode = vim.fn.mode() }
+  vim.api.nvim_feedkeys(keys('<Esc>'), 'n', false)
+end, 300)
+vim.api.nvim_feedkeys('ax', 'x!', false)
+report.typed_text = text_of(buf)
+
+-- <Tab> with no suggestion is a tab
+reset(buf)
+vim.api.nvim_feedkeys(keys('A<Tab><Esc>'), 'xm', false)
+report.plain_tab = text_of(buf)
+
+local code
+client:stop(function(c) code = c end)
+wait(function() return code ~= nil end)
+report.exit_code = code
+vim.fn.writefile({ vim.json.encode(report) }, out_dir .. '/report.json')
+vim.cmd('qa!')
+"""
+
+
+def run_nvim(tmp_path, script: str, **env_vars: str) -> dict:
+    """Run `script` in a headless Neovim with clients/nvim on its runtimepath; its report.json."""
+    path = tmp_path / "script.lua"
+    path.write_text(script)
+    env = {**os.environ, "KINFER_TEST_OUT": str(tmp_path), "KINFER_RPC": KINFER_RPC, **env_vars}
+    argv = [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n"]
+    argv += ["--cmd", f"set runtimepath^={ROOT / 'clients' / 'nvim'}", "-c", f"luafile {path}"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    report_file = tmp_path / "report.json"
+    assert report_file.exists(), f"nvim wrote no report\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    return json.loads(report_file.read_text())
+
+
+def test_nvim_suggests_fill_in_the_middle_as_ghost_text(tmp_path):
+    from make_fim_model import make_fim_model
+    from rpcclient import RpcClient
+
+    fim = make_fim_model(tmp_path / "fim.gguf")
+    # What inference/infill answers for the same buffer, cursor and options.
+    with RpcClient.spawn() as c:
+        c.initialize()
+        c.call("model/load", {"model": fim, "options": {"threads": 1}})
+        expected = c.call("inference/infill", {"prefix": PREFIX, "suffix": SUFFIX, "options": GREEDY})
+        extra = c.call(
+            "inference/infill",
+            {"prefix": PREFIX, "suffix": SUFFIX, "extra": EXTRA, "options": {**GREEDY, "stopAtLine": True}},
+        )
+    text = expected["text"]
+    assert "\n" in text  # the model's junk runs over several lines: virt_lines are drawn too
+    report = run_nvim(
+        tmp_path,
+        SUGGEST_SCRIPT,
+        KINFER_TEST_FIM=fim,
+        KINFER_TEST_GREEDY=json.dumps(GREEDY),
+        KINFER_TEST_PREFIX=PREFIX,
+        KINFER_TEST_SUFFIX=SUFFIX,
+        KINFER_TEST_EXTRA=json.dumps(EXTRA),
+    )
+    assert report["loaded"] == fim
+    # Client:infill passes extra and stopAtLine
+    assert report["infill_extra"]["text"] == extra["text"] and "\n" not in extra["text"]
+    assert report["infill_extra"]["tokens"] == extra["tokens"]
+    assert report["infill_extra"]["dropped"] == {"prefix": 0, "suffix": 0, "extra": 0}
+    # suggest: the reply, shown at the cursor by one extmark, then accepted there
+    assert report["suggest_result"]["text"] == text
+    assert report["suggest_result"]["tokens"] == expected["tokens"]
+    assert report["suggest_shown"] == {"count": 1, "text": text, "at": [1, 11]}
+    assert report["suggestion"] == [text, True]
+    assert report["accepted"] is True
+    assert report["after_accept"] == PREFIX + text + SUFFIX
+    last = text.split("\n")[-1]
+    assert report["after_accept_cursor"] == [2 + text.count("\n"), len(last.encode())]
+    assert report["after_accept_shown"]["count"] == 0
+    # dismiss clears it and leaves the buffer
+    assert report["before_dismiss"] == 1
+    assert report["dismissed"] is True
+    assert report["after_dismiss"]["count"] == 0 and report["after_dismiss_suggestion"]
+    assert report["after_dismiss_text"] == PREFIX + SUFFIX
+    # a second suggestion cancels the first: one result, shown once
+    assert report["first_streamed"] == 1
+    assert report["first_code"] == -32800
+    assert report["second_result"]["text"] == text
+    assert report["results"] == 1
+    assert report["race_shown"] == {"count": 1, "text": text, "at": [1, 11]}
+    # the keymaps in insert mode
+    assert report["keys"].get("text") == text and report["keys"]["mode"] == "i", report["keys"]
+    assert report["keys_text"] == PREFIX + text + SUFFIX
+    assert report["before_typing"] == 1
+    assert report["typed"] == {"shown": 0, "gone": True, "mode": "i"}
+    assert report["typed_text"] == PREFIX + "x" + SUFFIX
+    assert report["plain_tab"] == PREFIX + "\t" + SUFFIX
+    assert report["exit_code"] == 0
+
+
+NO_FIM_SCRIPT = r"""
+local kinfer = require('kinfer')
+local out_dir = vim.env.KINFER_TEST_OUT
+local report = {}
+local function wait(pred) return vim.wait(60000, pred, 20) end
+local client = kinfer.start()
+local loaded
+client:load({ options = { threads = 1 } }, function(err, result) loaded = err or result end)
+wait(function() return loaded ~= nil end)
+report.loaded = loaded.model
+vim.api.nvim_buf_set_lines(0, 0, -1, false, { 'def add(a, b):', '    return ' })
+vim.o.virtualedit = 'onemore'
+vim.api.nvim_win_set_cursor(0, { 2, 11 })
+local done = nil
+kinfer.suggest(client, { options = { temperature = 0, maxTokens = 16 },
+  on_done = function(err, result) done = { err = err, result = result } end })
+wait(function() return done ~= nil end)
+vim.wait(200)
+report.done = done
+report.marks = #vim.api.nvim_buf_get_extmarks(0, kinfer.ns, 0, -1, {})
+report.suggestion = kinfer.suggestion(0) == nil
+report.accepted = kinfer.accept(0)
+report.text = table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n')
+local code
+client:stop(function(c) code = c end)
+wait(function() return code ~= nil end)
+report.exit_code = code
+vim.fn.writefile({ vim.json.encode(report) }, out_dir .. '/report.json')
+vim.cmd('qa!')
+"""
+
+
+def test_nvim_suggest_without_fim_tokens_shows_nothing_and_reports_32602(tmp_path):
+    report = run_nvim(tmp_path, NO_FIM_SCRIPT)
+    assert report["loaded"] == "smollm2-135m-instruct"
+    err = report["done"]["err"]
+    assert err["code"] == -32602 and "cannot fill in the middle" in err["message"], err
+    assert report["done"].get("result") is None
+    assert report["marks"] == 0 and report["suggestion"] is True
+    assert report["accepted"] is False
+    assert report["text"] == "def add(a, b):\n    return "
+    assert report["exit_code"] == 0

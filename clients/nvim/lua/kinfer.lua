@@ -6,7 +6,9 @@
 --   kinfer.chat_to_buffer(client, buf, 'Why is the sky blue?', { options = { maxTokens = 200 } })
 --   client:stop()
 --
--- or `require('kinfer').setup()` for :KinferChat {prompt} and :KinferCancel.
+-- or `require('kinfer').setup()` for :KinferChat {prompt} and :KinferCancel, and
+-- kinfer.suggest(client) / kinfer.accept() / kinfer.dismiss() for fill-in-the-middle completions
+-- at the cursor shown as ghost text (setup({ infill_keys = true }): <C-F> and <Tab> in insert mode).
 --
 -- Built on vim.lsp.rpc.start: works with Neovim 0.7 (start(cmd, args, dispatchers)) and 0.10+
 -- (start(cmd_list, dispatchers)). Streaming uses partialResultToken + $/progress; cancelling sends
@@ -210,6 +212,22 @@ function Client:generate(prompt, opts, on_piece, on_done)
   return self:request('inference/generate', inference_params({ prompt = prompt }, opts), on_done, on_piece)
 end
 
+--- inference/infill: fill the gap between prefix and suffix (the model needs FIM tokens, else
+--- -32602). opts: model, options (generate's and stopAtLine), extra ({ {filename?, text}, ... },
+--- other files as context), stopAtLine (a shorthand for options.stopAtLine). on_piece(text)
+--- streams; on_done(err, result), result as generate's plus dropped.
+function Client:infill(prefix, suffix, opts, on_piece, on_done)
+  opts = opts or {}
+  local fields = inference_params({ prefix = prefix, suffix = suffix or '' }, opts)
+  if opts.extra and #opts.extra > 0 then
+    fields.extra = opts.extra
+  end
+  if opts.stopAtLine ~= nil then
+    fields.options = vim.tbl_extend('force', fields.options or {}, { stopAtLine = opts.stopAtLine })
+  end
+  return self:request('inference/infill', fields, on_done, on_piece)
+end
+
 --- shutdown, exit; on_exit(code) when the process has gone (0 when clean).
 function Client:stop(on_exit)
   if self.exited then
@@ -255,10 +273,254 @@ function M.chat_to_buffer(client, buf, prompt, opts)
   end)
 end
 
+-- Fill in the middle at the cursor, shown as ghost text -------------------------------------------
+--
+-- A suggestion is the streamed reply of inference/infill for the buffer's text before and after
+-- a position (the cursor), drawn with extmarks in the namespace M.ns in the highlight group
+-- KinferSuggestion (default: linked to Comment): its first line as virt_text at the position,
+-- 'overlay' (Neovim 0.7 has no 'inline': at the end of a line, the overlay past its last character
+-- looks like inserted text; in the middle of a line it is followed by the rest of the line, so that
+-- the line reads as it will once accepted), its further lines as virt_lines below. Tabs in the text
+-- are drawn as 'tabstop' spaces. One suggestion per buffer: a new one cancels the one before.
+
+M.ns = vim.api.nvim_create_namespace('kinfer_suggestion')
+M.HL = 'KinferSuggestion'
+vim.cmd('highlight default link ' .. M.HL .. ' Comment')
+
+-- buf -> { text, row (1-based), col (0-based bytes), cursor, tick, mark, handle, done }
+local suggestions = {}
+
+local function buffer(buf)
+  if buf == nil or buf == 0 then
+    return vim.api.nvim_get_current_buf()
+  end
+  return buf
+end
+
+-- The window that shows buf: the current one if it does, else the first; nil if none.
+local function window(buf)
+  if vim.api.nvim_win_get_buf(0) == buf then
+    return vim.api.nvim_get_current_win()
+  end
+  local win = vim.fn.bufwinid(buf)
+  return win ~= -1 and win or nil
+end
+
+-- The buffer's text before and after (row, col), the text ending with a line break as Neovim
+-- writes the file ('eol', or 'fixeol' when not 'binary').
+local function around(buf, row, col)
+  local lines = vim.api.nvim_buf_get_lines(buf, 0, -1, false)
+  local line = lines[row] or ''
+  local before = {}
+  for i = 1, row - 1 do
+    before[#before + 1] = lines[i]
+  end
+  before[#before + 1] = line:sub(1, col)
+  local after = { line:sub(col + 1) }
+  for i = row + 1, #lines do
+    after[#after + 1] = lines[i]
+  end
+  local suffix = table.concat(after, '\n')
+  local bo = vim.bo[buf]
+  if bo.eol or (bo.fixeol and not bo.binary) then
+    suffix = suffix .. '\n'
+  end
+  return table.concat(before, '\n'), suffix
+end
+
+local function shown(buf, text)
+  return (text:gsub('\t', string.rep(' ', vim.bo[buf].tabstop)))
+end
+
+local function render(buf, s)
+  if not vim.api.nvim_buf_is_valid(buf) then
+    return
+  end
+  if s.text == '' then
+    if s.mark then
+      vim.api.nvim_buf_del_extmark(buf, M.ns, s.mark)
+      s.mark = nil
+    end
+    return
+  end
+  local lines = vim.split(shown(buf, s.text), '\n', { plain = true })
+  local rest = shown(buf, (vim.api.nvim_buf_get_lines(buf, s.row - 1, s.row, false)[1] or ''):sub(s.col + 1))
+  local first = {}
+  if lines[1] ~= '' then
+    first[1] = { lines[1], M.HL }
+  end
+  local below = {}
+  for i = 2, #lines do
+    below[#below + 1] = { { lines[i], M.HL } }
+  end
+  if rest ~= '' then
+    if #lines == 1 then
+      first[#first + 1] = { rest, 'Normal' }
+    else
+      -- the rest of the line goes after the last line; blank out what the overlay does not cover
+      local pad = vim.fn.strdisplaywidth(rest) - vim.fn.strdisplaywidth(lines[1])
+      if pad > 0 then
+        first[#first + 1] = { string.rep(' ', pad), 'Normal' }
+      end
+      table.insert(below[#below], { rest, 'Normal' })
+    end
+  end
+  s.mark = vim.api.nvim_buf_set_extmark(buf, M.ns, s.row - 1, s.col, {
+    id = s.mark,
+    virt_text = #first > 0 and first or nil,
+    virt_text_pos = 'overlay',
+    virt_lines = #below > 0 and below or nil,
+    hl_mode = 'combine',
+    right_gravity = false,
+  })
+end
+
+local watching = false
+
+-- Typing, moving the cursor or leaving insert mode makes a suggestion stale: it goes.
+local function watch()
+  if watching then
+    return
+  end
+  watching = true
+  local group = vim.api.nvim_create_augroup('KinferSuggestion', { clear = true })
+  vim.api.nvim_create_autocmd({ 'TextChanged', 'TextChangedI', 'TextChangedP', 'CursorMoved', 'CursorMovedI' }, {
+    group = group,
+    callback = function(args)
+      local s = suggestions[args.buf]
+      if not s then
+        return
+      end
+      local cursor = vim.api.nvim_win_get_cursor(0)
+      if
+        vim.api.nvim_buf_get_changedtick(args.buf) ~= s.tick
+        or cursor[1] ~= s.cursor[1]
+        or cursor[2] ~= s.cursor[2]
+      then
+        M.dismiss(args.buf)
+      end
+    end,
+  })
+  vim.api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave', 'BufUnload' }, {
+    group = group,
+    callback = function(args)
+      M.dismiss(args.buf)
+    end,
+  })
+end
+
+--- The buffer's suggestion: its text so far (nil when none) and whether its reply is complete.
+function M.suggestion(buf)
+  local s = suggestions[buffer(buf)]
+  if s then
+    return s.text, s.done
+  end
+end
+
+--- Suggest a completion at the cursor: inference/infill of the current buffer's text before and
+--- after it, streamed as ghost text; cancels the buffer's suggestion before. opts: model, options,
+--- extra, stopAtLine (as Client:infill), buf (default: current), pos ({row, col}: 1-based row,
+--- 0-based byte column, where text goes in as typed in insert mode; default: the cursor),
+--- on_done(err, result) (default: errors other than a cancel are notified). Returns the handle.
+function M.suggest(client, opts)
+  opts = opts or {}
+  local buf = buffer(opts.buf)
+  M.dismiss(buf)
+  watch()
+  local win = window(buf)
+  local cursor = win and vim.api.nvim_win_get_cursor(win) or { 1, 0 }
+  local pos = opts.pos or cursor
+  local prefix, suffix = around(buf, pos[1], pos[2])
+  local s = {
+    text = '',
+    row = pos[1],
+    col = pos[2],
+    cursor = cursor,
+    tick = vim.api.nvim_buf_get_changedtick(buf),
+    done = false,
+  }
+  suggestions[buf] = s
+  local handle = client:infill(prefix, suffix, opts, function(text)
+    if suggestions[buf] == s then
+      s.text = s.text .. text
+      render(buf, s)
+    end
+  end, function(err, result)
+    s.done = true
+    s.handle = nil
+    if suggestions[buf] == s then
+      if err then
+        M.dismiss(buf)
+      else
+        -- the result is the reference: the stream may hold text the reply then leaves out
+        s.text = result and result.text or s.text
+        render(buf, s)
+      end
+    end
+    if opts.on_done then
+      opts.on_done(err, result)
+    elseif err and err.code ~= M.REQUEST_CANCELLED then
+      vim.notify('kinfer: ' .. tostring(err.message), vim.log.levels.ERROR)
+    end
+  end)
+  if not s.done then
+    s.handle = handle
+  end
+  return handle
+end
+
+--- Clear the buffer's suggestion, cancelling its reply if it is still coming. Returns whether
+--- there was one.
+function M.dismiss(buf)
+  buf = buffer(buf)
+  local s = suggestions[buf]
+  if not s then
+    return false
+  end
+  suggestions[buf] = nil
+  if s.handle then
+    s.handle.cancel()
+  end
+  if vim.api.nvim_buf_is_valid(buf) then
+    vim.api.nvim_buf_clear_namespace(buf, M.ns, 0, -1)
+  end
+  return true
+end
+
+--- Insert the buffer's suggestion where it is shown (what has come so far, if its reply is still
+--- coming: the rest is cancelled), clear it, and put the cursor after it in a window showing the
+--- buffer. Returns whether there was text to insert.
+function M.accept(buf)
+  buf = buffer(buf)
+  local s = suggestions[buf]
+  if not s then
+    return false
+  end
+  local at = s.mark and vim.api.nvim_buf_get_extmark_by_id(buf, M.ns, s.mark, {})
+  M.dismiss(buf)
+  if not at or not at[1] or s.text == '' then
+    return false
+  end
+  local lines = vim.split(s.text, '\n', { plain = true })
+  local row, col = at[1], at[2]
+  vim.api.nvim_buf_set_text(buf, row, col, row, col, lines)
+  local win = window(buf)
+  if win then
+    local last = #lines == 1 and col + #lines[1] or #lines[#lines]
+    vim.api.nvim_win_set_cursor(win, { row + #lines, last })
+  end
+  return true
+end
+
 --- :KinferChat {prompt} streams a reply into a scratch buffer; :KinferCancel stops it.
+--- opts: cmd and on_exit (M.start), client (one from M.start to use instead of starting one on
+--- first use), model and options (the chat's), infill (M.suggest's opts for
+--- the keymaps), infill_keys (insert-mode keymaps: true for { suggest = '<C-F>', accept = '<Tab>' },
+--- or a table naming either; nil or false: none). accept falls back to the key itself when no
+--- suggestion is shown.
 function M.setup(opts)
   opts = opts or {}
-  local client, current
+  local client, current = opts.client, nil
   vim.api.nvim_create_user_command('KinferChat', function(cmd)
     client = client or M.start(opts)
     vim.cmd(opts.split or 'new')
@@ -272,6 +534,24 @@ function M.setup(opts)
       current.cancel()
     end
   end, {})
+  local keys = opts.infill_keys
+  if keys == true then
+    keys = { suggest = '<C-F>', accept = '<Tab>' }
+  end
+  if keys and keys.suggest then
+    vim.keymap.set('i', keys.suggest, function()
+      client = client or M.start(opts)
+      M.suggest(client, opts.infill)
+    end, { desc = 'kinfer: suggest a completion at the cursor' })
+  end
+  if keys and keys.accept then
+    local fallback = vim.api.nvim_replace_termcodes(keys.accept, true, false, true)
+    vim.keymap.set('i', keys.accept, function()
+      if not M.accept() then
+        vim.api.nvim_feedkeys(fallback, 'ni', false)
+      end
+    end, { desc = 'kinfer: accept the suggestion' })
+  end
   vim.api.nvim_create_autocmd('VimLeavePre', {
     callback = function()
       if client then

@@ -1,4 +1,4 @@
-"""Python clients: spawn `kinfer-rpc`, do the lifecycle, and offer generate/chat.
+"""Python clients: spawn `kinfer-rpc`, do the lifecycle, and offer generate/chat/infill.
 
 Blocking, and an iterator of streamed pieces:
 
@@ -36,6 +36,14 @@ Result's `tool_calls` are the calls the model made (`stop_reason` "toolCalls"):
     messages.append(reply.message)                       # the assistant's turn, with its calls
     for call in reply.tool_calls:
         messages.append(call.answer(get_weather(**call.arguments)))   # a "tool" message
+
+Code completion: `infill(prefix, suffix, extra=[...])` fills the gap between the text before and
+after the cursor (a model with fill-in-the-middle tokens; else RpcError -32602), with other files
+as context; the Result's `dropped` says how much of a long prefix, suffix or extra context did not
+fit. `stopAtLine=True` completes one line:
+
+    done = kinfer.infill("def add(a, b):\n    return ", "\n", stopAtLine=True, maxTokens=32)
+    done.text, done.dropped.prefix
 """
 
 from __future__ import annotations
@@ -110,6 +118,20 @@ class Timings:
 
 
 @attrs.frozen
+class Dropped:
+    """What an infill left out of a short context, in characters: from the prefix's start, the
+    suffix's end and the extra context's start (file names and separators included)."""
+
+    prefix: int = 0
+    suffix: int = 0
+    extra: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Dropped:
+        return cls(d.get("prefix", 0), d.get("suffix", 0), d.get("extra", 0))
+
+
+@attrs.frozen
 class TokenLogprob:
     """A generated token's log probability (natural log, from the model's raw logits: before the
     sampling transforms and any grammar's mask) and `top`, the most likely tokens of its position,
@@ -171,7 +193,8 @@ def _logprobs(v: Any) -> list[TokenLogprob]:
 @attrs.frozen
 class Result:
     """A finished reply. `tool_calls`: the calls the model made (chat with tools; then
-    `stop_reason` is "toolCalls"); `logprobs`: one per token, None unless asked for."""
+    `stop_reason` is "toolCalls"); `logprobs`: one per token, None unless asked for; `dropped`:
+    what an infill (or a generate with a suffix) left out of a short context, None otherwise."""
 
     text: str
     tokens: list[int]
@@ -182,6 +205,7 @@ class Result:
     model: str | None = None
     tool_calls: list[ToolCall] = attrs.field(factory=list)
     logprobs: list[TokenLogprob] | None = None
+    dropped: Dropped | None = None
 
     @classmethod
     def from_json(cls, r: dict[str, Any]) -> Result:
@@ -196,6 +220,7 @@ class Result:
             r.get("model"),
             _tool_calls(r.get("toolCalls")),
             _logprobs(r["logprobs"]) if r.get("logprobs") is not None else None,
+            Dropped.from_json(r["dropped"]) if isinstance(r.get("dropped"), dict) else None,
         )
 
     @property
@@ -356,8 +381,21 @@ def _inference_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _generate_params(prompt: str, model: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    return _params(model, _inference_options(options), prompt=prompt)
+def _generate_params(
+    prompt: str, model: str | None, options: dict[str, Any], suffix: str | None = None
+) -> dict[str, Any]:
+    return _params(model, _inference_options(options), prompt=prompt, suffix=suffix)
+
+
+def _infill_params(
+    prefix: str,
+    suffix: str,
+    model: str | None,
+    extra: list[dict[str, str]] | Mapping[str, str] | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    files = [{"filename": k, "text": v} for k, v in extra.items()] if isinstance(extra, Mapping) else extra
+    return _params(model, _inference_options(options), prefix=prefix, suffix=suffix, extra=files)
 
 
 def _chat_params(
@@ -699,8 +737,24 @@ class Client:
         return [ModelStatus.from_json(m) for m in self.request("model/status", _params(model, None))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
-    def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(self.request("inference/generate", _generate_params(prompt, model, options)))
+    def generate(self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any) -> Result:
+        """inference/generate. With `suffix` (Ollama's) the prompt is the text before a gap and the
+        request is an infill of the two (see `infill`)."""
+        return Result.from_json(self.request("inference/generate", _generate_params(prompt, model, options, suffix)))
+
+    def infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        model: str | None = None,
+        *,
+        extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> Result:
+        """inference/infill: fill the gap between `prefix` and `suffix` with a model that has
+        fill-in-the-middle tokens. `extra`: other files as context, `[{"filename", "text"}]` or a
+        mapping of file names to texts. Options as generate's, and `stopAtLine`."""
+        return Result.from_json(self.request("inference/infill", _infill_params(prefix, suffix, model, extra, options)))
 
     def chat(
         self,
@@ -716,8 +770,23 @@ class Client:
         params = _chat_params(messages, model, tools, tool_choice, options)
         return Result.from_json(self.request("inference/chat", params))
 
-    def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> Stream:
-        return Stream(self._wire, "inference/generate", _generate_params(prompt, model, options))
+    def stream_generate(
+        self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any
+    ) -> Stream:
+        return Stream(self._wire, "inference/generate", _generate_params(prompt, model, options, suffix))
+
+    def stream_infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        model: str | None = None,
+        *,
+        extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> Stream:
+        """As infill, streamed. The pieces are the reply as generated: a repeat of the suffix that
+        the final `result.text` leaves out may be among them."""
+        return Stream(self._wire, "inference/infill", _infill_params(prefix, suffix, model, extra, options))
 
     def stream_chat(
         self,
@@ -1051,8 +1120,25 @@ class AsyncClient:
         return [ModelStatus.from_json(m) for m in (await self.request("model/status", _params(model, None)))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
-    async def generate(self, prompt: str, model: str | None = None, **options: Any) -> Result:
-        return Result.from_json(await self.request("inference/generate", _generate_params(prompt, model, options)))
+    async def generate(
+        self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any
+    ) -> Result:
+        """As Client.generate."""
+        params = _generate_params(prompt, model, options, suffix)
+        return Result.from_json(await self.request("inference/generate", params))
+
+    async def infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        model: str | None = None,
+        *,
+        extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> Result:
+        """As Client.infill."""
+        params = _infill_params(prefix, suffix, model, extra, options)
+        return Result.from_json(await self.request("inference/infill", params))
 
     async def chat(
         self,
@@ -1067,8 +1153,22 @@ class AsyncClient:
         params = _chat_params(messages, model, tools, tool_choice, options)
         return Result.from_json(await self.request("inference/chat", params))
 
-    def stream_generate(self, prompt: str, model: str | None = None, **options: Any) -> AsyncStream:
-        return AsyncStream(self, "inference/generate", _generate_params(prompt, model, options))
+    def stream_generate(
+        self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any
+    ) -> AsyncStream:
+        return AsyncStream(self, "inference/generate", _generate_params(prompt, model, options, suffix))
+
+    def stream_infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        model: str | None = None,
+        *,
+        extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> AsyncStream:
+        """As Client.stream_infill."""
+        return AsyncStream(self, "inference/infill", _infill_params(prefix, suffix, model, extra, options))
 
     def stream_chat(
         self,

@@ -1,7 +1,8 @@
 """kinfer_rpc.client against a real `kinfer-rpc` and the embedded model: the blocking client, its
 streams, cancellation by breaking the loop, the async client (anyio) and its cancellation, a
-clean shutdown on close() and on garbage collection, and the agent features (tools, format,
-grammar, regex, logprobs): their params and results without a server, their replies with one."""
+clean shutdown on close() and on garbage collection, the agent features (tools, format, grammar,
+regex, logprobs) and fill-in-the-middle (infill, generate's suffix): their params and results
+without a server, their replies with one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kinfer_rpc.client import (
     AsyncClient,
     Cancelled,
     Client,
+    Dropped,
     LoadedModel,
     Model,
     ModelStatus,
@@ -586,3 +588,153 @@ def test_tool_calls_and_the_conversation_after_them(kinfer, tool_model):
     after = messages + [r.message] + [c.answer({"city": c.arguments["city"], "sky": "sunny"}) for c in r.tool_calls]
     nxt = kinfer.chat(after, tool_model, tools=[WEATHER], tool_choice="none", maxTokens=8, temperature=0)
     assert nxt.tool_calls == [] and nxt.stop_reason in ("stop", "length")
+
+
+# -- fill in the middle ------------------------------------------------------------------------
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n\nprint(add(1, 2))\n"
+UTIL = {"util.py": "def sub(a, b):\n    return a - b\n"}
+FIM_GREEDY = {"maxTokens": 12, "temperature": 0}
+
+
+def test_infill_and_generates_suffix_params():
+    kinfer, sent = _recording_client()
+    kinfer.infill(PREFIX, SUFFIX, DEFAULT, extra=UTIL, stopAtLine=True, maxTokens=8)
+    assert sent[-1] == (
+        "inference/infill",
+        {
+            "prefix": PREFIX,
+            "suffix": SUFFIX,
+            "model": DEFAULT,
+            "extra": [{"filename": "util.py", "text": UTIL["util.py"]}],
+            "options": {"stopAtLine": True, "maxTokens": 8},
+        },
+    )
+    files = [{"text": "x = 1\n"}, {"filename": "b.py", "text": "y = 2\n"}]  # the protocol's own shape
+    kinfer.infill(PREFIX, extra=files)
+    assert sent[-1] == ("inference/infill", {"prefix": PREFIX, "suffix": "", "extra": files})
+    kinfer.generate(PREFIX, suffix=SUFFIX, maxTokens=3)
+    assert sent[-1] == ("inference/generate", {"prompt": PREFIX, "suffix": SUFFIX, "options": {"maxTokens": 3}})
+    kinfer.generate(PREFIX)  # no suffix: none sent
+    assert sent[-1] == ("inference/generate", {"prompt": PREFIX})
+
+
+def test_result_parses_dropped():
+    r = Result.from_json({**RESULT, "dropped": {"prefix": 120, "suffix": 7, "extra": 0}})
+    assert r.dropped == Dropped(prefix=120, suffix=7, extra=0)
+    assert Result.from_json(RESULT).dropped is None  # generate and chat have none
+
+
+def test_async_client_sends_infill_params_the_same_way():
+    async def main():
+        kinfer = AsyncClient(KINFER_RPC)  # not entered: no server
+        sent = []
+
+        async def request(method, params=None):
+            sent.append((method, params))
+            return {**RESULT, "dropped": {"prefix": 1, "suffix": 2, "extra": 3}}
+
+        kinfer.request = request
+        r = await kinfer.infill(PREFIX, SUFFIX, extra=UTIL, maxTokens=4)
+        assert r.dropped == Dropped(1, 2, 3)
+        await kinfer.generate(PREFIX, suffix=SUFFIX)
+        return sent
+
+    infill, generate = anyio.run(main)
+    assert infill == (
+        "inference/infill",
+        {
+            "prefix": PREFIX,
+            "suffix": SUFFIX,
+            "extra": [{"filename": "util.py", "text": UTIL["util.py"]}],
+            "options": {"maxTokens": 4},
+        },
+    )
+    assert generate == ("inference/generate", {"prompt": PREFIX, "suffix": SUFFIX})
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory) -> str:
+    """SmolLM2 with fill-in-the-middle tokens (tests/modelgen/make_fim_model.py)."""
+    from make_fim_model import make_fim_model
+
+    return make_fim_model(tmp_path_factory.mktemp("fim") / "fim.gguf")
+
+
+@pytest.fixture
+def fim(kinfer, fim_model):
+    """The FIM model's name, loaded (a load of a loaded model answers at once)."""
+    return kinfer.load(fim_model, contextLength=1024, slots=2, batch=256, threads=1).model
+
+
+@pytest.mark.model
+def test_infill_is_the_servers_reply(kinfer, fim):
+    r = kinfer.infill(PREFIX, SUFFIX, fim, extra=UTIL, **FIM_GREEDY)
+    raw = kinfer.request(
+        "inference/infill",
+        {
+            "model": fim,
+            "prefix": PREFIX,
+            "suffix": SUFFIX,
+            "extra": [{"filename": "util.py", "text": UTIL["util.py"]}],
+            "options": FIM_GREEDY,
+        },
+    )
+    assert isinstance(r, Result) and r.model == fim
+    assert (r.text, r.tokens, r.stop_reason) == (raw["text"], raw["tokens"], raw["stopReason"])
+    assert r.tokens and r.usage.completion_tokens == len(r.tokens) <= 12
+    assert r.dropped == Dropped(0, 0, 0)
+    # generate with a suffix is the same infill (without extra)
+    a = kinfer.infill(PREFIX, SUFFIX, fim, **FIM_GREEDY)
+    b = kinfer.generate(PREFIX, fim, suffix=SUFFIX, **FIM_GREEDY)
+    assert (a.text, a.tokens, a.dropped) == (b.text, b.tokens, b.dropped)
+    assert a.usage.prompt_tokens < r.usage.prompt_tokens  # the extra context was in r's prompt
+
+
+@pytest.mark.model
+def test_infill_stop_at_line_and_a_long_prefix(kinfer, fim):
+    line = kinfer.infill(PREFIX, SUFFIX, fim, stopAtLine=True, maxTokens=24, temperature=0)
+    assert line.stop_reason == "stop" and line.text.strip() and "\n" not in line.text.lstrip()
+    # 3/4 of a 256-token batch is kept of the prefix: its start is left out, and the result says so
+    long = "".join(f"x{i} = {i}\n" for i in range(300)) + PREFIX
+    r = kinfer.infill(long, SUFFIX, fim, **FIM_GREEDY)
+    assert 0 < r.dropped.prefix < len(long) and r.dropped.suffix == r.dropped.extra == 0
+    assert r.usage.prompt_tokens < 256
+
+
+@pytest.mark.model
+def test_stream_infill_concatenates_to_the_final_text(kinfer, fim):
+    blocking = kinfer.infill(PREFIX, SUFFIX, fim, extra=UTIL, **FIM_GREEDY)
+    stream = kinfer.stream_infill(PREFIX, SUFFIX, fim, extra=UTIL, **FIM_GREEDY)
+    pieces = list(stream)
+    assert pieces and "".join(pieces) == stream.text == stream.result.text == blocking.text
+    assert stream.result.tokens == blocking.tokens and stream.result.dropped == Dropped(0, 0, 0)
+
+
+@pytest.mark.model
+def test_infill_without_fim_tokens_is_32602(kinfer):
+    with pytest.raises(RpcError) as caught:
+        kinfer.infill(PREFIX, SUFFIX, DEFAULT, maxTokens=4)
+    assert caught.value.code == -32602 and "cannot fill in the middle" in caught.value.message
+    assert caught.value.data == {"field": "model", "fimTokens": {"rep": 4}}
+    with pytest.raises(RpcError) as caught:
+        kinfer.generate(PREFIX, DEFAULT, suffix=SUFFIX, maxTokens=4)
+    assert caught.value.code == -32602
+
+
+@pytest.mark.model
+def test_async_infill(fim_model):
+    async def main():
+        async with AsyncClient(KINFER_RPC) as kinfer:
+            await kinfer.load(fim_model, contextLength=1024, slots=2, batch=256, threads=1)
+            r = await kinfer.infill(PREFIX, SUFFIX, extra=UTIL, **FIM_GREEDY)
+            assert r.tokens and r.dropped == Dropped(0, 0, 0)
+            stream = kinfer.stream_infill(PREFIX, SUFFIX, extra=UTIL, **FIM_GREEDY)
+            pieces = [p async for p in stream]
+            assert "".join(pieces) == stream.result.text == r.text and stream.result.tokens == r.tokens
+            g = await kinfer.generate(PREFIX, suffix=SUFFIX, **FIM_GREEDY)
+            assert g.dropped == Dropped(0, 0, 0) and g.usage.prompt_tokens < r.usage.prompt_tokens
+            line = await kinfer.infill(PREFIX, SUFFIX, stopAtLine=True, maxTokens=24, temperature=0)
+            assert line.stop_reason == "stop" and "\n" not in line.text.lstrip()
+
+    anyio.run(main)

@@ -57,6 +57,11 @@ export interface GenerateOptions {
   topLogprobs?: number;
   [option: string]: unknown;
 }
+/** inference/infill's options: generate's, and `stopAtLine`. */
+export interface InfillOptions extends GenerateOptions {
+  /** End the reply at the first line break after non-blank text (a line completion). */
+  stopAtLine?: boolean;
+}
 /** One `$/progress` value of a streamed reply. */
 export interface PartialResult {
   text: string;
@@ -77,6 +82,9 @@ export interface InferenceResult {
   logprobs?: TokenLogprob[];
   /** Chat with tools: the calls the model made (absent when none). */
   toolCalls?: ToolCall[];
+  /** inference/infill (and generate with a suffix): characters left out of a short context, from
+   * the prefix's start, the suffix's end and the extra context's start. */
+  dropped?: { prefix: number; suffix: number; extra: number };
 }
 export interface WorkDoneProgress { kind: 'begin' | 'report' | 'end'; title?: string; message?: string; percentage?: number }
 export interface CallOptions {
@@ -91,6 +99,19 @@ export interface ChatCallOptions extends CallOptions {
   /** Functions the model may call; sent beside `options`. */
   tools?: Tool[];
   toolChoice?: ToolChoice;
+}
+export interface GenerateCallOptions extends CallOptions {
+  /** Ollama's suffix: the prompt is the text before a gap, this the text after it (an infill). */
+  suffix?: string;
+}
+export interface InfillParams extends CallOptions {
+  /** The text before the gap (the cursor). */
+  prefix: string;
+  /** The text after the gap; default ''. */
+  suffix?: string;
+  /** Other files as context (at most 1024); a file without a name is 'tmp'. */
+  extra?: Array<{ filename?: string; text: string }>;
+  options?: InfillOptions;
 }
 export interface StartOptions {
   command?: string;
@@ -121,9 +142,12 @@ export declare class KinferClient {
   models(): Promise<Array<{ name: string; source: string; format: string; path: string; sizeBytes: number; loaded: boolean }>>;
   load(model?: string, opts?: { options?: Record<string, unknown>; backend?: string; onProgress?: (v: WorkDoneProgress) => void; token?: CancellationToken }): Promise<any>;
   status(model?: string): Promise<any[]>;
-  generate(prompt: string, opts?: CallOptions): Promise<InferenceResult>;
+  generate(prompt: string, opts?: GenerateCallOptions): Promise<InferenceResult>;
+  /** inference/infill: fill the gap between prefix and suffix (a model with FIM tokens, else -32602). */
+  infill(params: InfillParams): Promise<InferenceResult>;
   chat(messages: ChatMessage[], opts?: ChatCallOptions): Promise<InferenceResult>;
-  streamGenerate(prompt: string, opts?: CallOptions): Stream;
+  streamGenerate(prompt: string, opts?: GenerateCallOptions): Stream;
+  streamInfill(params: InfillParams): Stream;
   streamChat(messages: ChatMessage[], opts?: ChatCallOptions): Stream;
   /** shutdown + exit; resolves with the exit code (0 when clean). */
   close(timeoutMs?: number): Promise<number | string | null>;

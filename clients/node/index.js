@@ -10,6 +10,10 @@
 // `toolCalls` are the calls the model made. `options.format` (a JSON schema or 'json'), `grammar`
 // and `regex` hold the reply to a shape; `options.logprobs` adds each token's log probability.
 //
+// Code completion: `infill({ prefix, suffix, extra })` fills the gap between the text before and
+// after a cursor, with a model that has fill-in-the-middle tokens (else -32602); `options.stopAtLine`
+// completes one line, and the result's `dropped` says what did not fit the context.
+//
 // Cancel with a CancellationTokenSource (`{ token }`) or by breaking out of a stream: vscode-jsonrpc
 // sends `$/cancelRequest` and the call rejects with a ResponseError whose code is -32800.
 
@@ -35,6 +39,16 @@ function chatFields(messages, { tools, toolChoice } = {}) {
   return { messages, ...(tools ? { tools } : {}), ...(toolChoice != null ? { toolChoice } : {}) };
 }
 
+/** inference/generate's params: the prompt, and Ollama's `suffix` when given. */
+function generateFields(prompt, { suffix } = {}) {
+  return { prompt, ...(suffix != null ? { suffix } : {}) };
+}
+
+/** inference/infill's params: prefix, suffix and extra (everything else is a call option). */
+function infillFields({ prefix, suffix, extra } = {}) {
+  return { prefix, ...(suffix != null ? { suffix } : {}), ...(extra ? { extra } : {}) };
+}
+
 const progressType = new ProgressType();
 let tokens = 0;
 
@@ -46,13 +60,17 @@ let tokens = 0;
  * @typedef {{ text: string, tokens: number[], stopReason: string, seed: number,
  *             usage: { promptTokens: number, completionTokens: number },
  *             timings: { queueMs: number, promptMs: number, generateMs: number, tokensPerSecond: number },
- *             model: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[] }} InferenceResult
+ *             model: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[],
+ *             dropped?: { prefix: number, suffix: number, extra: number } }} InferenceResult
  * @typedef {{ text: string, tokens: number[], logprobs?: TokenLogprob[], toolCalls?: ToolCall[] }} PartialResult
  * @typedef {{ model?: string, options?: Record<string, unknown>,
  *             onPiece?: (text: string, value: PartialResult) => void,
  *             token?: import('vscode-jsonrpc').CancellationToken }} CallOptions
  * @typedef {CallOptions & { tools?: Array<Record<string, unknown>>,
  *             toolChoice?: string | { type: 'function', function: { name: string } } }} ChatCallOptions
+ * @typedef {CallOptions & { suffix?: string }} GenerateCallOptions
+ * @typedef {CallOptions & { prefix: string, suffix?: string,
+ *             extra?: Array<{ filename?: string, text: string }> }} InfillParams
  * @typedef {{ command?: string, args?: string[], env?: NodeJS.ProcessEnv, cwd?: string,
  *             initializationOptions?: Record<string, unknown>, stderr?: 'inherit' | 'ignore' | 'pipe' }} StartOptions
  */
@@ -151,13 +169,26 @@ export class KinferClient {
   }
 
   /**
-   * inference/generate. With `onPiece`, pieces are streamed to it as they come.
+   * inference/generate. With `onPiece`, pieces are streamed to it as they come. With `suffix`
+   * (Ollama's) the prompt is the text before a gap and the request is an infill of the two.
    * @param {string} prompt
-   * @param {CallOptions} [opts]
+   * @param {GenerateCallOptions} [opts]
    * @returns {Promise<InferenceResult>}
    */
   generate(prompt, opts = {}) {
-    return this.#call('inference/generate', { prompt }, opts);
+    return this.#call('inference/generate', generateFields(prompt, opts), opts);
+  }
+
+  /**
+   * inference/infill: fill the gap between `prefix` and `suffix` (code completion at a cursor),
+   * with `extra` files as context, using the model's fill-in-the-middle tokens. `options` are
+   * generate's and `stopAtLine`; with `onPiece`, pieces are streamed to it as they come. The
+   * result's `dropped` counts the characters left out of a short context.
+   * @param {InfillParams} params
+   * @returns {Promise<InferenceResult>}
+   */
+  infill(params) {
+    return this.#call('inference/infill', infillFields(params), params);
   }
 
   /**
@@ -182,9 +213,19 @@ export class KinferClient {
     return this.#stream('inference/chat', chatFields(messages, opts), opts);
   }
 
-  /** @param {string} prompt @param {CallOptions} [opts] */
+  /** @param {string} prompt @param {GenerateCallOptions} [opts] */
   streamGenerate(prompt, opts = {}) {
-    return this.#stream('inference/generate', { prompt }, opts);
+    return this.#stream('inference/generate', generateFields(prompt, opts), opts);
+  }
+
+  /**
+   * `for await (const piece of kinfer.streamInfill({ prefix, suffix }))`, as streamChat. The
+   * pieces are the reply as generated: a repeat of the suffix that the final text leaves out
+   * may be among them.
+   * @param {InfillParams} params
+   */
+  streamInfill(params) {
+    return this.#stream('inference/infill', infillFields(params), params);
   }
 
   async #call(method, fields, { model, options, onPiece, token } = {}) {

@@ -71,3 +71,24 @@ test('streams collect tool calls and logprobs; onPiece sees values without text'
   await kinfer.chat(messages, { tools: [weather], onPiece: (text, value) => values.push([text, value.toolCalls]) });
   assert.deepEqual(values, [['Hi', undefined], ['', [call]]]);
 });
+
+test('infill sends prefix, suffix and extra beside the options; generate takes a suffix', async () => {
+  const { kinfer, sent } = recording();
+  const extra = [{ filename: 'util.py', text: 'x = 1\n' }];
+  await kinfer.infill({ prefix: 'a', suffix: 'b', extra, model: 'm', options: { stopAtLine: true } });
+  assert.deepEqual(sent.at(-1), {
+    method: 'inference/infill',
+    params: { prefix: 'a', suffix: 'b', extra, model: 'm', options: { stopAtLine: true } },
+  });
+  await kinfer.infill({ prefix: 'a' });
+  assert.deepEqual(sent.at(-1).params, { prefix: 'a' });
+  const stream = kinfer.streamInfill({ prefix: 'a', suffix: '' });
+  for await (const _piece of stream) { /* no pieces */ }
+  assert.equal(sent.at(-1).method, 'inference/infill');
+  assert.equal(sent.at(-1).params.suffix, '');
+  assert.ok(sent.at(-1).params.partialResultToken);
+  await kinfer.generate('a', { suffix: 'b', options: { maxTokens: 3 } });
+  assert.deepEqual(sent.at(-1).params, { prompt: 'a', suffix: 'b', options: { maxTokens: 3 } });
+  await kinfer.streamGenerate('a', { suffix: 'b' }).result;
+  assert.deepEqual(sent.at(-1).params.suffix, 'b');
+});

@@ -56,9 +56,16 @@ def fake(tmp_path):
     return Fake
 
 
-def answered(term: Tmux, text: str, timeout: float = 60) -> str:
-    """Wait for `text` after the last command typed, and the prompt back."""
-    return term.wait_for(lambda s: text in s.rsplit(">>> /", 1)[-1] and at_prompt(s), repr(text), timeout)
+def answer(term: Tmux, command: str, text: str, timeout: float = 60) -> str:
+    """Type a command, wait for `text` in what follows it and for the prompt back; return what
+    followed the command."""
+    marker = f">>> {command}\n"
+    before = term.screen().count(marker)
+    typed(term, command)
+    screen = term.wait_for(
+        lambda s: s.count(marker) > before and text in s.rsplit(marker, 1)[1] and at_prompt(s), repr(text), timeout
+    )
+    return screen.rsplit(marker, 1)[1]
 
 
 def typed(term: Tmux, *lines: str) -> None:
@@ -71,12 +78,9 @@ def test_commands_change_what_the_chat_sends(term, fake):
     term.start(f"{fake.command} chat --temperature 0.5")
     term.wait_for(at_prompt, "the prompt")
 
-    typed(term, "/set parameter num_predict 7")
-    answered(term, "Set parameter 'num_predict' to '7'")
-    typed(term, "/set parameter stop END STOP")
-    answered(term, "Set parameter 'stop' to 'END STOP'")
-    typed(term, "/set system You are terse.")
-    answered(term, "Set system message.")
+    answer(term, "/set parameter num_predict 7", "Set parameter 'num_predict' to '7'")
+    answer(term, "/set parameter stop END STOP", "Set parameter 'stop' to 'END STOP'")
+    answer(term, "/set system You are terse.", "Set system message.")
     # a multi-line message: from """ to """
     typed(term, '"""line one', "line two", 'line three"""')
     wait_until(lambda: len(fake.chats()) == 1, 30, "the first chat")
@@ -98,19 +102,13 @@ def test_commands_change_what_the_chat_sends(term, fake):
     assert second[-1]["content"] == "Second question,\npasted on two lines"
     term.wait_for(at_prompt, "the prompt after the reply")
 
-    typed(term, "/clear")
-    answered(term, "Cleared session context")
-    typed(term, "/set system")
-    answered(term, "Cleared system message.")
+    answer(term, "/clear", "Cleared session context")
+    answer(term, "/set system", "Cleared system message.")
     # mistakes are said, and the chat goes on as it was
-    typed(term, "/foo bar")
-    answered(term, "Unknown command '/foo'. Type /? for help")
-    typed(term, "/set parameter temperature hot")
-    answered(term, "temperature must be a number, not 'hot'")
-    typed(term, "/set parameter num_ctx 8192")
-    answered(term, "--context-length")
-    typed(term, "/set parameter nope 1")
-    answered(term, "unknown parameter 'nope'")
+    answer(term, "/foo bar", "Unknown command '/foo'. Type /? for help")
+    answer(term, "/set parameter temperature hot", "temperature must be a number, not 'hot'")
+    answer(term, "/set parameter num_ctx 8192", "--context-length")
+    answer(term, "/set parameter nope 1", "unknown parameter 'nope'")
     # Ctrl-C in a multi-line message drops it
     typed(term, '"""not sent', "either")
     term.wait_for(lambda s: s.splitlines()[-1] == "...", "the continuation prompt")
@@ -123,16 +121,13 @@ def test_commands_change_what_the_chat_sends(term, fake):
     assert third["options"] == first["options"]
     term.wait_for(at_prompt, "the prompt after the reply")
 
-    typed(term, "/show parameters")
-    screen = answered(term, "Parameters set in this chat:")
-    shown = screen.rsplit(">>> /show parameters", 1)[1]
+    shown = answer(term, "/show parameters", "Parameters set in this chat:")
     assert "temperature" in shown and "0.5" in shown and "maxTokens" in shown and '["END", "STOP"]' in shown
-    typed(term, "/show system")
-    answered(term, "No system message")
-    typed(term, "/set system You are a pirate.", "/show system")
-    answered(term, "You are a pirate.")
-    typed(term, "/set parameter seed 5", "/set parameter seed -1")  # Ollama's -1: no seed
-    answered(term, "Set parameter 'seed' to '-1'")
+    answer(term, "/show system", "No system message")
+    answer(term, "/set system You are a pirate.", "Set system message.")
+    answer(term, "/show system", "You are a pirate.")
+    answer(term, "/set parameter seed 5", "Set parameter 'seed' to '5'")
+    answer(term, "/set parameter seed -1", "Set parameter 'seed' to '-1'")  # Ollama's -1: no seed
     typed(term, "/set format json", "Fourth")
     wait_until(lambda: len(fake.chats()) == 4, 30, "the fourth chat")
     fourth = fake.chats()[3]
@@ -154,15 +149,11 @@ def test_help_lists_the_commands(term, fake):
     term.start(f"{fake.command} run fake")
     term.wait_for(at_prompt, "the prompt")
     for command in ("/?", "/help"):
-        typed(term, command)
-        screen = answered(term, "/bye")
-        help_text = screen.rsplit(f">>> {command}", 1)[1]
+        help_text = answer(term, command, "/bye")
         for line in ("/set parameter", "/set system", "/show info", "/clear", "/load", '"""'):
             assert line in help_text, help_text
-    typed(term, "/set")
-    answered(term, "Available /set commands")
-    typed(term, "/show")
-    answered(term, "Available /show commands")
+    answer(term, "/set", "Available /set commands")
+    answer(term, "/show", "Available /show commands")
     term.keys("C-d")
     wait_until(term.dead, 30, "kinfer to leave on Ctrl-D")
     assert term.exit() == "0" and fake.chats() == []
@@ -216,24 +207,20 @@ def test_tool_calls_go_back_in_the_history(term, fake, tmp_path):
 def test_a_session_with_the_default_model(term):
     term.start(f"exec {KINFER} run smollm2 --threads 1 --temperature 0")
     term.wait_for(at_prompt, "the prompt")
-    typed(term, "/show info")
-    screen = answered(term, "architecture")
-    info = screen.rsplit(">>> /show info", 1)[1]
+    info = answer(term, "/show info", "architecture")
     assert DEFAULT in info and "llama" in info and "135" in info and "context length" in info, info
 
     # the model's reply follows what was set: 3 tokens, seed 7 (the verbose line says so)
-    typed(term, "/set parameter num_predict 3", "/set parameter seed 7", "/set verbose")
-    answered(term, "Set 'verbose' mode.")
+    answer(term, "/set parameter num_predict 3", "Set parameter 'num_predict' to '3'")
+    answer(term, "/set parameter seed 7", "Set parameter 'seed' to '7'")
+    answer(term, "/set verbose", "Set 'verbose' mode.")
     typed(term, "Count from 1 to 100, one number per line.")
     screen = term.wait_for(lambda s: "tok/s, seed 7" in s and at_prompt(s), "the reply and its timings")
     assert "\n3 tokens, prompt " in screen and "tok/s, seed 7, length" in screen, screen
 
     # another model; an unknown one is the server's error, and the chat goes on
-    typed(term, "/load qwen3:8b")
-    screen = answered(term, "not found")
-    assert DEFAULT in screen.rsplit(">>> /load qwen3:8b", 1)[1]
-    typed(term, "/load smollm2-135m")
-    answered(term, f"Loaded {DEFAULT}")
+    assert DEFAULT in answer(term, "/load qwen3:8b", "not found")  # the names to choose from
+    answer(term, "/load smollm2-135m", f"Loaded {DEFAULT}")
     typed(term, "Name a colour.")
     screen = term.wait_for(lambda s: s.count("tok/s, seed 7, length") == 2 and at_prompt(s), "the second reply")
     assert "Traceback" not in screen
@@ -247,21 +234,18 @@ def test_a_session_with_the_default_model(term):
 def test_show_tells_the_models_own_parameters_and_system(term):
     term.start(f"exec {KINFER} run pirate --threads 1")
     term.wait_for(at_prompt, "the prompt")
-    typed(term, "/show system")
-    screen = answered(term, "Answer like one.")
-    assert "The model's own system message:\nYou are a pirate." in screen, screen
-    typed(term, "/set parameter temperature 0", "/show parameters")
-    screen = answered(term, "The model's own")
-    shown = screen.rsplit(">>> /show parameters", 1)[1]
+    shown = answer(term, "/show system", "Answer like one.")
+    assert "The model's own system message:\nYou are a pirate." in shown, shown
+    answer(term, "/set parameter temperature 0", "Set parameter 'temperature' to '0'")
+    shown = answer(term, "/show parameters", "The model's own")
     chat, own = shown.split("The model's own (where this chat sets none):")
     assert chat.split() == ["Parameters", "set", "in", "this", "chat:", "temperature", "0.0"], chat
     own_rows = dict(line.split(None, 1) for line in own.strip().splitlines() if line.strip() != ">>>")
     assert own_rows["temperature"] == "0.2" and own_rows["maxTokens"] == "40" and own_rows["contextLength"] == "2048"
-    typed(term, "/show template")
-    answered(term, "add_generation_prompt")
-    typed(term, "/set system Be a parrot.", "/show system")
-    screen = answered(term, "Be a parrot.")
-    assert "The model's own" not in screen.rsplit(">>> /show system", 1)[1]
+    answer(term, "/show template", "add_generation_prompt")
+    answer(term, "/set system Be a parrot.", "Set system message.")
+    shown = answer(term, "/show system", "Be a parrot.")
+    assert "The model's own" not in shown
     typed(term, "/bye")
     wait_until(term.dead, 30, "kinfer run to leave")
     assert term.exit() == "0"

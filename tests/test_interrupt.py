@@ -155,6 +155,46 @@ with Client() as kinfer:
 """
 
 
+BARE_LOOP = r"""
+import time
+
+from kinfer_rpc.client import Client
+
+with Client() as kinfer:
+    kinfer.load(threads=1)
+    print("server", kinfer.pid, flush=True)
+    # A bare loop whose body takes the time: Ctrl-C lands in the body, outside the stream's code,
+    # and `stream` keeps the stream alive (it is never collected while the script runs).
+    stream = kinfer.stream_generate("Count to a thousand.", maxTokens=5000, ignoreEos=True, temperature=0)
+    try:
+        for n, piece in enumerate(stream):
+            time.sleep(0.05)
+            if n == 3:
+                print("streaming", flush=True)
+        print("the stream ran to its end", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    answer = stream.response.result(30)
+    print("answered", answer["error"]["code"], flush=True)
+    reply = kinfer.generate("Hello", maxTokens=2, temperature=0)
+    print("then", reply.usage.completion_tokens, "tokens from", kinfer.pid, flush=True)
+    print("exit code", kinfer.close(), flush=True)
+"""
+
+
+@pytest.mark.model
+def test_ctrl_c_in_a_bare_loop_body_cancels_the_stream_too(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(BARE_LOOP)
+    term = Terminal([sys.executable, str(script)], env(), tmp_path)
+    term.expect("streaming")
+    server = int(term.text.split("server ", 1)[1].split()[0])
+    term.type(b"\x03")
+    assert term.wait() == 0, term.text
+    assert "interrupted" in term.text and "answered -32800" in term.text, term.text
+    assert f"then 2 tokens from {server}" in term.text and "Traceback" not in term.text, term.text
+
+
 @pytest.mark.model
 def test_ctrl_c_in_a_script_stops_the_stream_and_keeps_the_server(tmp_path):
     script = tmp_path / "script.py"

@@ -434,6 +434,10 @@ _DONE = object()
 
 
 # -- the blocking client -----------------------------------------------------------------------
+def _gone() -> dict[str, Any]:
+    return {"error": {"code": SERVER_GONE, "message": "the server exited"}}
+
+
 class _Wire:
     """The process and its frames. Holds no reference to the Client, so a Client can be collected."""
 
@@ -463,6 +467,8 @@ class _Wire:
         self.lock = threading.Lock()
         self.notifications: queue.Queue[dict[str, Any]] = queue.Queue()
         self.closed = False
+        self.reading = True  # until the reader has seen the server's end; under `plock` with `pending`
+        self.plock = threading.Lock()
         threading.Thread(target=self._read, name="kinfer-client-reader", daemon=True).start()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -501,24 +507,32 @@ class _Wire:
         except Exception:  # a broken stream: treat as the end
             pass
         finally:
-            gone = {"error": {"code": SERVER_GONE, "message": "the server exited"}}
-            for fut in list(self.pending.values()):
+            with self.plock:  # a request made from now on is answered at once (request())
+                self.reading = False
+                left = list(self.pending.values())
+                self.pending.clear()
+            for fut in left:
                 if not fut.done():
-                    fut.set_result(gone)
-            self.pending.clear()
+                    fut.set_result(_gone())
 
     def request(self, method: str, params: _Params | None) -> tuple[int, Future[dict[str, Any]]]:
         rid = next(self.ids)
         fut: Future[dict[str, Any]] = Future()
-        self.pending[rid] = fut
+        with self.plock:
+            if not self.reading:  # the server's end was seen: nothing would ever answer it
+                fut.set_result(_gone())
+                return rid, fut
+            self.pending[rid] = fut
         message: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
         if params is not None:
             message["params"] = params
         try:
             self.send(message)
         except (OSError, ValueError):
-            self.pending.pop(rid, None)
-            fut.set_result({"error": {"code": SERVER_GONE, "message": "the server exited"}})
+            with self.plock:
+                self.pending.pop(rid, None)
+            if not fut.done():
+                fut.set_result(_gone())
         return rid, fut
 
     def notify(self, method: str, params: _Params | None = None) -> None:

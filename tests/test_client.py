@@ -270,6 +270,35 @@ def test_a_dead_server_fails_requests_instead_of_hanging():
     kinfer.close()
 
 
+# A server that answers initialize, then closes its stdout but keeps running (stdin still open):
+# writes to it succeed, and only the reader can tell that nothing will ever answer.
+MUTE_SERVER = r"""
+import os, sys, time
+from kinfer_rpc.protocol.framing import FrameParser, encode
+parser = FrameParser()
+while (message := parser.next()) is None:
+    parser.feed(os.read(0, 65536))
+os.write(1, encode({"jsonrpc": "2.0", "id": message["id"], "result": {"capabilities": {}}}))
+os.close(1)
+time.sleep(60)
+"""
+
+
+def test_a_request_after_the_servers_end_is_answered_at_once():
+    kinfer = Client([sys.executable, "-c", MUTE_SERVER])
+    try:
+        time.sleep(0.5)  # the reader sees the end of stdout
+        t0 = time.monotonic()
+        with pytest.raises(RpcError) as caught:
+            kinfer.request("model/list", {}, timeout=10)
+        assert caught.value.code == -32099
+        kinfer._wire.proc.kill()
+        kinfer.close()
+        assert time.monotonic() - t0 < 3
+    finally:
+        kinfer._wire.proc.kill()
+
+
 # -- agents: tools, constrained replies, logprobs ------------------------------------------------
 WEATHER = {
     "type": "function",

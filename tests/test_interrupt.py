@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from kinfer_rpc.client import AsyncClient, Client
 BIN = os.path.dirname(sys.executable)
 KINFER = os.path.join(BIN, "kinfer")
 LONG = "Count from 1 to 500, one number per line."
+_HOME = tempfile.mkdtemp(prefix="kinfer-home-")
 
 
 def env() -> dict[str, str]:
@@ -37,6 +39,7 @@ def env() -> dict[str, str]:
     e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
     e.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/conftest.py
     e.pop("KINFER_RPC", None)
+    e["KINFER_HOME"] = _HOME  # kinfer chat's history and the store's notes, not the user's
     return e
 
 
@@ -367,7 +370,8 @@ def test_ctrl_c_in_kinfer_chat_stops_the_reply_and_keeps_the_server(tmux):
 
 @pytest.mark.model
 def test_ctrl_c_in_a_one_shot_kinfer_chat_stops_it_cleanly(tmux):
-    chat = tmux.start(f"exec {KINFER} chat --threads 1 --temperature 0 --max-tokens 3000 '{LONG}'")
+    # ignoreEos: the reply must still be running when Ctrl-C comes, however fast the machine
+    chat = tmux.start(f"exec {KINFER} chat --threads 1 --temperature 0 --max-tokens 3000 -o ignoreEos true '{LONG}'")
     tmux.wait_for(lambda s: len([line for line in s.splitlines() if line.strip()]) >= 3, "the reply")
     server = server_of(chat)
     tmux.keys("C-c")

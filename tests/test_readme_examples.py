@@ -4,7 +4,9 @@ Every ```python block runs with this interpreter; the "Clients" section's ```js 
 `node` (importing `kinfer-rpc-client` as an installed package would), its ```lua block in a
 headless Neovim, and its ```sh block with bash, with this virtualenv's bin first on PATH. An
 example that names its model by $KINFER_TOOLS_MODEL (the "Agents" section's tools) runs on a copy
-of the embedded model whose chat template takes tools (tests/modelgen/make_tool_model.py).
+of the embedded model whose chat template takes tools (tests/modelgen/make_tool_model.py), one that
+names it by $KINFER_FIM_MODEL (the "Editors" section) on a copy with fill-in-the-middle tokens
+(tests/modelgen/make_fim_model.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def tool_model(tmp_path_factory) -> str:
     return make_tool_model(tmp_path_factory.mktemp("tools") / "smollm2-tools.gguf")
 
 
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory) -> str:
+    from make_fim_model import make_fim_model
+
+    return make_fim_model(tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
 def test_python_example(code, tmp_path, request):
@@ -66,6 +75,8 @@ def test_python_example(code, tmp_path, request):
     e = env()
     if "KINFER_TOOLS_MODEL" in code:
         e["KINFER_TOOLS_MODEL"] = request.getfixturevalue("tool_model")
+    if "KINFER_FIM_MODEL" in code:
+        e["KINFER_FIM_MODEL"] = request.getfixturevalue("fim_model")
     proc = subprocess.run(
         [sys.executable, str(script)],
         env=e,

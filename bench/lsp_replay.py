@@ -2,6 +2,7 @@
 
     python bench/lsp_replay.py --model FIM.gguf [--file kinfer_rpc/host/options.py]
         [--function generate_options] [--lines 30] [--interval-ms 0] [--max-tokens 32] [--threads N]
+        [--spm] [--keys N]
 
 The first `--lines` lines of the function are taken out of the source file, the file is opened
 with `textDocument/didOpen`, and the lines are typed back character by character: each keystroke
@@ -9,6 +10,9 @@ is one incremental `textDocument/didChange` and one `textDocument/completion` at
 `--interval-ms 0` each completion is awaited before the next keystroke; with N > 0 keystrokes
 come every N ms whatever happens, so a completion still running when the next keystroke comes is
 stale (the server stops it and answers an empty list), as in an editor.
+
+With `--spm` completions ask for infill's `spm` order (suffix first; for models trained on it),
+where a keystroke changes only the prompt's end.
 
 Runs twice: with the prefix pool (the default load) and without (load option `prefix: -1`; there
 every request reads its whole prompt, so only the first `--no-pool-keys` keystrokes are typed).
@@ -156,6 +160,8 @@ async def replay(args: argparse.Namespace, load_options: dict[str, Any], case: s
         "stopAtLine": True,
         "temperature": 0,
     }
+    if args.spm:
+        settings["spm"] = True
     init = await lsp.request(
         "initialize",
         {"processId": os.getpid(), "capabilities": {}, "initializationOptions": {"completion": settings}},
@@ -254,10 +260,12 @@ def main() -> None:
         default=20,
         help="keystrokes typed without the pool (each reads the whole prompt; 0: all of them)",
     )
+    ap.add_argument("--keys", type=int, default=0, help="type only this many keystrokes with the pool (0: all)")
+    ap.add_argument("--spm", action="store_true", help="infill option spm: the suffix before the prefix")
     ap.add_argument("--only", choices=("pool", "no_pool"), default=None)
     args = ap.parse_args()
     base = {"threads": args.threads} if args.threads else {}
-    cases = [("pool", base, None), ("no_pool", {**base, "prefix": -1}, args.no_pool_keys or None)]
+    cases = [("pool", base, args.keys or None), ("no_pool", {**base, "prefix": -1}, args.no_pool_keys or None)]
     for case, options, keys in cases:
         if args.only in (None, case):
             emit(case, asyncio.run(replay(args, options, case, keys)))

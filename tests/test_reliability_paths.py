@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import time
 
 import pytest
 from protocol_fixtures import spawn  # noqa: F401  (fixture)
@@ -122,3 +125,61 @@ def test_ollama_manifests_cannot_point_outside_the_blob_folder(spawn, store):
     assert err["code"] == LOAD_FAILED and "root:" not in json.dumps(err)
     err = error_of(c.request("inference/chat", {"model": "evil", **chat("hi")}, timeout=10))
     assert err["code"] == LOAD_FAILED
+
+
+# -- a store on a hung file system ---------------------------------------------------------------
+# The real server, with the GGUF header reader made to hang (4 s, once) on files named slow*: a
+# stand-in for a file on a hung network file system.
+HUNG_READER = r"""
+import os, sys, time
+from kinfer_rpc.host import gguf
+from kinfer_rpc.protocol import server
+
+read = gguf.read
+
+
+def hung(path, *a, **k):
+    if os.path.basename(str(path)).startswith("slow") and not os.path.exists(path + ".read"):
+        open(path + ".read", "w").close()
+        time.sleep(4)
+    return read(path, *a, **k)
+
+
+gguf.read = hung
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_a_hung_store_file_does_not_hang_model_list(tmp_path):
+    from rpcclient import RpcClient
+
+    from kinfer_rpc.host.store import embedded_default_path
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("fine.gguf", "slow.gguf"):  # copies: the store knows a link to the embedded model
+        shutil.copyfile(embedded_default_path(), models / name)
+    env = {
+        "KINFER_MODELS": str(models),
+        "OLLAMA_MODELS": str(tmp_path / "ollama"),
+        "KINFER_HOME": str(tmp_path / "home"),
+        "KINFER_LIST_SECONDS": "1",
+    }
+    c = RpcClient.spawn("-c", HUNG_READER, env=env, executable=sys.executable)
+    try:
+        c.initialize()
+        t0 = time.monotonic()
+        listed = {m["name"]: m for m in c.call("model/list", {}, timeout=10)["models"]}
+        assert time.monotonic() - t0 < 3
+        assert listed["fine"]["architecture"] == "llama" and "error" not in listed["fine"]
+        assert "within 1 s" in listed["slow"]["error"] and listed["slow"]["architecture"] is None
+        # while the hung read goes on, a second list is answered at once, with an error
+        r = c.request("model/list", {}, timeout=10)
+        assert r["error"]["code"] == -32603 and "still waiting" in r["error"]["message"], r
+        assert "result" in c.request("model/status", {}, timeout=2)
+        time.sleep(3.5)  # the read ends: the next list is whole
+        listed = {m["name"]: m for m in c.call("model/list", {}, timeout=10)["models"]}
+        assert "error" not in listed["slow"] and listed["slow"]["architecture"] == "llama"
+    finally:
+        c.close(timeout=5, check=False)
+    c.assert_clean()

@@ -315,9 +315,10 @@ class ModelStore:
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
         )
 
-    def describe(self, ref: ModelRef) -> dict[str, Any]:
-        """A model/list entry: what the store knows and what the file's header says."""
-        out: dict[str, Any] = {
+    @staticmethod
+    def listed(ref: ModelRef) -> dict[str, Any]:
+        """A model/list entry with only what the store's listing knows (no file read)."""
+        return {
             "name": ref.name,
             "source": ref.source,
             "format": ref.format,
@@ -328,6 +329,10 @@ class ModelStore:
             "quantization": None,
             "contextLength": None,
         }
+
+    def describe(self, ref: ModelRef) -> dict[str, Any]:
+        """A model/list entry: what the store knows and what the file's header says."""
+        out = self.listed(ref)
         try:
             if ref.unsupported:
                 raise errors.KinferError(errors.NOT_SUPPORTED, ref.unsupported)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 from typing import Any
 
@@ -57,19 +58,60 @@ def _special_markers(entry: Loaded) -> dict[str, int]:
         return out
 
 
+def list_seconds() -> float:
+    """How long model/list waits for the stores (KINFER_LIST_SECONDS, default 30)."""
+    try:
+        return max(0.1, float(os.environ.get("KINFER_LIST_SECONDS", "30")))
+    except ValueError:
+        return 30.0
+
+
 class Handlers:
     """The methods the server registers, over one Runtime."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.renderer = Renderer()
+        # model/list's store reads still running (one that ran out of time may be stuck in a hung
+        # file system: no other starts meanwhile, so it never takes more than one thread)
+        self._store_reads = 0
 
     # -- models ------------------------------------------------------------------------------
     async def model_list(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         Fields(p, "params").done()
         store = self.runtime.store
-        described = await anyio.to_thread.run_sync(lambda: [store.describe(r) for r in store.list()])
-        return {"models": [{**d, "loaded": d["name"] in self.runtime.loaded} for d in described]}
+        seconds = list_seconds()
+        if self._store_reads:  # a read that ran out of time is still stuck: don't start another
+            raise errors.KinferError(
+                errors.INTERNAL_ERROR,
+                f"the model stores could not be read within {seconds:g} s (a hung file system?); "
+                "the read is still waiting",
+            )
+        refs: list[Any] = []
+        described: list[dict[str, Any]] = []
+
+        def read() -> None:  # off the loop; what it has done so far counts if it runs out of time
+            self._store_reads += 1
+            try:
+                refs.extend(store.list())
+                for ref in refs:
+                    described.append(store.describe(ref))
+            finally:
+                self._store_reads -= 1
+
+        # A store on a hung file system must not hang the answer: after `seconds` the list is what
+        # was read by then, each model not read yet with an error (the thread is left to finish).
+        with anyio.move_on_after(seconds) as scope:
+            await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
+        if scope.cancelled_caught and not refs:
+            raise errors.KinferError(
+                errors.INTERNAL_ERROR,
+                f"the model stores could not be listed within {seconds:g} s (a hung file system?)",
+            )
+        done = list(described)
+        late = {"error": f"its header could not be read within {seconds:g} s (a hung file system?)"}
+        done += [{**store.listed(ref), **late} for ref in refs[len(done) :]]
+        return {"models": [{**d, "loaded": d["name"] in self.runtime.loaded} for d in done]}
 
     async def model_load(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")

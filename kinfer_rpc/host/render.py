@@ -140,8 +140,11 @@ class Renderer:
                     with anyio.CancelScope(shield=True):
                         await worker.process.aclose()
             if worker.killed is not None:
-                code = errors.REQUEST_CANCELLED if worker.killed.startswith("the model") else errors.INVALID_PARAMS
-                raise errors.KinferError(code, worker.killed)
+                if worker.killed.startswith("the model"):  # stop(): its model was unloaded
+                    raise errors.KinferError(errors.REQUEST_CANCELLED, worker.killed)
+                if self._closed:  # aclose(): the server is exiting, whatever the render did
+                    raise errors.KinferError(errors.INTERNAL_ERROR, "the server is exiting")
+                raise errors.KinferError(errors.INVALID_PARAMS, worker.killed)  # a limit
         reply = json.loads(answer)
         if "error" in reply:
             raise errors.KinferError(reply["error"]["code"], reply["error"]["message"])

@@ -149,6 +149,8 @@ class Handlers:
             **self._placement_fields(entry),
             **self._template_fields(entry),
             "ignoredParameters": [{"name": n, "reason": why} for n, why in entry.ignored],
+            **({"devices": [dict(d) for d in info.devices]} if info.devices else {}),
+            **({"rpcServers": list(entry.options.rpc_servers)} if entry.options.rpc_servers else {}),
         }
 
     @staticmethod
@@ -351,8 +353,10 @@ class Handlers:
             eos=model.info.eos_text,
             tools=tool_list if calling else None,
         )
-        if self.runtime.loaded.get(entry.name) is not entry:  # unloaded while it rendered
-            raise errors.KinferError(errors.MODEL_NOT_FOUND, f"model {entry.name!r} was unloaded")
+        if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
+            raise errors.KinferError(
+                errors.REQUEST_CANCELLED, "the model was unloaded during its chat template's render"
+            )
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
         ids = await anyio.to_thread.run_sync(
             entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
@@ -399,7 +403,8 @@ class Handlers:
         the tool calls each completed, when `calls` reads them)."""
         constraint = await anyio.to_thread.run_sync(entry.constrain, opts, limiter=entry.tokenizer)
         model = entry.engine.model
-        assert model is not None  # a loaded entry's engine holds its model
+        if model is None:  # unloaded (model/unload, shutdown) while the constraint compiled
+            raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
 
         def text_of(token: int) -> str:
             return model.token_bytes(token).decode("utf-8", "replace")

@@ -58,12 +58,18 @@ def _build(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
         weights = model.sanitize(weights)
 
     def quantized(path: str, module: Module) -> bool | dict[str, Any]:
+        # A layer the config names has its own group size and bits (mlx-lm's quantize_model keeps
+        # a mixture of experts' router at 8 bits, group 64, beside 4-bit layers); the others'
+        # come from the shapes stored: the module's (unquantized) input width over the scales'
+        # and the packed weight's.
+        own = (config.get("quantization") or {}).get(path)
+        if isinstance(own, (dict, bool)):
+            return own
         w, s = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
         if s is None or w is None or not hasattr(module, "to_quantized"):
             return False
-        group = config.get("quantization", {}).get("group_size", 32)
-        bits = w.shape[-1] * 32 // (s.shape[-1] * group)
-        return {"group_size": group, "bits": bits}
+        width = _parameters(module)["weight"].shape[-1]
+        return {"group_size": width // s.shape[-1], "bits": w.shape[-1] * 32 // width}
 
     quantize(model, class_predicate=quantized)
     model.eval()

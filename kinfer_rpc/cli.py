@@ -1084,6 +1084,48 @@ def _libllama() -> dict[str, Any]:
     return report
 
 
+def _rpc_support() -> dict[str, Any]:
+    """Whether the libllama kinfer loads can spread a model over RPC servers, and where its
+    ggml-rpc-server is."""
+    from kinfer_rpc.default_plugins import llama_native, llama_rpc
+
+    ok, why = llama_rpc.build_support()
+    folder = llama_native.lib_dir()
+    server = folder / "ggml-rpc-server" if folder is not None else None
+    return {
+        "available": ok,
+        "reason": why or None,
+        "server": str(server) if server is not None and server.exists() else None,
+    }
+
+
+def _rpc_server(args: argparse.Namespace) -> int:
+    """`kinfer rpc-server`: llama.cpp's RPC server, built with the libllama kinfer loads, serving
+    this host's devices to a kinfer-rpc on another (options.rpcServers). Its protocol has no
+    authentication: it binds 127.0.0.1 unless told otherwise."""
+    support = _rpc_support()
+    if support["server"] is None:
+        err.print(f"kinfer: no ggml-rpc-server beside the libllama kinfer loads ({support['reason'] or 'not built'})")
+        return 1
+    argv = [support["server"], "-H", args.host, "-p", str(args.port)]
+    if args.threads:
+        argv += ["-t", str(args.threads)]
+    if args.device:
+        argv += ["-d", args.device]
+    if args.cache:
+        argv += ["-c"]
+    if args.host != "127.0.0.1":
+        err.print(
+            f"kinfer: serving on {args.host}: the RPC protocol has no authentication, so anyone who can reach "
+            f"{args.host}:{args.port} can run code on these devices and read what they hold. Use it inside a "
+            "private network or through an SSH tunnel (docs/rpc.md).",
+            markup=False,
+        )
+    sys.stdout.flush()
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
 def _stores() -> dict[str, Any]:
     """Where the models are read from, and how many each holds."""
     from kinfer_rpc.host.store import ModelStore, kinfer_dir, kinfer_home, ollama_dir
@@ -1183,6 +1225,7 @@ def _doctor(args: argparse.Namespace) -> int:
     report.update(_devices())
     report["gpus"] = [d for d in report["devices"] if d["type"] in ("gpu", "igpu", "accel")]
     report["libllama"] = _libllama()
+    report["rpc"] = _rpc_support()
     folder = kinfer_dir()
     report["modelsDir"] = {"path": str(folder), "exists": folder.is_dir()}
     report["stores"] = _stores()
@@ -1216,6 +1259,8 @@ def _doctor(args: argparse.Namespace) -> int:
         line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']})"))
     else:
         line("libllama", f"[red]not found[/red] (from {escape(lib['from'])})")
+    rpc = report["rpc"]
+    line("rpc", "yes: options.rpcServers, kinfer rpc-server" if rpc["available"] else escape(f"no: {rpc['reason']}"))
     line("backends", ", ".join(report.get("backends", [])) or "[red]none[/red]")
     if report.get("brokenPlugins"):
         line("broken", ", ".join(b.get("name", "?") for b in report["brokenPlugins"]))
@@ -1343,6 +1388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", parents=[common], help="backends, devices, memory and the default model")
     doctor.add_argument("--no-load", dest="load", action="store_false", help="skip loading the default model")
 
+    rpc = sub.add_parser(
+        "rpc-server",
+        parents=[common],
+        help="serve this host's devices to kinfer-rpc on another host (llama.cpp's RPC server)",
+    )
+    rpc.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
+    rpc.add_argument("--port", "-p", type=int, default=50052)
+    rpc.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: half the cores)")
+    rpc.add_argument("--device", "-d", default=None, help="devices to serve, comma-separated (default: all)")
+    rpc.add_argument("--cache", "-c", action="store_true", help="keep received tensors in a local file cache")
+
     args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command == "chat" and not any(e.startswith("-") for e in extra):
@@ -1364,6 +1420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "show": _show,
         "bench": _bench,
         "doctor": _doctor,
+        "rpc-server": _rpc_server,
     }
     try:
         return commands[args.command](args)

@@ -60,6 +60,12 @@ class LoadOptions:
     # True: a load that cannot promise it fails; False: the backend may pick faster kernels that
     # do not promise it; None: the backend's default, the promise wherever it can keep it.
     reproducible: bool | None = None
+    # llama.cpp's RPC servers ("host:port", `ggml-rpc-server`) whose devices join the load's: the
+    # offloaded layers are spread over the local GPUs and theirs
+    rpc_servers: tuple[str, ...] = ()
+    # each device's share of the offloaded layers, in device order (llama.cpp's tensor_split);
+    # empty: in proportion to each device's free memory
+    tensor_split: tuple[float, ...] = ()
 
 
 @attrs.frozen
@@ -97,6 +103,10 @@ class ModelInfo:
     add_bos: bool = False
     drafts: int = 0  # draft tokens per step this load was made for (fixed for its life)
     weights: str = "quantized"  # "quantized" (as stored) or "dense" (expanded to floats at load)
+    # where the layers went, where a backend says: ({"device", "server", "layers": [[first, last],
+    # ...]}, ...) with `server` the RPC server's "host:port" (None for a local device); the output
+    # layer is number n_layer
+    devices: tuple[dict[str, Any], ...] = ()
 
 
 @runtime_checkable
@@ -227,6 +237,15 @@ class WeightForms(Protocol):
     ("quantized": as stored, "dense": expanded to floats at load). Without it: ("quantized",)."""
 
     weights: tuple[str, ...]
+
+
+@runtime_checkable
+class BackendFeatures(Protocol):
+    """Optional Backend capability: `features()` says, cheaply (without loading anything heavy),
+    what this install of the backend can do beyond the contract, e.g. {"rpc": True}; it is
+    `initialize`'s `capabilities.backendFeatures[name]`."""
+
+    def features(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -371,7 +390,7 @@ class Placement(Protocol):
 # What each kind of plugin object must have, and the optional capabilities it may have: a
 # capability is all of its protocol's members or none of them.
 CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
-    "backend": (Backend, (WeightForms, MachineAware)),
+    "backend": (Backend, (WeightForms, MachineAware, BackendFeatures)),
     "draft policy": (DraftPolicy, (SessionPolicy,)),
     "placement": (Placement, ()),
     "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, Reproducible, FillInMiddle)),

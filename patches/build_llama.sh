@@ -5,6 +5,7 @@
 #
 #   bash patches/build_llama.sh [DEST]
 #
+# With ggml's RPC backend (libggml-rpc, and the `ggml-rpc-server` program beside the libraries).
 # CPU only and portable (AVX2) unless CMAKE_ARGS adds options (bench/gpu_setup.sh builds the CUDA
 # libraries with -DGGML_CUDA=ON this way). CC and CXX pick the compiler, as in any CMake build.
 # SRC: a llama.cpp source tree or .tgz to use instead of downloading the sdist from PyPI.
@@ -37,12 +38,17 @@ cmake -S "$work/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_S
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
-  -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF ${CMAKE_ARGS:-} > "$work/cmake.log" 2>&1 \
-  || { cat "$work/cmake.log"; exit 1; }
+  -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DGGML_RPC=ON -DGGML_RPC_RDMA=OFF \
+  ${CMAKE_ARGS:-} > "$work/cmake.log" 2>&1 || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
+# ggml's RPC server (llama.cpp's tools/rpc, the `ggml-rpc-server` program): it needs only ggml, so
+# it is compiled here against the libraries just built instead of configuring llama.cpp's tools.
+"${CXX:-c++}" -O2 -std=c++17 -I "$work/llama.cpp/ggml/include" "$work/llama.cpp/tools/rpc/rpc-server.cpp" \
+  -L "$work/build/bin" -lggml -lggml-base -Wl,-rpath,'$ORIGIN' -o "$work/build/bin/ggml-rpc-server" \
+  >> "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 # A compiler that links the C++ runtime statically (-static-libstdc++) makes libraries that crash
 # in a process that also loads libstdc++.so.6 (kinfer_rpc/default_plugins/llama_native.py): refuse them here.
 "${PYTHON:-python3}" "$here/../kinfer_rpc/default_plugins/llama_native.py" "$work/build/bin" >&2
 mkdir -p "$dest"
-cp -a "$work"/build/bin/lib*.so* "$dest"/
+cp -a "$work"/build/bin/lib*.so* "$work/build/bin/ggml-rpc-server" "$dest"/
 echo "$dest"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kinfer_rpc
-from kinfer_rpc.default_plugins import llama_buft, llama_native
+from kinfer_rpc.default_plugins import llama_buft, llama_native, llama_rpc
 from kinfer_rpc.types import (
     FIM_KEYS,
     Backend,
@@ -97,6 +97,7 @@ def _llama() -> ModuleType:
                 # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Loads log a lot:
                 # keep info at debug so a user sees only what needs them.
                 msg = text.decode("utf-8", "replace").rstrip()
+                llama_rpc.capture_line(msg)
                 if msg:
                     log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), "%s", msg)
 
@@ -168,7 +169,23 @@ class LlamaModel:
         L = self.L = _llama()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
-        self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
+        # (A llama.cpp built with its RPC backend says it supports offload whatever the machine
+        # has: ask for this host's GPUs.)
+        gpu_types = (llama_buft.DEVICE_GPU, llama_buft.DEVICE_IGPU)
+        local_gpu = any(d["type"] in gpu_types for d in llama_buft.Ggml().devices())
+        self.on_cpu = (options.gpu_layers == 0 or not local_gpu or not L.llama_supports_gpu_offload()) and not (
+            options.rpc_servers and options.gpu_layers != 0
+        )
+        self._rpc: llama_rpc.Servers | None = None
+        self._split: Any = None
+        if options.rpc_servers:
+            # The servers' devices (after this host's GPUs) take the offloaded layers.
+            self._rpc = llama_rpc.Servers(options.rpc_servers)
+            mparams.devices = ctypes.cast(self._rpc.array, ctypes.c_void_p)
+            llama_rpc.capture_start()
+        if options.tensor_split:
+            self._split = (ctypes.c_float * max(16, len(options.tensor_split)))(*options.tensor_split)
+            mparams.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         # On a GPU llama_decode returns once the pass is queued (see decode).
         self.decode_async = not self.on_cpu
         self._overrides: llama_buft.Overrides | None = None
@@ -190,6 +207,12 @@ class LlamaModel:
         if options.mtp:
             mparams.load_mtp = True  # otherwise llama.cpp skips the NextN tensors
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
+        devices: tuple[dict[str, Any], ...] = ()
+        if self._rpc is not None:
+            devices = llama_rpc.capture_end(self._rpc.names, L.llama_model_n_layer(self.model) if self.model else 0)
+            if not self.model:
+                self._rpc.release()
+                self._rpc.check()  # a server that failed during the load is named
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path!r} (not a GGUF file it can read?)")
         self._mtp: Mtp | None = None
@@ -269,6 +292,7 @@ class LlamaModel:
             eos_text=self._special_text(L.llama_vocab_eos(self.vocab)),
             add_bos=bool(L.llama_vocab_get_add_bos(self.vocab)),
             drafts=drafts,
+            devices=devices,
         )
 
     # CPU threads for a load that names none while every layer and the output are on the GPU.
@@ -281,6 +305,8 @@ class LlamaModel:
             return False, "flash attention is off: llama.cpp's attention is then chosen by the shape of each pass"
         if options.kv_unified:
             return False, "one KV buffer for every slot: a reply's attention depends on its neighbours' cells"
+        if options.rpc_servers:
+            return False, "layers on RPC servers run kernels kinfer does not choose (their devices' own)"
         if self.on_cpu:
             if self.kv_type != "q8_0":
                 return False, (
@@ -416,9 +442,15 @@ class LlamaModel:
         rc = self.L.llama_decode(self.ctx, self._batch.batch)
         if rc != 0:
             self._next_ok = False
+            if self._rpc is not None:
+                self._rpc.check()
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        rpc = self._rpc
 
         def logits() -> np.ndarray:
+            if rpc is not None:  # a server that failed during the pass left zeros, not logits
+                self.L.llama_synchronize(self.ctx)
+                rpc.check()
             if n_out == 0:
                 self.L.llama_synchronize(self.ctx)
                 return np.zeros((0, self.n_vocab), dtype=np.float32)
@@ -506,6 +538,8 @@ class LlamaModel:
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
+        if self._rpc is not None:
+            self._rpc.release()
 
 
 def _bind_output_argmax() -> tuple[Callable[[Any, int], None] | None, Callable[[Any], Any] | None]:
@@ -548,6 +582,12 @@ class LlamaBackend:
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
         return LlamaModel(path, options, progress)
+
+    def features(self) -> dict[str, Any]:
+        """Whether its llama.cpp can spread a model over RPC servers (options.rpcServers), found
+        from the library files, without loading them."""
+        ok, why = llama_rpc.build_support()
+        return {"rpc": ok, **({"rpcUnavailable": why} if not ok else {})}
 
 
 class MtpPolicy:

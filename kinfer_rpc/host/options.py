@@ -237,6 +237,42 @@ def generate_options(obj: object, seed_default: int, *, infill: bool = False) ->
     )
 
 
+MAX_DEVICES = 16  # llama.cpp's llama_max_devices()
+
+
+def _rpc_servers(value: object) -> tuple[str, ...]:
+    """options.rpcServers: "host:port" strings, at most MAX_DEVICES, no repeats."""
+    if value is None:
+        return ()
+    where = "options.rpcServers"
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise errors.invalid_params(f'{where} must be a list of "host:port" strings', {"field": where})
+    if len(value) > MAX_DEVICES or len(set(value)) != len(value):
+        raise errors.invalid_params(f"{where}: at most {MAX_DEVICES} servers, each once", {"field": where})
+    for v in value:
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in v):
+            raise errors.invalid_params(f'{where}: {v[:100]!r} is not "host:port"', {"field": where})
+    return tuple(value)
+
+
+def _tensor_split(value: object) -> tuple[float, ...]:
+    """options.tensorSplit: each device's share of the offloaded layers (numbers >= 0, not all 0)."""
+    if value is None:
+        return ()
+    where = "options.tensorSplit"
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_DEVICES
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)
+        or not sum(value) > 0
+    ):
+        raise errors.invalid_params(
+            f"{where} must be a list of at most {MAX_DEVICES} numbers >= 0, not all 0", {"field": where}
+        )
+    return tuple(float(v) for v in value)
+
+
 def infill_options(obj: object, seed_default: int) -> tuple[GenerateOptions, bool]:
     """inference/infill's options: inference/generate's, `stopAtLine`, and `spm` (whether the
     prompt puts the suffix before the prefix, for models trained that way)."""
@@ -296,6 +332,8 @@ def load_options(obj: object, context_default: int | None = None) -> tuple[LoadO
         kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
         weights=f.str("weights", None, choices={"quantized", "dense"}),
         reproducible=f.bool("reproducible", None),
+        rpc_servers=_rpc_servers(f.raw("rpcServers")),
+        tensor_split=_tensor_split(f.raw("tensorSplit")),
     )
     extra = {
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),

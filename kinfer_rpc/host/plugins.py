@@ -20,7 +20,7 @@ import attrs
 import pluggy
 
 from kinfer_rpc import __version__, hookspecs
-from kinfer_rpc.types import Backend, DraftPolicy, Placement, contract_problems
+from kinfer_rpc.types import Backend, BackendFeatures, DraftPolicy, Placement, contract_problems
 
 log = logging.getLogger(__name__)
 GROUP = "kinfer_rpc"
@@ -87,7 +87,19 @@ class Plugins:
             "placements": sorted(self.placements),
             "plugins": list(self.loaded),
             "brokenPlugins": list(self.broken),
+            "backendFeatures": {name: _features(b) for name, b in sorted(self.backends.items())},
         }
+
+
+def _features(backend: Any) -> dict[str, Any]:
+    """A backend's features (BackendFeatures), {} without them or when asking fails."""
+    if not isinstance(backend, BackendFeatures):
+        return {}
+    try:
+        return dict(backend.features())
+    except Exception:  # noqa: BLE001 - a third-party backend's bug costs its features only
+        log.exception("backend %s: features() failed", getattr(backend, "name", backend))
+        return {}
 
 
 _NOUN = {"backends": "backend", "draft_policies": "draft policy", "placements": "placement"}

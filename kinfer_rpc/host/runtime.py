@@ -343,6 +343,23 @@ class Runtime:
     ) -> tuple[LoadOptions, tuple[str | None, str]]:
         """Ask the placement what goes where; the options the user set win. Off the loop: the
         backend's machine() loads its library and asks the devices."""
+        if opts.rpc_servers:
+            if backend.name != "llama":
+                raise errors.KinferError(
+                    errors.NOT_SUPPORTED, f"options.rpcServers needs the llama backend, not {backend.name}"
+                )
+            if name is not None:
+                raise errors.invalid_params(
+                    "options.rpcServers places the model over its servers: it takes no placement",
+                    {"field": "placement"},
+                )
+            layers = f"gpuLayers {opts.gpu_layers}" if "gpuLayers" in given else "every layer"
+            split = "tensorSplit" if opts.tensor_split else "each device's free memory"
+            return opts, (
+                None,
+                f"rpcServers: {layers} off this host's CPU, spread over "
+                f"{len(opts.rpc_servers)} RPC server(s) (and this host's GPUs) by {split}",
+            )
         machine_of = backend.machine if isinstance(backend, MachineAware) else None
         facts = model_facts(ref.path) if ref.format == "gguf" else None
         if machine_of is None or facts is None:

@@ -458,5 +458,8 @@ class Handlers:
             entry.engine.cancel(job)
             raise
         if job.error is not None:
-            raise job.error
+            if isinstance(job.error, errors.KinferError):
+                raise job.error
+            # the engine failed (a decode, a device, an RPC server): -32603 with what failed
+            raise errors.KinferError(errors.INTERNAL_ERROR, str(job.error) or type(job.error).__name__)
         return {"model": entry.name, **job_result(job, text_of)}

@@ -29,6 +29,16 @@ JSON schema (a dict), "json", or a class with a `model_json_schema()` classmetho
 model), whose schema is sent. `close()`, leaving the `with` block, and garbage collection
 of a `Client` shut the server down cleanly (`shutdown`, `exit`, exit code 0, the process reaped).
 
+Errors: an error response raises the RpcError subclass of its code, one per documented code
+(`ModelNotFound`, `ContextOverflow`, `InvalidParams`, `RequestCancelled` alias `Cancelled`, ...;
+`ERRORS` maps code to class), and `ServerGone` (-32099) when the server exited before it answered.
+Each keeps `code`, `message` and `data`:
+
+    try:
+        kinfer.chat(messages, model="no-such-model")
+    except ModelNotFound as e:
+        e.data["available"]
+
 Agents: `chat(messages, tools=[...], tool_choice=...)` offers tools (OpenAI's shape); the
 Result's `tool_calls` are the calls the model made (`stop_reason` "toolCalls"):
 
@@ -38,7 +48,7 @@ Result's `tool_calls` are the calls the model made (`stop_reason` "toolCalls"):
         messages.append(call.answer(get_weather(**call.arguments)))   # a "tool" message
 
 Code completion: `infill(prefix, suffix, extra=[...])` fills the gap between the text before and
-after the cursor (a model with fill-in-the-middle tokens; else RpcError -32602), with other files
+after the cursor (a model with fill-in-the-middle tokens; else InvalidParams, -32602), with other files
 as context; the Result's `dropped` says how much of a long prefix, suffix or extra context did not
 fit. `stopAtLine=True` completes one line:
 
@@ -82,15 +92,60 @@ _Params: TypeAlias = "dict[str, Any] | list[Any]"  # a request's params: a JSON 
 class RpcError(Exception):
     """An error response. `data` is the error's data (for -32800, the partial result).
 
-    `code` and `message` are None only when the server sent an error object without them."""
+    The client raises the subclass of the error's code (`ModelNotFound`, `ContextOverflow`, ...;
+    `ERRORS` maps each documented code to its class), or RpcError itself for a code the spec does
+    not document. `code` and `message` are None only when the server sent an error object without
+    them."""
+
+    CODE: int | None = None  # the code this class stands for; None for RpcError itself
 
     def __init__(self, code: int | None, message: str | None, data: Any = None):
         super().__init__(f"{message} ({code})")
         self.code, self.message, self.data = code, message, data
 
 
-class Cancelled(RpcError):
-    """The server answered -32800: the request was cancelled. `partial` is what it had made."""
+class ParseError(RpcError):
+    """-32700: a frame whose header is broken or whose body is not UTF-8 JSON."""
+
+    CODE = -32700
+
+
+class InvalidRequest(RpcError):
+    """-32600: not a valid request (a batch, a bad `id`, a request after `shutdown`, ...)."""
+
+    CODE = -32600
+
+
+class MethodNotFound(RpcError):
+    """-32601: no request method of that name (`data`: the name)."""
+
+    CODE = -32601
+
+
+class InvalidParams(RpcError):
+    """-32602: a param of the wrong type or value, unknown or missing params, a constraint that
+    does not compile, an infill of a model without fill-in-the-middle tokens."""
+
+    CODE = -32602
+
+
+class InternalError(RpcError):
+    """-32603: a bug in the server, or a request whose model was unloaded or whose engine failed."""
+
+    CODE = -32603
+
+
+class ServerNotInitialized(RpcError):
+    """-32002: a request before `initialize` succeeded."""
+
+    CODE = -32002
+
+
+class RequestCancelled(RpcError):
+    """-32800: the request was cancelled. `partial` is what it had made (`Cancelled` is the same
+    class)."""
+
+    CODE = REQUEST_CANCELLED
 
     @property
     def partial(self) -> Result | None:
@@ -98,10 +153,103 @@ class Cancelled(RpcError):
         return Result.from_json(d) if isinstance(d, dict) and "text" in d else None
 
 
+Cancelled = RequestCancelled
+
+
+class ModelNotFound(RpcError):
+    """-31001: no model has this name (`data`: `{model, available}` or `{model, candidates}`)."""
+
+    CODE = -31001
+
+
+class ContextOverflow(RpcError):
+    """-31002: the prompt does not fit one slot's context (`data`: `{promptTokens,
+    contextLength}` or `{promptBytes, contextLength}`)."""
+
+    CODE = -31002
+
+
+class LoadFailed(RpcError):
+    """-31003: the model file is unusable, does not match its digest, or the backend failed to
+    load it."""
+
+    CODE = -31003
+
+
+class QueueFull(RpcError):
+    """-31004: `maxQueue` requests already wait for a slot of this model."""
+
+    CODE = -31004
+
+
+class BackendUnavailable(RpcError):
+    """-31005: no registered backend reads the model (or the named one is not registered)."""
+
+    CODE = -31005
+
+
+class NotSupported(RpcError):
+    """-31006: the store knows the model but kinfer cannot serve it, or its chat template tried
+    an operation the sandbox refuses."""
+
+    CODE = -31006
+
+
+class ResponseTooLarge(RpcError):
+    """-31007: the answer would be a frame over the server's `maxFrameBytes`."""
+
+    CODE = -31007
+
+
+class ServerGone(RpcError):
+    """-32099, the client's own: the server exited (or the client was closed) before it answered."""
+
+    CODE = SERVER_GONE
+
+
+ERRORS: dict[int, type[RpcError]] = {
+    c.CODE: c
+    for c in (
+        ParseError,
+        InvalidRequest,
+        MethodNotFound,
+        InvalidParams,
+        InternalError,
+        ServerNotInitialized,
+        RequestCancelled,
+        ModelNotFound,
+        ContextOverflow,
+        LoadFailed,
+        QueueFull,
+        BackendUnavailable,
+        NotSupported,
+        ResponseTooLarge,
+        ServerGone,
+    )
+    if c.CODE is not None
+}
+
+
 @attrs.frozen
 class Usage:
+    """A reply's token counts: `draft_tokens` the draft tokens checked and `draft_accepted` those
+    kept (0 without drafts), `cached_tokens` the prompt tokens reused from the prefix pool."""
+
     prompt_tokens: int
     completion_tokens: int
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, u: dict[str, Any]) -> Usage:
+        return cls(
+            u.get("promptTokens", 0),
+            u.get("completionTokens", 0),
+            u.get("draftTokens", 0),
+            u.get("draftAccepted", 0),
+            u.get("cachedTokens", 0),
+        )
 
 
 @attrs.frozen
@@ -210,12 +358,11 @@ class Result:
 
     @classmethod
     def from_json(cls, r: dict[str, Any]) -> Result:
-        u = r.get("usage") or {}
         return cls(
             r.get("text", ""),
             list(r.get("tokens", [])),
             r.get("stopReason", "cancelled"),
-            Usage(u.get("promptTokens", 0), u.get("completionTokens", 0)),
+            Usage.from_json(r.get("usage") or {}),
             Timings.from_json(r.get("timings") or {}),
             r.get("seed"),
             r.get("model"),
@@ -267,8 +414,56 @@ class Model:
 
 
 @attrs.frozen
+class Reproducibility:
+    """Whether a load promises the same reply for the same request whatever else runs, and why."""
+
+    promised: bool = False
+    reason: str = ""
+
+    @classmethod
+    def from_json(cls, r: dict[str, Any]) -> Reproducibility:
+        return cls(bool(r.get("promised", False)), r.get("reason", ""))
+
+
+def _reproducible(v: Any) -> Reproducibility | None:
+    return Reproducibility.from_json(v) if isinstance(v, dict) else None
+
+
+@attrs.frozen
+class IgnoredParameter:
+    """A model's own default parameter (an Ollama model's) that kinfer does not apply, and why."""
+
+    name: str
+    reason: str = ""
+
+    @classmethod
+    def from_json(cls, p: dict[str, Any]) -> IgnoredParameter:
+        return cls(p.get("name", ""), p.get("reason", ""))
+
+
+@attrs.frozen
+class LayerDevice:
+    """One device of a load and the layers it holds: `layers` are `(first, last)` ranges;
+    `server` is the RPC server (`host:port`) the device belongs to, None for this host's."""
+
+    device: str
+    server: str | None = None
+    layers: list[tuple[int, int]] = attrs.field(factory=list)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LayerDevice:
+        layers = [(r[0], r[1]) for r in d.get("layers") or [] if isinstance(r, list) and len(r) == 2]
+        return cls(d.get("device", ""), d.get("server"), layers)
+
+
+@attrs.frozen
 class LoadedModel:
-    """The result of `model/load`."""
+    """The result of `model/load`. `placement` is the placement that decided what lives in GPU and
+    host memory (None when none ran) and `placement_reason` what it chose and why; `weights` is
+    "quantized" or "dense"; `draft_policy` the requests' default draft policy (None for none) and
+    `drafts` the draft tokens per step and slot there is room for; `prefix` the prefix pool's
+    token budget (-1: off); `rpc_servers` and `devices` (where the layers went) are set for a load
+    over llama.cpp RPC servers."""
 
     model: str
     backend: str
@@ -284,6 +479,19 @@ class LoadedModel:
     ubatch: int
     gpu_layers: int
     flash_attention: bool
+    draft_policy: str | None = None
+    drafts: int = 0
+    weights: str = "quantized"
+    reproducible: Reproducibility | None = None
+    prefix: int = -1
+    placement: str | None = None
+    placement_reason: str = ""
+    host_tensors: list[str] = attrs.field(factory=list)
+    chat_template: str = "gguf"
+    chat_template_note: str | None = None
+    ignored_parameters: list[IgnoredParameter] = attrs.field(factory=list)
+    rpc_servers: list[str] | None = None
+    devices: list[LayerDevice] | None = None
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> LoadedModel:
@@ -302,12 +510,28 @@ class LoadedModel:
             m.get("ubatch", 0),
             m.get("gpuLayers", -1),
             m.get("flashAttention", False),
+            m.get("draftPolicy"),
+            m.get("drafts", 0),
+            m.get("weights", "quantized"),
+            _reproducible(m.get("reproducible")),
+            m.get("prefix", -1),
+            m.get("placement"),
+            m.get("placementReason", ""),
+            list(m.get("hostTensors") or []),
+            m.get("chatTemplate", "gguf"),
+            m.get("chatTemplateNote"),
+            [IgnoredParameter.from_json(p) for p in m.get("ignoredParameters") or [] if isinstance(p, dict)],
+            list(m["rpcServers"]) if isinstance(m.get("rpcServers"), list) else None,
+            [LayerDevice.from_json(d) for d in m["devices"] if isinstance(d, dict)]
+            if isinstance(m.get("devices"), list)
+            else None,
         )
 
 
 @attrs.frozen
 class ModelStatus:
-    """One entry of `model/status`: state is "loading" or "ready" (then the rest is filled)."""
+    """One entry of `model/status`: state is "loading", "failed" (then `error` says why) or
+    "ready" (then the rest is filled)."""
 
     model: str
     backend: str
@@ -319,6 +543,19 @@ class ModelStatus:
     tokens_per_second: float = 0.0
     steps: int = 0
     memory: dict[str, Any] = attrs.field(factory=dict)
+    draft_tokens: int = 0
+    draft_acceptance: float = 0.0
+    prefix: int = -1
+    cached_tokens: int = 0
+    prefix_hits: int = 0
+    batch: int = 0
+    ubatch: int = 0
+    gpu_layers: int = 0
+    reproducible: Reproducibility | None = None
+    placement: str | None = None
+    placement_reason: str = ""
+    host_tensors: list[str] = attrs.field(factory=list)
+    error: str | None = None
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> ModelStatus:
@@ -333,6 +570,19 @@ class ModelStatus:
             m.get("tokensPerSecond", 0.0),
             m.get("steps", 0),
             m.get("memory") or {},
+            m.get("draftTokens", 0),
+            m.get("draftAcceptance", 0.0),
+            m.get("prefix", -1),
+            m.get("cachedTokens", 0),
+            m.get("prefixHits", 0),
+            m.get("batch", 0),
+            m.get("ubatch", 0),
+            m.get("gpuLayers", 0),
+            _reproducible(m.get("reproducible")),
+            m.get("placement"),
+            m.get("placementReason", ""),
+            list(m.get("hostTensors") or []),
+            m.get("error"),
         )
 
 
@@ -411,7 +661,8 @@ def _chat_params(
 
 def _error(response: dict[str, Any]) -> RpcError:
     e: dict[str, Any] = response.get("error") or {}
-    cls = Cancelled if e.get("code") == REQUEST_CANCELLED else RpcError
+    code = e.get("code")
+    cls = ERRORS.get(code, RpcError) if isinstance(code, int) else RpcError
     return cls(e.get("code"), e.get("message"), e.get("data"))
 
 

@@ -12,25 +12,50 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import anyio
 import attrs
 import pytest
 
+from kinfer_rpc import errors
 from kinfer_rpc.client import (
+    ERRORS,
     AsyncClient,
+    BackendUnavailable,
     Cancelled,
     Client,
+    ContextOverflow,
     Dropped,
+    IgnoredParameter,
+    InternalError,
+    InvalidParams,
+    InvalidRequest,
+    LayerDevice,
     LoadedModel,
+    LoadFailed,
+    MethodNotFound,
     Model,
+    ModelNotFound,
     ModelStatus,
+    NotSupported,
+    ParseError,
+    QueueFull,
+    Reproducibility,
+    RequestCancelled,
+    ResponseTooLarge,
     Result,
     RpcError,
+    ServerGone,
+    ServerNotInitialized,
+    Timings,
     TokenLogprob,
     ToolCall,
+    Usage,
+    _error,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 KINFER_RPC = [os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")]
 DEFAULT = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -155,7 +180,7 @@ def test_cancelled_stream_raises_with_the_partial_result(kinfer):
     stream.cancel()
     with pytest.raises(Cancelled) as caught:
         stream.wait(timeout=30)
-    assert caught.value.code == -32800
+    assert caught.value.code == -32800 and isinstance(caught.value, RequestCancelled)
     assert caught.value.partial is not None and 1 <= len(caught.value.partial.tokens) < 2000
 
 
@@ -225,8 +250,10 @@ def test_async_client():
 
             # still serving
             assert (await kinfer.generate("Hello", maxTokens=2, temperature=0)).usage.completion_tokens == 2
-            with pytest.raises(RpcError):
+            with pytest.raises(ModelNotFound):
                 await kinfer.chat(MESSAGES, model="no-such-model")
+            with pytest.raises(InvalidParams):
+                await kinfer.generate("x", maxTokens=-1)
         assert kinfer.returncode == 0
         assert _gone(pid)
 
@@ -266,7 +293,7 @@ def test_a_dead_server_fails_requests_instead_of_hanging():
     kinfer._wire.proc.wait()
     with pytest.raises(RpcError) as caught:
         kinfer.request("model/list", {}, timeout=10)
-    assert caught.value.code == -32099
+    assert caught.value.code == -32099 and isinstance(caught.value, ServerGone)
     kinfer.close()
 
 
@@ -767,3 +794,174 @@ def test_async_infill(fim_model):
             assert line.stop_reason == "stop" and "\n" not in line.text.lstrip()
 
     anyio.run(main)
+
+
+# -- error classes -----------------------------------------------------------------------------
+# spec/specification.md's "Error codes" table: each code, the class the client raises for it.
+DOCUMENTED = {
+    -32700: ParseError,
+    -32600: InvalidRequest,
+    -32601: MethodNotFound,
+    -32602: InvalidParams,
+    -32603: InternalError,
+    -32002: ServerNotInitialized,
+    -32800: RequestCancelled,
+    -31001: ModelNotFound,
+    -31002: ContextOverflow,
+    -31003: LoadFailed,
+    -31004: QueueFull,
+    -31005: BackendUnavailable,
+    -31006: NotSupported,
+    -31007: ResponseTooLarge,
+    -32099: ServerGone,  # the client's own: the server exited before it answered
+}
+
+
+def _spec_codes() -> dict[int, str]:
+    """The codes and names of the specification's error table."""
+    spec = (ROOT / "spec" / "specification.md").read_text()
+    table = spec[spec.index("### Error codes") :]
+    table = table[: table.index("\n### ")]
+    return {int(code): name for code, name in re.findall(r"^\| (-\d+) \| (\w+) \|", table, re.M)}
+
+
+def test_every_documented_code_has_its_class():
+    spec = _spec_codes()
+    assert len(spec) >= 14 and set(spec) | {-32099} == set(DOCUMENTED) == set(ERRORS)
+    for code, name in spec.items():
+        assert DOCUMENTED[code].__name__ == name  # the class is named as the spec names the code
+    # the server's constants are the same codes
+    constants = {getattr(errors, n) for n in dir(errors) if n.isupper() and isinstance(getattr(errors, n), int)}
+    assert constants == set(spec)
+    for code, cls in DOCUMENTED.items():
+        assert ERRORS[code] is cls and cls.CODE == code and issubclass(cls, RpcError)
+        e = _error({"error": {"code": code, "message": "m", "data": {"x": 1}}})
+        assert type(e) is cls and (e.code, e.message, e.data) == (code, "m", {"x": 1})
+    assert Cancelled is RequestCancelled
+    # an undocumented code, or none, is a plain RpcError
+    assert type(_error({"error": {"code": -1, "message": "m"}})) is RpcError
+    assert type(_error({"error": {}})) is RpcError
+
+
+@pytest.mark.model
+def test_each_error_class_for_its_cause(kinfer, loaded, tmp_path):
+    with pytest.raises(ModelNotFound) as caught:
+        kinfer.chat(MESSAGES, model="no-such-model", maxTokens=1)
+    assert caught.value.code == -31001 and caught.value.data["model"] == "no-such-model"
+    with pytest.raises(InvalidParams):
+        kinfer.generate("x", maxTokens=-1)
+    with pytest.raises(MethodNotFound) as caught:
+        kinfer.request("no/such", {})
+    assert caught.value.data == "no/such"
+    context = loaded[1].context_length
+    with pytest.raises(ContextOverflow) as caught:
+        kinfer.generate("hi " * (context + 8), maxTokens=1)
+    assert caught.value.data["contextLength"] == context
+    garbage = tmp_path / "x.gguf"
+    garbage.write_bytes(b"not a model at all" * 64)
+    with pytest.raises(LoadFailed):
+        kinfer.load(str(garbage), threads=1)
+    stream = kinfer.stream_generate("Once upon a time", **LONG)
+    next(stream)
+    stream.cancel()
+    with pytest.raises(RequestCancelled):
+        stream.wait(timeout=30)
+    # all of them are RpcErrors
+    with pytest.raises(RpcError):
+        kinfer.chat(MESSAGES, model="no-such-model", maxTokens=1)
+
+
+# -- typed results: every field the spec gives ---------------------------------------------------
+def _snake(name: str) -> str:
+    return re.sub(r"[A-Z]", lambda m: "_" + m.group(0).lower(), name)
+
+
+# metaModel structure -> the client's class, and the properties it names otherwise
+TYPED = {
+    "InferenceOutcome": (Result, {}),
+    "InferenceResult": (Result, {}),
+    "Usage": (Usage, {}),
+    "Timings": (Timings, {}),
+    "LoadedModel": (LoadedModel, {}),
+    "ModelStatusReady": (ModelStatus, {}),
+    "ModelStatusFailed": (ModelStatus, {}),
+    "ModelStatusLoading": (ModelStatus, {}),
+    "ModelListEntry": (Model, {}),
+    "InfillDropped": (Dropped, {}),
+    "TokenLogprob": (TokenLogprob, {"topLogprobs": "top"}),
+    "Reproducibility": (Reproducibility, {}),
+    "IgnoredParameter": (IgnoredParameter, {}),
+    "LayerDevice": (LayerDevice, {}),
+}
+
+
+def test_typed_results_have_every_spec_field():
+    meta = json.loads((ROOT / "spec" / "metaModel.json").read_text())
+    structures = {s["name"]: s for s in meta["structures"]}
+    for name, (cls, renamed) in TYPED.items():
+        fields = {f.name for f in attrs.fields(cls)}
+        for prop in structures[name]["properties"]:
+            field = renamed.get(prop["name"], _snake(prop["name"]))
+            assert field in fields, f"{cls.__name__} has no field for {name}.{prop['name']}"
+
+
+LOADED = {
+    "model": DEFAULT,
+    "backend": "llama",
+    "path": "/m.gguf",
+    "source": "embedded",
+    "architecture": "llama",
+    "parameters": 135,
+    "sizeBytes": 1,
+    "contextLength": 2048,
+    "contextTrain": 8192,
+    "slots": 2,
+    "batch": 512,
+    "ubatch": 512,
+    "gpuLayers": 0,
+    "flashAttention": False,
+    "draftPolicy": "ngram",
+    "drafts": 4,
+    "weights": "dense",
+    "reproducible": {"promised": True, "reason": "one slot"},
+    "prefix": 4096,
+    "placement": "fit",
+    "placementReason": "all of it fits",
+    "hostTensors": ["ffn_.*"],
+    "chatTemplate": "chatml",
+    "chatTemplateNote": "a Go template",
+    "ignoredParameters": [{"name": "mirostat", "reason": "no equivalent"}],
+    "rpcServers": ["127.0.0.1:50052"],
+    "devices": [{"device": "RPC0", "server": "127.0.0.1:50052", "layers": [[0, 29]]}],
+}
+
+
+def test_results_parse_usage_and_the_loads_fields():
+    usage = Result.from_json({**RESULT, "usage": {**RESULT["usage"], "draftTokens": 9, "draftAccepted": 5}}).usage
+    assert usage == Usage(3, 2, draft_tokens=9, draft_accepted=5, cached_tokens=0)
+    assert Result.from_json({**RESULT, "usage": {"promptTokens": 8, "cachedTokens": 6}}).usage.cached_tokens == 6
+    m = LoadedModel.from_json(LOADED)
+    assert (m.draft_policy, m.drafts, m.weights, m.prefix) == ("ngram", 4, "dense", 4096)
+    assert m.reproducible == Reproducibility(True, "one slot")
+    assert (m.placement, m.placement_reason, m.host_tensors) == ("fit", "all of it fits", ["ffn_.*"])
+    assert (m.chat_template, m.chat_template_note) == ("chatml", "a Go template")
+    assert m.ignored_parameters == [IgnoredParameter("mirostat", "no equivalent")]
+    assert m.rpc_servers == ["127.0.0.1:50052"]
+    assert m.devices == [LayerDevice("RPC0", "127.0.0.1:50052", [(0, 29)])]
+    bare = LoadedModel.from_json({k: v for k, v in LOADED.items() if k not in ("rpcServers", "devices")})
+    assert bare.rpc_servers is None and bare.devices is None
+    failed = ModelStatus.from_json({"model": "m", "backend": "llama", "state": "failed", "error": "no memory"})
+    assert failed.error == "no memory"
+
+
+@pytest.mark.model
+def test_the_servers_load_and_reply_fill_the_new_fields(kinfer, loaded):
+    info = loaded[1]
+    assert info.weights in ("quantized", "dense") and isinstance(info.reproducible, Reproducibility)
+    assert info.placement_reason and info.chat_template in ("gguf", "chatml") and info.drafts >= 0
+    first = kinfer.chat([{"role": "user", "content": "Say a fruit and a colour."}], maxTokens=2, temperature=0)
+    again = kinfer.chat([{"role": "user", "content": "Say a fruit and a colour."}], maxTokens=2, temperature=0)
+    assert first.usage.draft_tokens >= first.usage.draft_accepted >= 0
+    assert again.usage.cached_tokens > 0 or info.prefix == -1  # the prompt again: from the prefix pool
+    (status,) = kinfer.status(DEFAULT)
+    assert status.batch > 0 and status.placement_reason

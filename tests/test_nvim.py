@@ -2,7 +2,9 @@
 
 Streams a chat reply into a buffer, writes the buffer to a file, cancels a second request, and
 stops the server; suggests fill-in-the-middle completions as ghost text (on a copy of the embedded
-model with FIM tokens, tests/modelgen/make_fim_model.py), accepts and dismisses them. Skipped when
+model with FIM tokens, tests/modelgen/make_fim_model.py), accepts and dismisses them; holds a
+conversation in one chat buffer (`:KinferChat`), sends the visual selection (`:'<,'>KinferSend`),
+marks a cancelled reply, and runs `:checkhealth kinfer`. Skipped when
 `nvim` is not installed (`apt-get install neovim`).
 """
 
@@ -485,3 +487,144 @@ def test_nvim_suggest_without_fim_tokens_shows_nothing_and_reports_32602(tmp_pat
     assert report["accepted"] is False
     assert report["text"] == "def add(a, b):\n    return "
     assert report["exit_code"] == 0
+
+
+# -- a conversation in one buffer, the selection as a prompt, a cancelled reply -------------------
+CHAT_SCRIPT = r"""
+local kinfer = require('kinfer')
+local out_dir = vim.env.KINFER_TEST_OUT
+local report = { sent = {}, prompt_tokens = {}, completion_tokens = {} }
+local function wait(pred) return vim.wait(60000, pred, 20) end
+local function keys(k) return vim.api.nvim_replace_termcodes(k, true, false, true) end
+
+local client = kinfer.start()
+-- what each chat request sends, and the server's token counts for it
+local request = client.request
+function client.request(self, method, params, on_done, on_piece)
+  if method ~= 'inference/chat' then return request(self, method, params, on_done, on_piece) end
+  report.sent[#report.sent + 1] = vim.deepcopy(params.messages)
+  return request(self, method, params, function(err, result)
+    if result then
+      report.prompt_tokens[#report.prompt_tokens + 1] = result.usage.promptTokens
+      report.completion_tokens[#report.completion_tokens + 1] = result.usage.completionTokens
+    end
+    if on_done then on_done(err, result) end
+  end, on_piece)
+end
+local loaded
+client:load({ options = { threads = 1 } }, function(err, result) loaded = err or result end)
+wait(function() return loaded ~= nil end)
+kinfer.setup({ client = client, options = { maxTokens = 8, temperature = 0 } })
+
+-- two prompts, one chat buffer
+vim.cmd('KinferChat Name a colour.')
+local chat = kinfer.chat_buf()
+report.chat_shown = vim.api.nvim_get_current_buf() == chat
+wait(function() return not kinfer.chat_busy(chat) end)
+vim.cmd('wincmd p')
+vim.cmd('KinferChat Name another one.')
+report.same_buffer = kinfer.chat_buf() == chat
+wait(function() return not kinfer.chat_busy(chat) end)
+
+-- the visual selection of another buffer, after an instruction
+local src = vim.api.nvim_create_buf(true, false)
+vim.cmd('wincmd p')
+vim.api.nvim_set_current_buf(src)
+vim.api.nvim_buf_set_lines(src, 0, -1, false, { 'skip me', 'def add(a, b):', '    return a + b', 'skip me too' })
+vim.cmd('normal! 2GVj')
+vim.api.nvim_feedkeys(keys(":KinferSend Explain this code.<CR>"), 'x', false)
+wait(function() return not kinfer.chat_busy(chat) end)
+-- a characterwise selection is the selected characters
+vim.cmd('wincmd p')
+vim.api.nvim_set_current_buf(src)
+vim.cmd('normal! 2G5|v3l\27')  -- then <Esc>: the marks '< and '> are set
+report.charwise = kinfer.selection_text(src, 2, 2)
+
+-- a long reply, stopped with :KinferCancel
+local cancelled = false
+kinfer.chat_send(client, chat, 'Tell me a long story.', {
+  options = { maxTokens = 2000, ignoreEos = true },
+  on_done = function(err) report.cancel_code = err and err.code; cancelled = true end,
+})
+report.refused_while_busy = kinfer.chat_send(client, chat, 'Meanwhile?') == nil
+wait(function() return #(vim.api.nvim_buf_get_lines(chat, -2, -1, false)[1] or '') > 10 end)
+vim.cmd('KinferCancel')
+wait(function() return cancelled end)
+report.lines = vim.api.nvim_buf_get_lines(chat, 0, -1, false)
+report.conversation = kinfer.conversation(chat)
+
+local code
+client:stop(function(c) code = c end)
+wait(function() return code ~= nil end)
+report.exit_code = code
+vim.fn.writefile({ vim.json.encode(report) }, out_dir .. '/report.json')
+vim.cmd('qa!')
+"""
+
+SELECTION = "Explain this code.\n\ndef add(a, b):\n    return a + b"
+
+
+def test_nvim_chat_is_one_conversation_in_one_buffer(tmp_path):
+    report = run_nvim(tmp_path, CHAT_SCRIPT, OMP_WAIT_POLICY="PASSIVE")
+    assert report["chat_shown"] and report["same_buffer"]
+    first, second, third, fourth = report["sent"]
+    assert first == [{"role": "user", "content": "Name a colour."}]
+    reply1 = report["conversation"][1]
+    assert reply1["role"] == "assistant" and reply1["content"]
+    # the second prompt carries the first exchange ...
+    assert second == [first[0], reply1, {"role": "user", "content": "Name another one."}]
+    # ... and the server read it: its prompt holds the first prompt and reply
+    assert report["prompt_tokens"][1] > report["prompt_tokens"][0] + report["completion_tokens"][0]
+    # the selected lines, after the instruction, with the conversation before them
+    assert third[:4] == report["conversation"][:4] and third[4] == {"role": "user", "content": SELECTION}
+    assert fourth[-1] == {"role": "user", "content": "Tell me a long story."} and len(fourth) == 7
+    assert report["charwise"] == "add("
+
+    # each prompt is shown above its reply, in order
+    lines = report["lines"]
+    conversation = report["conversation"]
+    assert [m["role"] for m in conversation] == ["user", "assistant"] * 4
+    text = "\n".join(lines)
+    at = 0
+    for m in conversation:
+        heading = "## You\n" if m["role"] == "user" else "## kinfer\n"
+        at = text.index(heading + m["content"], at) + len(heading + m["content"])
+    # the stopped reply: what came, then a mark
+    assert report["cancel_code"] == -32800 and report["refused_while_busy"]
+    assert lines[-1] == "[cancelled]" and lines[-3] == "## kinfer" and lines[-2] == conversation[-1]["content"]
+    assert len(conversation[-1]["content"]) > 10
+    assert report["exit_code"] == 0
+
+
+HEALTH_SCRIPT = r"""
+vim.cmd('checkhealth kinfer')
+local lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+vim.fn.writefile({ vim.json.encode({ lines = lines }) }, vim.env.KINFER_TEST_OUT .. '/report.json')
+vim.cmd('qa!')
+"""
+
+
+def test_nvim_checkhealth_kinfer(tmp_path):
+    report = run_nvim(tmp_path, HEALTH_SCRIPT, OMP_WAIT_POLICY="PASSIVE")
+    text = "\n".join(report["lines"])
+    assert "ERROR" not in text and "WARNING" not in text, text
+    assert f"OK: found: {KINFER_RPC} ($KINFER_RPC)" in text
+    assert "OK: it starts and answers initialize: kinfer-rpc" in text and "llama" in text
+    assert "OK: smollm2-135m-instruct loads (backend llama" in text
+    assert "the server shut down cleanly" in text
+
+
+def test_nvim_checkhealth_kinfer_without_the_server(tmp_path):
+    report = run_nvim(tmp_path, HEALTH_SCRIPT, KINFER_RPC=str(tmp_path / "no-such-kinfer-rpc"))
+    text = "\n".join(report["lines"])
+    assert "ERROR: " + str(tmp_path / "no-such-kinfer-rpc") + " not found" in text
+    assert "OK:" not in text
+
+
+def test_nvim_checkhealth_kinfer_reports_a_model_that_does_not_load(tmp_path):
+    script = "require('kinfer.health').model = 'no-such-model'\n" + HEALTH_SCRIPT
+    report = run_nvim(tmp_path, script, OMP_WAIT_POLICY="PASSIVE")
+    text = "\n".join(report["lines"])
+    assert "OK: it starts and answers initialize" in text
+    assert "ERROR: no-such-model does not load: model 'no-such-model' not found" in text and "(-31001)" in text
+    assert "the server shut down cleanly" in text

@@ -6,7 +6,8 @@
 --   kinfer.chat_to_buffer(client, buf, 'Why is the sky blue?', { options = { maxTokens = 200 } })
 --   client:stop()
 --
--- or `require('kinfer').setup()` for :KinferChat {prompt} and :KinferCancel, and
+-- or `require('kinfer').setup()` for :KinferChat [prompt] (a conversation in one buffer),
+-- :'<,'>KinferSend [instruction] (the selection as a prompt), :KinferCancel and :checkhealth kinfer;
 -- kinfer.suggest(client) / kinfer.accept() / kinfer.dismiss() for fill-in-the-middle completions
 -- at the cursor shown as ghost text (setup({ infill_keys = true }): <C-F> and <Tab> in insert mode).
 --
@@ -273,6 +274,168 @@ function M.chat_to_buffer(client, buf, prompt, opts)
   end)
 end
 
+-- buf, or the current buffer for nil or 0.
+local function buffer(buf)
+  if buf == nil or buf == 0 then
+    return vim.api.nvim_get_current_buf()
+  end
+  return buf
+end
+
+-- A conversation in one buffer --------------------------------------------------------------------
+--
+-- Each exchange is the prompt under a `## You` heading, then the reply streamed under `## kinfer`.
+-- The conversation so far (the prompts and the replies, as messages) goes with each new prompt.
+-- A reply stopped before its end keeps what came and is followed by a `[cancelled]` line; one
+-- that failed by an `[error: ...]` line.
+
+M.YOU = '## You'
+M.ASSISTANT = '## kinfer'
+M.CANCELLED = '[cancelled]'
+
+-- buf -> { messages = {...}, handle = the reply coming now or nil, opts }
+local chats = {}
+
+local function write_lines(buf, lines)
+  local count = vim.api.nvim_buf_line_count(buf)
+  local first = vim.api.nvim_buf_get_lines(buf, 0, 1, false)[1]
+  if count == 1 and first == '' then
+    vim.api.nvim_buf_set_lines(buf, 0, 1, false, lines)
+  else
+    vim.api.nvim_buf_set_lines(buf, count, count, false, lines)
+  end
+end
+
+--- The chat buffer: `buf` made one (or, without it, a new scratch buffer named kinfer://chat).
+--- opts: model, options (each chat request's). Returns the buffer.
+function M.chat_buffer(buf, opts)
+  if buf == nil then
+    buf = vim.api.nvim_create_buf(true, true)
+    pcall(vim.api.nvim_buf_set_name, buf, 'kinfer://chat')
+    vim.bo[buf].filetype = 'markdown'
+  end
+  buf = buffer(buf)
+  if not chats[buf] then
+    chats[buf] = { messages = {}, opts = opts or {} }
+    vim.api.nvim_buf_attach(buf, false, {
+      on_detach = function()
+        chats[buf] = nil
+      end,
+    })
+  elseif opts then
+    chats[buf].opts = opts
+  end
+  return buf
+end
+
+--- The conversation of a chat buffer so far: a list of { role, content } messages.
+function M.conversation(buf)
+  local chat = chats[buffer(buf)]
+  return chat and vim.deepcopy(chat.messages) or {}
+end
+
+--- The chat buffer of :KinferChat and :KinferSend (nil before setup, or before the first use).
+function M.chat_buf()
+  return nil
+end
+
+--- Whether a reply is coming into the chat buffer now.
+function M.chat_busy(buf)
+  local chat = chats[buffer(buf)]
+  return chat ~= nil and chat.handle ~= nil
+end
+
+--- Send `prompt` in the chat buffer `buf` (made a chat buffer if it is not one): the prompt is
+--- shown, then the reply streams in below it; the request carries the conversation so far.
+--- opts: model, options (default: the chat buffer's), on_done(err, result). Returns the handle
+--- (:cancel()), or nil when a reply is still coming (cancel it first).
+function M.chat_send(client, buf, prompt, opts)
+  buf = M.chat_buffer(buf)
+  local chat = chats[buf]
+  opts = vim.tbl_extend('force', chat.opts, opts or {})
+  if chat.handle then
+    vim.notify('kinfer: a reply is still coming (:KinferCancel stops it)', vim.log.levels.WARN)
+    return nil
+  end
+  local lines = { M.YOU }
+  vim.list_extend(lines, vim.split(prompt, '\n', { plain = true }))
+  vim.list_extend(lines, { '', M.ASSISTANT, '' })
+  if vim.api.nvim_buf_line_count(buf) > 1 or vim.api.nvim_buf_get_lines(buf, 0, 1, false)[1] ~= '' then
+    table.insert(lines, 1, '')
+  end
+  write_lines(buf, lines)
+  local messages = vim.deepcopy(chat.messages)
+  messages[#messages + 1] = { role = 'user', content = prompt }
+  local reply = ''
+  local handle
+  handle = client:chat(messages, opts, function(text)
+    reply = reply .. text
+    if vim.api.nvim_buf_is_valid(buf) then
+      M.append(buf, text)
+    end
+  end, function(err, result)
+    if chat.handle == handle then
+      chat.handle = nil
+    end
+    local text = (not err and result and result.text) or reply
+    -- the conversation goes on with what was shown, a stopped reply's part included
+    chat.messages[#chat.messages + 1] = { role = 'user', content = prompt }
+    chat.messages[#chat.messages + 1] = { role = 'assistant', content = text }
+    if vim.api.nvim_buf_is_valid(buf) then
+      if err and err.code == M.REQUEST_CANCELLED then
+        write_lines(buf, { M.CANCELLED })
+      elseif err then
+        write_lines(buf, { '[error: ' .. tostring(err.message) .. ']' })
+      end
+    end
+    if opts.on_done then
+      opts.on_done(err, result)
+    elseif err and err.code ~= M.REQUEST_CANCELLED then
+      vim.notify('kinfer: ' .. tostring(err.message), vim.log.levels.ERROR)
+    end
+  end)
+  if not handle.done then
+    chat.handle = handle
+  end
+  return handle
+end
+
+--- Cancel the reply coming into the chat buffer, if one is. Returns whether one was.
+function M.chat_cancel(buf)
+  local chat = chats[buffer(buf)]
+  if chat and chat.handle then
+    chat.handle.cancel()
+    return true
+  end
+  return false
+end
+
+--- The text of lines line1..line2 of `buf` (1-based, inclusive). When they are the last visual
+--- selection and it was characterwise, only the selected characters (to the end of a line).
+function M.selection_text(buf, line1, line2)
+  buf = buffer(buf)
+  local lines = vim.api.nvim_buf_get_lines(buf, line1 - 1, line2, false)
+  if buf == vim.api.nvim_get_current_buf() and vim.fn.visualmode() == 'v' then
+    local s, e = vim.fn.getpos("'<"), vim.fn.getpos("'>")
+    if s[2] == line1 and e[2] == line2 and #lines > 0 then
+      local last = e[3] >= 2147483647 and #lines[#lines] or e[3]
+      lines[#lines] = lines[#lines]:sub(1, last)
+      lines[1] = lines[1]:sub(s[3])
+    end
+  end
+  return table.concat(lines, '\n')
+end
+
+--- Send lines line1..line2 of `buf` (the visual selection, from a range) as a prompt to the chat
+--- buffer `chat_buf`; `instruction`, if given, goes before them. Returns the handle.
+function M.send_range(client, chat_buf, buf, line1, line2, instruction, opts)
+  local text = M.selection_text(buf, line1, line2)
+  if instruction and instruction ~= '' then
+    text = instruction .. '\n\n' .. text
+  end
+  return M.chat_send(client, chat_buf, text, opts)
+end
+
 -- Fill in the middle at the cursor, shown as ghost text -------------------------------------------
 --
 -- A suggestion is the streamed reply of inference/infill for the buffer's text before and after
@@ -289,13 +452,6 @@ vim.cmd('highlight default link ' .. M.HL .. ' Comment')
 
 -- buf -> { text, row (1-based), col (0-based bytes), cursor, tick, mark, handle, done }
 local suggestions = {}
-
-local function buffer(buf)
-  if buf == nil or buf == 0 then
-    return vim.api.nvim_get_current_buf()
-  end
-  return buf
-end
 
 -- The window that shows buf: the current one if it does, else the first; nil if none.
 local function window(buf)
@@ -512,26 +668,55 @@ function M.accept(buf)
   return true
 end
 
---- :KinferChat {prompt} streams a reply into a scratch buffer; :KinferCancel stops it.
---- opts: cmd and on_exit (M.start), client (one from M.start to use instead of starting one on
---- first use), model and options (the chat's), infill (M.suggest's opts for
---- the keymaps), infill_keys (insert-mode keymaps: true for { suggest = '<C-F>', accept = '<Tab>' },
---- or a table naming either; nil or false: none). accept falls back to the key itself when no
---- suggestion is shown.
+--- :KinferChat [prompt] shows the chat buffer (one conversation, kept across prompts) and sends
+--- the prompt in it; :[range]KinferSend [instruction] sends the lines of the range (the visual
+--- selection: :'<,'>KinferSend) there, after the instruction if given; :KinferCancel stops the
+--- reply coming. opts: cmd and on_exit (M.start), client (one from M.start to use instead of
+--- starting one on first use), model and options (the chat's), split (the command that opens a
+--- window for the chat buffer, default 'new'), infill (M.suggest's opts for the keymaps),
+--- infill_keys (insert-mode keymaps: true for { suggest = '<C-F>', accept = '<Tab>' }, or a table
+--- naming either; nil or false: none). accept falls back to the key itself when no suggestion is
+--- shown.
 function M.setup(opts)
   opts = opts or {}
-  local client, current = opts.client, nil
-  vim.api.nvim_create_user_command('KinferChat', function(cmd)
+  local client, chat = opts.client, nil
+  if opts.model then
+    require('kinfer.health').model = opts.model -- :checkhealth kinfer loads the chat's model
+  end
+  local function show_chat()
     client = client or M.start(opts)
-    vim.cmd(opts.split or 'new')
-    local buf = vim.api.nvim_get_current_buf()
-    vim.bo[buf].buftype = 'nofile'
-    vim.bo[buf].filetype = 'markdown'
-    current = M.chat_to_buffer(client, buf, cmd.args, { model = opts.model, options = opts.options })
-  end, { nargs = '+' })
+    if not (chat and vim.api.nvim_buf_is_valid(chat)) then
+      chat = M.chat_buffer(nil, { model = opts.model, options = opts.options })
+    end
+    local win = vim.fn.bufwinid(chat)
+    if win ~= -1 then
+      vim.api.nvim_set_current_win(win)
+    else
+      vim.cmd(opts.split or 'new')
+      vim.api.nvim_win_set_buf(0, chat)
+    end
+  end
+  M.chat_buf = function()
+    return chat
+  end
+  vim.api.nvim_create_user_command('KinferChat', function(cmd)
+    show_chat()
+    if cmd.args ~= '' then
+      M.chat_send(client, chat, cmd.args)
+    end
+  end, { nargs = '*' })
+  vim.api.nvim_create_user_command('KinferSend', function(cmd)
+    local source = vim.api.nvim_get_current_buf()
+    local text = M.selection_text(source, cmd.line1, cmd.line2)
+    if cmd.args ~= '' then
+      text = cmd.args .. '\n\n' .. text
+    end
+    show_chat()
+    M.chat_send(client, chat, text)
+  end, { nargs = '*', range = true })
   vim.api.nvim_create_user_command('KinferCancel', function()
-    if current then
-      current.cancel()
+    if chat then
+      M.chat_cancel(chat)
     end
   end, {})
   local keys = opts.infill_keys

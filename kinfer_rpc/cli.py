@@ -1302,6 +1302,75 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+# -- pull, rm ----------------------------------------------------------------------------------
+def _pull(args: argparse.Namespace) -> int:
+    """A model from Ollama's registry or Hugging Face into kinfer's folder, with a progress bar."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    from kinfer_rpc.host.pull import PullError, pull
+
+    quiet = args.json or not err.is_terminal
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        disable=quiet,
+    )
+    tasks: dict[str, Any] = {}
+
+    def progress(label: str, done: int, total: int | None) -> None:
+        if label not in tasks:
+            tasks[label] = bar.add_task(f"pulling {escape(label)}", total=total, completed=done)
+            if quiet and not args.json:
+                state = ", already here" if done == total else f", resuming at {_size(done)}" if done else ""
+                err.print(f"pulling {label} ({_size(total)}{state})", markup=False)
+        bar.update(tasks[label], completed=done)
+
+    try:
+        with bar:
+            pulled = pull(
+                args.model,
+                registry=args.registry,
+                hf_endpoint=args.hf_endpoint,
+                insecure=args.insecure,
+                progress=progress,
+            )
+    except PullError as exc:
+        err.print(f"kinfer: {exc}", markup=False)
+        return 1
+    if args.json:
+        _emit(
+            {"name": pulled.name, "manifest": str(pulled.manifest), "sizeBytes": pulled.size_bytes, "file": pulled.file}
+        )
+        return 0
+    picked = f" ({pulled.file})" if pulled.file else ""
+    out.print(f"pulled {pulled.name}{picked}, {_size(pulled.size_bytes)}", markup=False)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    """A pulled model's manifest, and the blobs no other pulled model uses, out of kinfer's folder."""
+    from kinfer_rpc.host.pull import PullError, remove
+
+    status = 0
+    for name in args.models:
+        try:
+            shown, blobs = remove(name)
+        except PullError as exc:
+            err.print(f"kinfer: {exc}", markup=False)
+            status = 1
+            continue
+        if args.json:
+            _emit({"name": shown, "deletedBlobs": [str(b) for b in blobs]})
+        else:
+            out.print(f"deleted {shown} ({len(blobs)} blob(s) freed)", markup=False)
+    return status
+
+
 # -- main --------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kinfer", description="kinfer-rpc for people")
@@ -1388,6 +1457,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", parents=[common], help="backends, devices, memory and the default model")
     doctor.add_argument("--no-load", dest="load", action="store_false", help="skip loading the default model")
 
+    pull = sub.add_parser(
+        "pull", parents=[common], help="download a model from Ollama's registry or Hugging Face (hf.co/ORG/REPO:QUANT)"
+    )
+    pull.add_argument(
+        "model", metavar="NAME", help="qwen3:0.6b, alice/tool:v1, host/ns/model:tag or hf.co/ORG/REPO:QUANT"
+    )
+    pull.add_argument(
+        "--registry", default=None, help="Ollama's registry (default: $KINFER_REGISTRY or https://registry.ollama.ai)"
+    )
+    pull.add_argument(
+        "--hf-endpoint", default=None, help="Hugging Face (default: $KINFER_HF_ENDPOINT or https://huggingface.co)"
+    )
+    pull.add_argument("--insecure", action="store_true", help="http instead of https for a registry named in NAME")
+    rm = sub.add_parser("rm", parents=[common], help="delete models pulled into kinfer's folder (never Ollama's)")
+    rm.add_argument("models", metavar="NAME", nargs="+", help="a model's name as `kinfer list` shows it")
+
     rpc = sub.add_parser(
         "rpc-server",
         parents=[common],
@@ -1421,6 +1506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "doctor": _doctor,
         "rpc-server": _rpc_server,
+        "pull": _pull,
+        "rm": _rm,
     }
     try:
         return commands[args.command](args)

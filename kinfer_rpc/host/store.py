@@ -9,6 +9,8 @@ Ollama's store (`$OLLAMA_MODELS` or `~/.ollama/models`) is only read: a name
 `manifests/<host>/<namespace>/<model>/<tag>`, whose layers name blobs `blobs/sha256-<hex>`. Its
 Go template is never executed: chats render with the GGUF's own Jinja template, while the system
 layer is the default system message and the params layer the default options (requests override).
+Models `kinfer pull` fetched sit in kinfer's folder in the same layout (`manifests/`, `blobs/`) and
+are read by the same parser, with source "kinfer".
 """
 
 from __future__ import annotations
@@ -226,22 +228,24 @@ class ModelStore:
                 if fmt:
                     name = entry.stem if fmt == "gguf" and entry.suffix == ".gguf" else entry.name
                     refs.append(ModelRef(name, str(entry), fmt, "kinfer", _size(entry)))
-        refs.extend(self._ollama_refs())
+            refs.extend(self._ollama_refs(folder, "kinfer"))  # what `kinfer pull` wrote
+        refs.extend(self._ollama_refs(ollama_dir(), "ollama"))
         return refs
 
-    def _ollama_refs(self) -> builtins.list[ModelRef]:
-        root = ollama_dir() / "manifests"
+    def _ollama_refs(self, store: Path, source: str) -> builtins.list[ModelRef]:
+        """The models of an Ollama-layout folder (`manifests/<host>/<ns>/<model>/<tag>`, `blobs/`)."""
+        root = store / "manifests"
         if not root.is_dir():
             return []
         refs = []
         for manifest in sorted(root.glob("*/*/*/*")):
             if manifest.is_file() and not manifest.name.startswith("."):
-                ref = self._ollama_ref(manifest)
+                ref = self._ollama_ref(manifest, store / "blobs", source)
                 if ref is not None:
                     refs.append(ref)
         return sorted(refs, key=lambda r: r.name)
 
-    def _ollama_ref(self, manifest: Path) -> ModelRef | None:
+    def _ollama_ref(self, manifest: Path, blobs: Path, source: str) -> ModelRef | None:
         try:
             st = manifest.stat()
         except OSError:
@@ -249,13 +253,13 @@ class ModelStore:
         key = (str(manifest), st.st_size, st.st_mtime_ns)
         if key not in self._manifests:
             try:
-                self._manifests[key] = self._read_manifest(manifest)
+                self._manifests[key] = self._read_manifest(manifest, blobs, source)
             except Exception as exc:  # noqa: BLE001 - a broken manifest is skipped, never fatal
-                log.warning("skipping the Ollama manifest %s: %s", manifest, exc)
+                log.warning("skipping the %s manifest %s: %s", source, manifest, exc)
                 self._manifests[key] = None
         return self._manifests[key]
 
-    def _read_manifest(self, manifest: Path) -> ModelRef | None:
+    def _read_manifest(self, manifest: Path, blobs: Path, source: str = "ollama") -> ModelRef | None:
         host, namespace, model, tag = manifest.parts[-4:]
         display = _ollama_display(host, namespace, model, tag)
         layers = json.loads(_read_regular(manifest, _MANIFEST_LIMIT))["layers"]
@@ -263,10 +267,12 @@ class ModelStore:
             isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers
         ):
             raise ValueError("its layers are not a list of {mediaType, digest, size}")
-        blobs = ollama_dir() / "blobs"
 
         def blob(layer: dict[str, Any]) -> Path:
-            return blobs / cast(str, layer["digest"]).replace(":", "-").replace("/", "")
+            name = cast(str, layer["digest"]).replace(":", "-").replace("/", "").replace(os.sep, "")
+            if name in ("", ".", ".."):  # a file inside blobs/, never the folder or its parent
+                raise ValueError(f"a layer's digest {layer['digest']!r} names no blob")
+            return blobs / name
 
         def text(kind: str) -> str | None:
             for layer in layers:
@@ -302,7 +308,7 @@ class ModelStore:
             display,
             path,
             fmt,
-            "ollama",
+            source,
             size_bytes=sum(int(x.get("size") or 0) for x in layers),
             aliases=aliases,
             digest=digest if isinstance(digest, str) and digest.startswith("sha256:") else None,
@@ -372,8 +378,7 @@ class ModelStore:
         exact = [
             r
             for r in refs
-            if r.name == name
-            or (r.source == "ollama" and full is not None and full in (a.casefold() for a in names(r)))
+            if r.name == name or (r.aliases and full is not None and full in (a.casefold() for a in names(r)))
         ]
         if len(exact) > 1:  # one name in several stores: the user's own store first, the embedded last
             exact = [min(exact, key=lambda r: _SOURCE_ORDER.get(r.source, len(_SOURCE_ORDER)))]
@@ -416,7 +421,7 @@ class ModelStore:
             raise errors.KinferError(
                 errors.LOAD_FAILED,
                 f"{ref.name}: its model file {ref.path} is missing"
-                + (" (an interrupted pull? pull it again)" if ref.source == "ollama" else ""),
+                + (" (an interrupted pull? pull it again)" if ref.digest else ""),
             )
         if verify is None:
             verify = ref.digest is not None and os.path.getsize(ref.path) < VERIFY_LIMIT

@@ -50,6 +50,7 @@ class Server:
         self.redirects: dict[str, str] = {}
         self.cut: dict[str, int] = {}  # path -> bytes sent before the connection drops (first time only)
         self.log: list[tuple[str, dict[str, str]]] = []
+        self.ranges = True  # False: Range headers ignored, the whole body sent (200)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,7 +72,7 @@ class Server:
                     return
                 size = len(body) if isinstance(body, bytes) else body.stat().st_size
                 start = 0
-                rng = self.headers.get("Range")
+                rng = self.headers.get("Range") if server.ranges else None
                 if rng:
                     start = int(rng.removeprefix("bytes=").split("-")[0])
                     if start >= size:
@@ -276,6 +277,18 @@ def test_an_interrupted_pull_continues_in_the_next(server, gguf, capsys):
     assert server.requests(path)[-1]["Range"] == f"bytes={3 << 20}-"
     assert ModelStore().resolve("smollm2:135m").source == "kinfer"
     assert not partials()
+
+
+def test_a_server_without_ranges_starts_the_blob_over(server, gguf, capsys):
+    smollm2(server, gguf)
+    path = f"/v2/library/smollm2/blobs/{gguf[1]}"
+    server.cut[path] = 5 << 20
+    server.ranges = False
+    rc, _, err = run(capsys, "pull", "smollm2:135m")
+    assert rc == 0, err
+    assert server.requests(path)[1]["Range"] == f"bytes={5 << 20}-"  # asked, answered 200: started over
+    assert ModelStore().resolve("smollm2:135m").source == "kinfer" and not partials()
+    ModelStore().verify(ModelStore().resolve("smollm2:135m").path, gguf[1])
 
 
 def test_a_digest_that_does_not_match_installs_nothing(server, capsys):

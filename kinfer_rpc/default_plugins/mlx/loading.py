@@ -1,11 +1,14 @@
 """Reading models into mlx-lm's model code, for the mlx backend.
 
 Reads MLX model folders (config.json + safetensors, as mlx-lm writes them), Ollama's safetensors
-models (their manifest) and GGUF files: `mx.load` keeps Q4_0/Q4_1/Q8_0 tensors quantized (group
-32), their names are mapped onto mlx-lm's llama model, and the tokenizer is rebuilt from the
-GGUF's own vocabulary and merges (vocab.py). llama.cpp stores Q and K rows in the interleaved
-order its rope reads, so GGUF models run with the traditional (interleaved) rope layout instead
-of un-permuting.
+models (their manifest) and GGUF files of the llama, qwen2, qwen3, qwen3moe and qwen2moe
+architectures: `mx.load` reads F32/F16/BF16 tensors and keeps Q4_0/Q4_1/Q8_0 ones quantized (group
+32); a tensor of any other type (the K-quants, IQ types...) is refused before any weight is read,
+by name and type. The tensors' names are mapped onto mlx-lm's model of the architecture (a
+mixture of experts' stacked ffn_*_exps onto its SwitchGLU), and the tokenizer is rebuilt from
+the GGUF's own vocabulary and merges (vocab.py). For llama, llama.cpp's converter stores Q and K
+rows in the interleaved order its rope reads, so llama GGUFs run with the traditional
+(interleaved) rope layout instead of un-permuting; the qwen families are stored unpermuted.
 
 Weights (LoadOptions.weights): "quantized" runs them as stored; "dense" expands them at load
 (float16 on a GPU, float32 on the CPU). Default: dense when that takes at most half the device's
@@ -31,7 +34,8 @@ from kinfer_rpc.types import MachineInfo
 if TYPE_CHECKING:
     from mlx.nn.layers.base import Module
 
-# GGUF tensor names -> mlx-lm's llama module paths.
+# GGUF tensor names -> mlx-lm's module paths (llama's, and the qwen2/qwen3 families' extras: per-head
+# Q/K norms, the router and stacked experts of a mixture of experts, qwen2_moe's shared expert).
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -40,12 +44,29 @@ _GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# GGUF architectures -> mlx-lm model types. llama.cpp's converter permutes Q/K rows into the
+# interleaved rope layout for llama only; the qwen families keep the halves (NeoX) layout that
+# mlx-lm's own models use.
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# ggml tensor types mx.load reads: floats (BF16 read as float16) and the 32-weight block types it
+# keeps quantized (affine, group 32).
+_GGUF_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
 def _build(config: dict[str, Any], weights: dict[str, mx.array]) -> Any:
@@ -153,19 +174,37 @@ def _weights_form(model: Any, wanted: str | None, on_gpu: bool) -> tuple[str, st
     return "quantized", f"dense {kind} would take {need / gib:.2f} GiB, over half {where} {free / gib:.1f} GiB free"
 
 
+def _gguf_checked(path: str) -> dict[str, Any]:
+    """The GGUF's header, read before any weight: its architecture must be one mapped here and
+    every tensor of a type mx.load reads (it fails on others with no tensor named)."""
+    from kinfer_rpc.host.gguf import TENSOR_TYPES, read
+
+    info = read(path)
+    if info.architecture not in _GGUF_ARCHS:
+        raise ValueError(
+            f"the mlx backend maps GGUF files of the {', '.join(_GGUF_ARCHS)} architectures,"
+            f" not {info.architecture!r}; load this model with the llama backend"
+        )
+    for t in info.tensors:
+        if t.type not in _GGUF_TYPES:
+            kind = TENSOR_TYPES.get(t.type, (f"type {t.type}",))[0]
+            raise ValueError(
+                f"GGUF tensor {t.name} is {kind}: the mlx backend reads GGUF tensors of the types"
+                f" {', '.join(_GGUF_TYPES.values())} only; load this model with the llama backend"
+            )
+    return info.metadata
+
+
 def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
+    _gguf_checked(path)
     loaded = mx.load(path, return_metadata=True)
     assert isinstance(loaded, tuple)  # with return_metadata: (arrays, metadata)
     weights, meta = loaded
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"the mlx backend maps GGUF files of the llama architecture only, not {arch!r};"
-            " load this model with the llama backend"
-        )
+    arch = str(meta.get("general.architecture"))
+    model_type = _GGUF_ARCHS[arch]
 
     def num(key: str, default: float | None = None) -> Any:  # a number of the GGUF's metadata, or default
-        v = meta.get(f"llama.{key}")
+        v = meta.get(f"{arch}.{key}")
         return default if v is None else np.asarray(v).item()
 
     heads = int(num("attention.head_count"))
@@ -173,30 +212,47 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
     mapped: dict[str, mx.array] = {}
     for name, w in weights.items():
         parts = name.split(".")
-        if parts[0] == "blk":
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
             base = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
             suffix = parts[3]
-        elif parts[0] in _GGUF_NAMES:
+        elif parts[0] in _GGUF_NAMES and len(parts) == 2:
             base, suffix = _GGUF_NAMES[parts[0]], parts[1]
+        elif parts[0] == "rope_freqs":
+            continue  # computed by mlx-lm's rope
         else:
-            continue  # rope_freqs and the like: computed by mlx-lm's rope
+            raise ValueError(f"GGUF tensor {name} has no place in mlx-lm's {model_type} model")
+        if parts[-2] == "ffn_gate_inp_shexp" and w.ndim == 1:
+            w = w[None]  # llama.cpp keeps the shared expert's gate as a vector; mlx-lm as a 1-row Linear
         mapped[f"{base}.{suffix}"] = w
-    config = {
-        "model_type": "llama",
+    config: dict[str, Any] = {
+        "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(num("block_count")),
-        "intermediate_size": int(num("feed_forward_length")),
+        "intermediate_size": int(num("feed_forward_length", num("expert_feed_forward_length", 0))),
         "num_attention_heads": heads,
         "num_key_value_heads": int(num("attention.head_count_kv", heads)),
         "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon", 1e-5)),
         "vocab_size": int(num("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
         "rope_theta": float(num("rope.freq_base", 10000.0)),
-        "rope_traditional": True,
+        "rope_traditional": arch == "llama",
         "head_dim": int(num("attention.key_length", hidden // heads)),
         "max_position_embeddings": int(num("context_length", 4096)),
         "tie_word_embeddings": "lm_head.weight" not in mapped,
         "quantization": {"group_size": 32},
     }
+    if arch in ("qwen3moe", "qwen2moe"):
+        config |= {
+            "num_experts": int(num("expert_count")),
+            "num_experts_per_tok": int(num("expert_used_count")),
+            "moe_intermediate_size": int(num("expert_feed_forward_length")),
+            # llama.cpp runs every qwen3moe layer as a mixture, the chosen experts' weights
+            # normalized to sum to one; qwen2moe's are the softmax's own
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": arch == "qwen3moe",
+        }
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(num("expert_shared_feed_forward_length"))
     return _build(config, mapped), config, Vocab.from_gguf(meta), meta
 
 

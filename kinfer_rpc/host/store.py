@@ -279,7 +279,7 @@ class ModelStore:
                 if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= _SMALL_LAYER:
                     try:
                         return _read_regular(blob(layer), _SMALL_LAYER).decode("utf-8", "replace")
-                    except OSError as exc:
+                    except (OSError, ValueError) as exc:  # the model is listed without that layer
                         log.warning("%s: cannot read its %s layer: %s", display, kind, exc)
             return None
 

@@ -31,14 +31,15 @@ pytestmark = pytest.mark.model  # every test here loads a real model
 
 CTX = 128
 ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen2moe")
-# each architecture in one of the quantized types, every type mx.load reads covered
+# each architecture in one of the quantized types, every type mx.load reads covered; one with the
+# output head tied to the token embedding (no output.weight), as the small Qwen3 models have it
 ROUNDED = [
-    ("qwen2", "Q8_0"),
-    ("qwen3", "Q4_1"),
-    ("qwen3moe", "Q4_0"),
-    ("qwen2moe", "Q8_0"),
-    ("qwen3", "F16"),
-    ("qwen3moe", "BF16"),
+    ("qwen2", "Q8_0", False),
+    ("qwen3", "Q4_1", False),
+    ("qwen3moe", "Q4_0", False),
+    ("qwen2moe", "Q8_0", False),
+    ("qwen3", "F16", True),
+    ("qwen3moe", "BF16", False),
 ]
 PROMPT = "<|im_start|>user\nWhat is the capital of France? Tell me about Paris.<|im_end|>\n<|im_start|>assistant\n"
 N = 8  # greedy tokens a reply
@@ -50,10 +51,11 @@ def root(tmp_path_factory) -> Path:
 
 
 @functools.cache
-def _gguf(root: Path, arch: str, qtype: str) -> str:
+def _gguf(root: Path, arch: str, qtype: str, tied: bool = False) -> str:
     import make_gguf_model
 
-    return str(make_gguf_model.write(root / f"{arch}-{qtype}.gguf", arch, qtype, seed=len(arch)))
+    out = root / f"{arch}-{qtype}{'-tied' if tied else ''}.gguf"
+    return str(make_gguf_model.write(out, arch, qtype, seed=len(arch), tied=tied))
 
 
 def _llama(path: str):
@@ -97,12 +99,12 @@ def test_f32_gguf_matches_llama_cpp(root, arch):
     assert _greedy(m, tokens, N) == _greedy(ref, tokens, N)
 
 
-@pytest.mark.parametrize(("arch", "qtype"), ROUNDED)
-def test_quantized_gguf_matches_llama_cpp(root, arch, qtype):
+@pytest.mark.parametrize(("arch", "qtype", "tied"), ROUNDED)
+def test_quantized_gguf_matches_llama_cpp(root, arch, qtype, tied):
     """The block types mx.load keeps quantized, run as stored (MLX's quantized matmul, the
     experts' gathered one for a MoE) and expanded to float32 at load; F16 and BF16 (which mx.load
     reads as float16), expanded to float32."""
-    path = _gguf(root, arch, qtype)
+    path = _gguf(root, arch, qtype, tied)
     ref = _llama(path)
     tokens = ref.tokenize(PROMPT, True, True)
     b = _prompt_logits(ref, tokens)
@@ -112,6 +114,7 @@ def test_quantized_gguf_matches_llama_cpp(root, arch, qtype):
     for form in ("quantized", "dense") if qtype.startswith("Q") else ("dense",):
         m = _mlx(path, form)
         assert m.weights == form
+        assert m.config["tie_word_embeddings"] == tied
         a = _prompt_logits(m, tokens)
         assert min(np.corrcoef(a[i], b[i])[0, 1] for i in range(len(tokens))) > 0.999, form
         assert (a.argmax(1) == b.argmax(1))[clear].all(), form

@@ -10,7 +10,7 @@ Weights are F32, or quantized to `--type` (any type gguf-py quantizes: Q4_0, Q4_
 ...; K-quant types are written as random blocks, enough for a file that only has to be refused);
 norms and biases stay F32 as llama.cpp's converter keeps them. `types` (write()) overrides the
 type of single tensors. The output head is drawn wider than the rest, so that greedy replies
-rarely meet a near-tie. The tokenizer is SmolLM2's (copied from the embedded GGUF), so the file
+rarely meet a near-tie (`tied`: no output head, the token embedding serves). The tokenizer is SmolLM2's (copied from the embedded GGUF), so the file
 loads on both backends.
 """
 
@@ -49,8 +49,16 @@ def _tokenizer(w: Any) -> None:
     w.add_chat_template(get("tokenizer.chat_template"))
 
 
-def write(out: str | Path, arch: str, qtype: str = "F32", types: dict[str, str] | None = None, seed: int = 0) -> Path:
-    """Write the GGUF; `qtype` for every matrix, `types` (tensor name -> type) for single ones."""
+def write(
+    out: str | Path,
+    arch: str,
+    qtype: str = "F32",
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    tied: bool = False,
+) -> Path:
+    """Write the GGUF; `qtype` for every matrix, `types` (tensor name -> type) for single ones;
+    `tied`: no output.weight, the head is the token embedding (as the small Qwen3 models have it)."""
     import gguf
     from gguf import quants
 
@@ -103,7 +111,8 @@ def write(out: str | Path, arch: str, qtype: str = "F32", types: dict[str, str] 
 
     matrix("token_embd.weight", vocab, e, scale=1.0)
     vector("output_norm.weight", e, 1.0)
-    matrix("output.weight", vocab, e, scale=0.5)
+    if not tied:
+        matrix("output.weight", vocab, e, scale=0.5)
     for i in range(s["n_layer"]):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", e, 1.0)
@@ -147,8 +156,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--arch", choices=ARCHS, default="qwen3")
     ap.add_argument("--type", default="F32", help="type of the matrices: F32, Q4_0, Q4_1, Q8_0, ...")
+    ap.add_argument("--tied", action="store_true", help="no output.weight: the head is the token embedding")
     args = ap.parse_args()
-    write(args.out, args.arch, args.type)
+    write(args.out, args.arch, args.type, tied=args.tied)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def env() -> dict[str, str]:
     e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
     e.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/conftest.py
     e.pop("KINFER_RPC", None)
-    e["KINFER_HOME"] = _HOME  # kinfer chat's history and the store's notes, not the user's
+    e.setdefault("KINFER_HOME", _HOME)  # kinfer chat's history and the store's notes, not the user's
     return e
 
 

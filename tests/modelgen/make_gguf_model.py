@@ -10,8 +10,8 @@ Weights are F32, or quantized to `--type` (any type gguf-py quantizes: Q4_0, Q4_
 ...; K-quant types are written as random blocks, enough for a file that only has to be refused);
 norms and biases stay F32 as llama.cpp's converter keeps them. `types` (write()) overrides the
 type of single tensors. The output head is drawn wider than the rest, so that greedy replies
-rarely meet a near-tie (`tied`: no output head, the token embedding serves). The tokenizer is SmolLM2's (copied from the embedded GGUF), so the file
-loads on both backends.
+rarely meet a near-tie (`tied`: no output head, the token embedding serves). The tokenizer is
+SmolLM2's (copied from the embedded GGUF), so the file loads on both backends.
 """
 
 from __future__ import annotations

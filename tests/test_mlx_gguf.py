@@ -149,3 +149,29 @@ def test_unmapped_architecture_is_refused(root):
     w.close()
     with pytest.raises(ValueError, match="not 'phi3'; load this model with the llama backend"):
         _mlx(str(path))
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_0"), ("qwen2moe", "F32")])
+def test_moe_gguf_replies_alone_equal_among_others(root, arch, qtype):
+    """A MoE GGUF on the engine (its experts quantized as stored, or float): each greedy reply to
+    prompts of mixed lengths is the same alone and among the others, all at once or arriving
+    over steps."""
+    from engine_helpers import run_until_done
+
+    from kinfer_rpc.engine.sampling import SamplingOptions
+    from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+
+    path = _gguf(root, arch, qtype)
+    opts = LoadOptions(context_length=CTX, slots=4, batch=64, drafts=0, weights="quantized" if qtype != "F32" else None)
+    e = Engine(lambda p: MlxBackend().load(path, opts, p), lambda fn: fn(), batch=64, prefix=-1)
+    e.load_model()
+
+    def job(p: list[int]) -> Job:
+        return Job(list(p), GenerateOptions(max_tokens=N, sampling=SamplingOptions(temperature=0.0)))
+
+    texts = ["Hi", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", PROMPT]
+    prompts = [e.model.tokenize(t, True, True) for t in texts]
+    solo = [run_until_done(e, [job(p)])[0].generated for p in prompts]
+    assert len({t for r in solo for t in r}) > N  # replies, not one token over and over
+    for arrivals in ([0, 0, 0, 0], [0, 1, 1, 3]):
+        assert [j.generated for j in run_until_done(e, [job(p) for p in prompts], arrivals=arrivals)] == solo

@@ -183,3 +183,12 @@ def test_a_hung_store_file_does_not_hang_model_list(tmp_path):
     finally:
         c.close(timeout=5, check=False)
     c.assert_clean()
+
+
+def test_model_lists_at_once_are_all_answered(spawn, store):
+    """Reads that are merely running (not stuck past the limit) never turn another list away."""
+    c = spawn(env=store)
+    c.initialize()
+    rids = [c.request_async("model/list", {}) for _ in range(8)]
+    for rid in rids:
+        assert "result" in c.response(rid, timeout=30)

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import os
 import random
+import threading
 from typing import Any
 
 import anyio
@@ -72,16 +73,17 @@ class Handlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.renderer = Renderer()
-        # model/list's store reads still running (one that ran out of time may be stuck in a hung
-        # file system: no other starts meanwhile, so it never takes more than one thread)
-        self._store_reads = 0
+        # model/list's store reads that ran out of time and are still running (stuck in a hung file
+        # system?): no other starts meanwhile, so a hung store never takes more than one thread
+        self._stuck_reads = 0
+        self._stuck_lock = threading.Lock()
 
     # -- models ------------------------------------------------------------------------------
     async def model_list(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         Fields(p, "params").done()
         store = self.runtime.store
         seconds = list_seconds()
-        if self._store_reads:  # a read that ran out of time is still stuck: don't start another
+        if self._stuck_reads:  # a read that ran out of time is still stuck: don't start another
             raise errors.KinferError(
                 errors.INTERNAL_ERROR,
                 f"the model stores could not be read within {seconds:g} s (a hung file system?); "
@@ -89,25 +91,33 @@ class Handlers:
             )
         refs: list[Any] = []
         described: list[dict[str, Any]] = []
+        state = {"done": False, "stuck": False}
 
         def read() -> None:  # off the loop; what it has done so far counts if it runs out of time
-            self._store_reads += 1
             try:
                 refs.extend(store.list())
                 for ref in refs:
                     described.append(store.describe(ref))
             finally:
-                self._store_reads -= 1
+                with self._stuck_lock:
+                    state["done"] = True
+                    if state["stuck"]:
+                        self._stuck_reads -= 1
 
         # A store on a hung file system must not hang the answer: after `seconds` the list is what
         # was read by then, each model not read yet with an error (the thread is left to finish).
         with anyio.move_on_after(seconds) as scope:
             await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
-        if scope.cancelled_caught and not refs:
-            raise errors.KinferError(
-                errors.INTERNAL_ERROR,
-                f"the model stores could not be listed within {seconds:g} s (a hung file system?)",
-            )
+        if scope.cancelled_caught:
+            with self._stuck_lock:
+                if not state["done"]:
+                    state["stuck"] = True
+                    self._stuck_reads += 1
+            if not refs:
+                raise errors.KinferError(
+                    errors.INTERNAL_ERROR,
+                    f"the model stores could not be listed within {seconds:g} s (a hung file system?)",
+                )
         done = list(described)
         late = {"error": f"its header could not be read within {seconds:g} s (a hung file system?)"}
         done += [{**store.listed(ref), **late} for ref in refs[len(done) :]]

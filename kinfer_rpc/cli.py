@@ -5,10 +5,17 @@
                                      schema, --tool FILE offers tools
     kinfer run MODEL [PROMPT]        the same, the model named first (as Ollama spells it)
     kinfer list                      the models this machine can serve
-    kinfer show NAME                 a model: header, its own parameters, template, system message
-    kinfer ps                        the kinfer-rpc processes running here and the models they hold
+    kinfer show NAME                 a model: header, its own parameters, template, system message,
+                                     license (--template, --system, --parameters, --license: one)
+    kinfer ps                        the kinfer-rpc processes running here: state (idle, loading,
+                                     busy), requests running, the models they hold
+    kinfer pull NAME                 a model from Ollama's registry (qwen3:0.6b) or Hugging Face
+                                     (hf.co/ORG/REPO:QUANT) into kinfer's folder, resumable
+    kinfer rm NAME...                delete models pulled into kinfer's folder (never Ollama's)
     kinfer bench                     concurrent chats through the client; tokens per second
     kinfer doctor                    libllama, plugins (and where from), devices, memory, the stores
+    kinfer rpc-server                serve this host's devices to kinfer-rpc on another host
+                                     (llama.cpp's RPC server)
 
 Every command takes `--json` for scripts. Colours and progress bars only on a terminal
 (and never with NO_COLOR set). The server resolves a model's name: an unknown or ambiguous one is
@@ -722,17 +729,20 @@ def _model_facts(name: str) -> dict[str, Any]:
     facts = store.describe(ref)
     facts["embeddingLength"] = None
     facts["chatTemplate"] = None  # the file's Jinja template, which chats render with
+    gguf_license = None
     if ref.format == "gguf" and not facts.get("error"):
         try:
             info = gguf_meta.read(ref.path)
             facts["embeddingLength"] = info.hparams.get("embedding_length")
             facts["chatTemplate"] = info.chat_template
+            gguf_license = info.license
         except Exception:  # noqa: BLE001 - describe() has said what is wrong with the file
             pass
     facts["system"] = ref.system
     facts["defaults"] = dict(ref.defaults) | ({"contextLength": ref.context_length} if ref.context_length else {})
     facts["ignoredParameters"] = [{"name": n, "reason": r} for n, r in ref.ignored]
     facts["ollamaTemplate"] = ref.template
+    facts["license"] = ref.license or gguf_license  # the manifest's license layers, else the file's
     return facts
 
 
@@ -754,6 +764,10 @@ def _show(args: argparse.Namespace) -> int:
     if args.part == "system":
         if facts["system"]:
             print(facts["system"])
+        return 0
+    if args.part == "license":
+        if facts["license"]:
+            print(facts["license"])
         return 0
     if args.part == "parameters":
         for key, value in facts["defaults"].items():
@@ -802,6 +816,14 @@ def _show(args: argparse.Namespace) -> int:
         for line in facts["system"].splitlines():
             out.print(f"    {escape(line)}")
         out.print()
+    if facts["license"]:
+        lines = facts["license"].strip().splitlines()
+        out.print("  [bold]License[/bold]")
+        for line in lines[:3]:
+            out.print(f"    {escape(line)}")
+        if len(lines) > 3:
+            out.print(f"    ... ({len(lines)} lines; kinfer show --license)")
+        out.print()
     if facts.get("error"):
         err.print(f"kinfer: {facts['error']}", markup=False)
     return 0
@@ -815,12 +837,27 @@ def _is_server(argv: list[str]) -> bool:
     return any(a == "-m" and b == "kinfer_rpc" for a, b in zip(argv, argv[1:]))
 
 
+def _state(status: dict[str, Any] | None) -> str | None:
+    """busy (requests running), loading (a model is), idle (neither); None without a status file."""
+    if status is None:
+        return None
+    models = [m for m in status.get("models") or [] if isinstance(m, dict)]
+    if status.get("requestsRunning") or any(m.get("slotsBusy") or m.get("queued") for m in models):
+        return "busy"
+    if any(m.get("state") == "loading" for m in models):
+        return "loading"
+    return "idle"
+
+
 def _servers() -> list[dict[str, Any]]:
     """kinfer-rpc processes on this machine, from /proc. What a server holds is its own (it
-    answers only its client), so the models are read from what it has mapped: the model files."""
+    answers only its client), so the models are read from what it has mapped: the model files;
+    what it is doing, from the status file each server keeps ($KINFER_HOME/run/<pid>.json)."""
+    from kinfer_rpc.host import status as server_status
     from kinfer_rpc.host.store import ModelStore
 
     names = {r.path: r.name for r in ModelStore().list()}
+    statuses = server_status.read_all()
     try:
         hz = os.sysconf("SC_CLK_TCK")
         boot = float(open("/proc/stat").read().split("btime ")[1].split()[0])
@@ -866,6 +903,18 @@ def _servers() -> list[dict[str, Any]]:
                     client_pid = int(argv[i + 1])
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
+        status = statuses.get(pid)
+        if status is not None and started and float(status.get("startedAt") or 0) < started - 5:
+            status = None  # an earlier process's, with the same pid
+        models: list[dict[str, Any]] = [{"name": names.get(p, os.path.basename(p)), "path": p} for p in paths]
+        for m in (status or {}).get("models") or []:
+            if not isinstance(m, dict) or not isinstance(m.get("name"), str):
+                continue
+            held = next((x for x in models if x["name"] == m["name"]), None)
+            if held is None:
+                held = {"name": m["name"], "path": None}  # loading: not mapped yet
+                models.append(held)
+            held.update({k: m.get(k) for k in ("state", "slotsBusy", "slots", "queued")})
         found.append(
             {
                 "pid": pid,
@@ -874,7 +923,9 @@ def _servers() -> list[dict[str, Any]]:
                 "clientProcessId": client_pid,
                 "uptimeSeconds": round(time.time() - started, 1) if started else None,
                 "rssBytes": rss,
-                "models": [{"name": names.get(p, os.path.basename(p)), "path": p} for p in paths],
+                "state": _state(status),
+                "requestsRunning": status.get("requestsRunning") if status else None,
+                "models": models,
                 "command": argv,
             }
         )
@@ -894,18 +945,28 @@ def _ps(args: argparse.Namespace) -> int:
         u = s["uptimeSeconds"]
         return "-" if u is None else f"{u:.0f}s" if u < 120 else f"{u / 60:.0f}m" if u < 7200 else f"{u / 3600:.1f}h"
 
+    def model(m: dict[str, Any]) -> str:
+        if m.get("state") in ("loading", "failed"):
+            return f"{m['name']} ({m['state']})"
+        if m.get("slots"):
+            return f"{m['name']} ({m.get('slotsBusy') or 0}/{m['slots']} slots busy)"
+        return str(m["name"])
+
     _table(
-        ["PID", "CLIENT", "UPTIME", "RSS", "MODELS"],
+        ["PID", "CLIENT", "UPTIME", "RSS", "STATE", "REQUESTS", "MODELS"],
         [
             [
                 str(s["pid"]),
                 f"{s['client'] or '?'} ({s['ppid']})",
                 uptime(s),
                 _human(s["rssBytes"], [" B", " KB", " MB", " GB", " TB"]),
-                ", ".join(m["name"] for m in s["models"]) or "-",
+                s["state"] or "-",
+                "-" if s["requestsRunning"] is None else str(s["requestsRunning"]),
+                ", ".join(model(m) for m in s["models"]) or "-",
             ]
             for s in servers
         ],
+        right={5},
     )
     return 0
 
@@ -1438,10 +1499,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sub.add_parser("list", parents=[common], help="list the models this machine can serve")
     sub.add_parser("ps", parents=[common], help="kinfer-rpc processes on this machine and the models they hold")
-    show = sub.add_parser("show", parents=[common], help="what a model is: its header, parameters, template, system")
+    show = sub.add_parser(
+        "show", parents=[common], help="what a model is: its header, parameters, template, system, license"
+    )
     show.add_argument("model", metavar="NAME", help="model name (as Ollama names it, or a prefix) or path")
     part = show.add_mutually_exclusive_group()
-    for flag in ("template", "system", "parameters"):
+    for flag in ("template", "system", "parameters", "license"):
         part.add_argument(f"--{flag}", dest="part", action="store_const", const=flag, help=f"only the {flag}")
 
     bench = sub.add_parser("bench", parents=[common, loading], help="run concurrent chats and report tokens per second")

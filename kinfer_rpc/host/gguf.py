@@ -160,6 +160,7 @@ class GGUFInfo:
     metadata: dict[str, Any] = attrs.field(factory=dict)
     tensors: tuple[Tensor, ...] = ()
     alignment: int = 32
+    license: str | None = None  # general.license: an SPDX id or the license's text
 
 
 class _Corrupt(Exception):
@@ -234,6 +235,7 @@ def _parse(buf: bytes | mmap.mmap, size: int) -> GGUFInfo:
         "general.name",
         "general.file_type",
         "general.alignment",
+        "general.license",
         "tokenizer.chat_template",
     }
     kv: dict[str, Any] = {}
@@ -311,6 +313,7 @@ def _parse(buf: bytes | mmap.mmap, size: int) -> GGUFInfo:
         metadata=kv,
         tensors=tuple(tensors),
         alignment=alignment,
+        license=kv["general.license"] if isinstance(kv.get("general.license"), str) else None,
     )
 
 

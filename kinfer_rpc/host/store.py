@@ -74,6 +74,7 @@ class ModelRef:
     defaults: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
     context_length: int | None = None  # the default contextLength of a load (Ollama's num_ctx)
     template: str | None = None  # Ollama's Go template: kept for information, never executed
+    license: str | None = None  # the manifest's license layers' text (several: a blank line between)
     # Ollama parameters with no kinfer equivalent or an invalid value: (name, why)
     ignored: tuple[tuple[str, str], ...] = ()
     unsupported: str | None = None  # why this model cannot be served, if it cannot
@@ -274,14 +275,25 @@ class ModelStore:
                 raise ValueError(f"a layer's digest {layer['digest']!r} names no blob")
             return blobs / name
 
-        def text(kind: str) -> str | None:
+        def texts(kind: str, first: bool = False) -> builtins.list[str]:
+            """The layers of a kind (the first readable one only, with `first`): _SMALL_LAYER
+            bytes in all at most, whatever the number of layers."""
+            found, left = [], _SMALL_LAYER
             for layer in layers:
-                if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= _SMALL_LAYER:
+                if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= left:
                     try:
-                        return _read_regular(blob(layer), _SMALL_LAYER).decode("utf-8", "replace")
+                        data = _read_regular(blob(layer), left)
                     except (OSError, ValueError) as exc:  # the model is listed without that layer
                         log.warning("%s: cannot read its %s layer: %s", display, kind, exc)
-            return None
+                        continue
+                    found.append(data.decode("utf-8", "replace"))
+                    left -= len(data)
+                    if first:
+                        break
+            return found
+
+        def text(kind: str) -> str | None:
+            return next(iter(texts(kind, first=True)), None)
 
         media = [str(x.get("mediaType", "")) for x in layers]
         model_layers = [x for x, m in zip(layers, media) if m == _MEDIA + "model"]
@@ -316,6 +328,7 @@ class ModelStore:
             defaults=defaults,
             context_length=num_ctx,
             template=text("template"),
+            license="\n\n".join(t.strip("\n") for t in texts("license")) or None,
             ignored=tuple(ignored),
             unsupported=unsupported,
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),

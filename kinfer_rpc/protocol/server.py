@@ -26,6 +26,9 @@ from anyio.streams.file import FileWriteStream
 from kinfer_rpc import PROTOCOL_VERSION, __version__, errors
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.host.runtime import Runtime
+from kinfer_rpc.host.status import INTERVAL as STATUS_INTERVAL
+from kinfer_rpc.host.status import StatusFile
+from kinfer_rpc.host.status import models as status_models
 from kinfer_rpc.protocol.connection import Connection, RequestContext
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, ByteSource, FrameReader, encode
 from kinfer_rpc.protocol.handlers import Handlers
@@ -42,6 +45,16 @@ log = logging.getLogger("kinfer_rpc")
 # initializationOptions it reads; workDoneToken the connection takes).
 LSP_INITIALIZE_FIELDS = ("clientInfo", "locale", "rootPath", "rootUri", "capabilities", "trace", "workspaceFolders")
 LOG_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+# The requests `kinfer ps` counts as running (a load shows as the model's state).
+INFERENCE_METHODS = frozenset(
+    {
+        "inference/generate",
+        "inference/chat",
+        "inference/infill",
+        "textDocument/completion",
+        "textDocument/inlineCompletion",
+    }
+)
 MESSAGE_TYPE = {logging.ERROR: 1, logging.WARNING: 2, logging.INFO: 3, logging.DEBUG: 4}
 
 
@@ -261,6 +274,23 @@ class Server:
                 self._stop.set()
                 return
 
+    async def _write_status(self) -> None:
+        """`kinfer ps`'s view of this server ($KINFER_HOME/run/<pid>.json), written when it
+        changes; removed when the server ends (this task is cancelled then)."""
+        status = StatusFile()
+        try:
+            while True:
+                try:
+                    running = sum(
+                        1 for _, ctx in list(self.connection._running.values()) if ctx.method in INFERENCE_METHODS
+                    )
+                    status.update(status_models(self.runtime), running)
+                except Exception as exc:  # noqa: BLE001 - never the server's concern
+                    log.debug("the status file was not updated: %s", exc)
+                await anyio.sleep(STATUS_INTERVAL)
+        finally:
+            status.remove()
+
     def _on_signal(self, signum: int) -> None:
         """SIGINT, SIGTERM or SIGHUP: end as `exit` would, answering what runs; exit code 128 + signum."""
         log.warning("%s: answering the requests in flight and exiting", signal.Signals(signum).name)
@@ -274,6 +304,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
             tg.start_soon(self._watch_parent)
+            tg.start_soon(self._write_status)
 
             async def read() -> None:
                 await self.connection.serve(FrameReader(read_stream, self.max_frame))

@@ -154,3 +154,18 @@ def test_show_the_license(licensed_store):
     text = kinfer("show", "pirate").stdout
     assert "MIT License" in text and "kinfer show --license" in text and "Extra terms." not in text
     assert kinfer("show", "pirate", "--license").stdout.endswith("Extra terms.\n")
+
+
+def test_the_state_ps_shows():
+    from kinfer_rpc.cli import _state
+
+    def model(state: str, busy: int = 0, queued: int = 0) -> dict:
+        return {"name": "m", "state": state, "slotsBusy": busy, "slots": 4, "queued": queued}
+
+    assert _state(None) is None  # no status file: an older server, or one that cannot write it
+    assert _state({"models": [], "requestsRunning": 0}) == "idle"
+    assert _state({"models": [model("ready")], "requestsRunning": 0}) == "idle"
+    assert _state({"models": [model("loading")], "requestsRunning": 0}) == "loading"
+    assert _state({"models": [model("ready", busy=1)], "requestsRunning": 1}) == "busy"
+    assert _state({"models": [model("ready", queued=2)], "requestsRunning": 0}) == "busy"
+    assert _state({"models": [model("loading"), model("ready")], "requestsRunning": 2}) == "busy"

@@ -40,14 +40,18 @@ def models(runtime: Runtime) -> list[dict[str, Any]]:
         if not entry.ready.is_set() or entry.error is not None:
             out.append({"name": entry.name, "state": "loading", "slotsBusy": 0, "slots": 0, "queued": 0})
             continue
-        stats = entry.engine.stats()
+        # The numbers Engine.stats() gives model/status, read without it: stats() also asks the
+        # backend for its memory (a native call), not something to do every half second while a
+        # model may be unloading.
+        engine = entry.engine
+        model = engine.model
         out.append(
             {
                 "name": entry.name,
                 "state": "ready",
-                "slotsBusy": stats.busy,
-                "slots": stats.slots,
-                "queued": stats.queued,
+                "slotsBusy": len(engine._active),
+                "slots": model.info.slots if model is not None else 0,
+                "queued": len(engine._queue),
             }
         )
     return out

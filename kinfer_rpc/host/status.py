@@ -101,6 +101,11 @@ class StatusFile:
             path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001
             log.debug("cannot remove the status file: %s", exc)
+            return
+        try:  # the last server out leaves no folder behind (another's file keeps it)
+            path.parent.rmdir()
+        except OSError:
+            pass
 
 
 def read_all(folder: Path | None = None) -> dict[int, dict[str, Any]]:

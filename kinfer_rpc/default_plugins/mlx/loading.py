@@ -28,6 +28,7 @@ import numpy as np
 # without re-exporting them (no __all__, no `as`), so a strict type check does not see them in mlx.nn
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantize
 
+from kinfer_rpc.default_plugins.mlx import gguf_header
 from kinfer_rpc.default_plugins.mlx.vocab import Vocab
 from kinfer_rpc.types import MachineInfo
 
@@ -174,25 +175,22 @@ def _weights_form(model: Any, wanted: str | None, on_gpu: bool) -> tuple[str, st
     return "quantized", f"dense {kind} would take {need / gib:.2f} GiB, over half {where} {free / gib:.1f} GiB free"
 
 
-def _gguf_checked(path: str) -> dict[str, Any]:
+def _gguf_checked(path: str) -> None:
     """The GGUF's header, read before any weight: its architecture must be one mapped here and
     every tensor of a type mx.load reads (it fails on others with no tensor named)."""
-    from kinfer_rpc.host.gguf import TENSOR_TYPES, read
-
-    info = read(path)
-    if info.architecture not in _GGUF_ARCHS:
+    architecture, tensors = gguf_header.read(path)
+    if architecture not in _GGUF_ARCHS:
         raise ValueError(
             f"the mlx backend maps GGUF files of the {', '.join(_GGUF_ARCHS)} architectures,"
-            f" not {info.architecture!r}; load this model with the llama backend"
+            f" not {architecture!r}; load this model with the llama backend"
         )
-    for t in info.tensors:
-        if t.type not in _GGUF_TYPES:
-            kind = TENSOR_TYPES.get(t.type, (f"type {t.type}",))[0]
+    for name, ttype in tensors:
+        if ttype not in _GGUF_TYPES:
+            kind = gguf_header.TYPE_NAMES.get(ttype, f"type {ttype}")
             raise ValueError(
-                f"GGUF tensor {t.name} is {kind}: the mlx backend reads GGUF tensors of the types"
+                f"GGUF tensor {name} is {kind}: the mlx backend reads GGUF tensors of the types"
                 f" {', '.join(_GGUF_TYPES.values())} only; load this model with the llama backend"
             )
-    return info.metadata
 
 
 def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:

@@ -16,13 +16,14 @@ the vocabulary) recognise:
 With `metadata=True` it leaves the spellings alone and declares the same ids with the GGUF keys
 tokenizer.ggml.fim_{pre,suf,mid,pad,sep}_token_id instead. The weights are SmolLM2's, which was not
 trained to fill in the middle: its completions are deterministic but not good code. Every other key
-and every tensor is copied as is (with the `gguf` package, as tests/modelgen/make_tool_model.py does).
+and every tensor is copied as is (make_tool_model.copy_gguf).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 FIM_IDS = {"sep": 5, "pre": 8, "mid": 9, "suf": 10, "pad": 11}
 SPELLINGS = {
@@ -38,40 +39,21 @@ TOKENS_KEY = "tokenizer.ggml.tokens"
 def make_fim_model(dst_path: str | os.PathLike[str], source: str | None = None, metadata: bool = False) -> str:
     """Write the copy of `source` (default: the embedded SmolLM2 GGUF) with FIM tokens to
     `dst_path`; returns dst_path as a str."""
-    import gguf
+    from make_tool_model import copy_gguf
 
-    from kinfer_rpc.host.store import embedded_default_path
-
-    src = gguf.GGUFReader(source or embedded_default_path())
-    arch = src.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    dst = os.fspath(dst_path)
-    w = gguf.GGUFWriter(dst, arch, endianess=src.endianess)
-    alignment = src.fields.get(gguf.Keys.General.ALIGNMENT)
-    if alignment is not None:
-        w.data_alignment = alignment.contents()
-    for field in src.fields.values():
-        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == TOKENS_KEY and not metadata:
+    def edit(name: str, value: Any) -> Any:
+        if name == TOKENS_KEY and not metadata:
             value = list(value)
             for key, token in FIM_IDS.items():
                 value[token] = SPELLINGS[key]
-        w.add_key_value(field.name, value, vtype, sub_type=sub)
-    if metadata:
-        for key, token in FIM_IDS.items():
-            w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", token)
-    for t in src.tensors:
-        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in src.tensors:
-        w.write_tensor_data(t.data, tensor_endianess=src.endianess)
-    w.close()
-    return dst
+        return value
+
+    def add(w: Any) -> None:
+        if metadata:
+            for key, token in FIM_IDS.items():
+                w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", token)
+
+    return copy_gguf(dst_path, source, edit=edit, add=add)
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 # Qwen 2.5's layout, with SmolLM2's own default system prompt.
 TOOL_TEMPLATE = """\
@@ -88,9 +90,16 @@ def default_source() -> str:
     return embedded_default_path()
 
 
-def make_tool_model(dst_path: str | os.PathLike[str], source: str | None = None, template: str = TOOL_TEMPLATE) -> str:
-    """Write the copy of `source` (default: the embedded SmolLM2 GGUF) with `template` as its chat
-    template to `dst_path`; returns dst_path as a str."""
+def copy_gguf(
+    dst_path: str | os.PathLike[str],
+    source: str | None = None,
+    *,
+    edit: Callable[[str, Any], Any] = lambda _name, value: value,
+    add: Callable[[Any], None] = lambda _writer: None,
+) -> str:
+    """Copy `source` (default: the embedded SmolLM2 GGUF) to `dst_path` with each key's value passed
+    through `edit(name, value)` (DROP leaves the key out), then `add(writer)` for new keys; every
+    tensor as is. Returns dst_path as a str."""
     import gguf
 
     src = gguf.GGUFReader(source or default_source())
@@ -102,12 +111,15 @@ def make_tool_model(dst_path: str | os.PathLike[str], source: str | None = None,
         w.data_alignment = alignment.contents()
     for field in src.fields.values():
         # GGUF.* are the header's own counts; the writer writes general.architecture itself
-        if field.name.startswith("GGUF.") or field.name in (gguf.Keys.General.ARCHITECTURE, CHAT_TEMPLATE_KEY):
+        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        value = edit(field.name, field.contents())
+        if value is DROP:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    w.add_string(CHAT_TEMPLATE_KEY, template)
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    add(w)
     for t in src.tensors:
         w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     w.write_header_to_file()
@@ -117,6 +129,20 @@ def make_tool_model(dst_path: str | os.PathLike[str], source: str | None = None,
         w.write_tensor_data(t.data, tensor_endianess=src.endianess)
     w.close()
     return dst
+
+
+DROP = object()  # copy_gguf's edit: leave the key out
+
+
+def make_tool_model(dst_path: str | os.PathLike[str], source: str | None = None, template: str = TOOL_TEMPLATE) -> str:
+    """Write the copy of `source` (default: the embedded SmolLM2 GGUF) with `template` as its chat
+    template to `dst_path`; returns dst_path as a str."""
+    return copy_gguf(
+        dst_path,
+        source,
+        edit=lambda name, value: DROP if name == CHAT_TEMPLATE_KEY else value,
+        add=lambda w: w.add_string(CHAT_TEMPLATE_KEY, template),
+    )
 
 
 def main() -> None:

@@ -24,12 +24,15 @@ def _mine(pid: int) -> dict:
     return server
 
 
-def _until(pid: int, state: str, timeout: float = 30.0) -> dict:
-    """The server as `kinfer ps --json` shows it, once in `state` with the model ready."""
+def _until(pid: int, state: str, busy: int = 0, timeout: float = 30.0) -> dict:
+    """The server as `kinfer ps --json` shows it, once in `state` with the model ready and `busy`
+    of its slots busy (a request counted running may reach its slot a status write later)."""
     deadline = time.monotonic() + timeout
     while True:
         server = _mine(pid)
-        ready = any(m["name"] == DEFAULT and m.get("state") == "ready" for m in server["models"])
+        ready = any(
+            m["name"] == DEFAULT and m.get("state") == "ready" and m.get("slotsBusy") == busy for m in server["models"]
+        )
         if (server["state"] == state and ready) or time.monotonic() > deadline:
             return server
         time.sleep(0.2)
@@ -48,7 +51,7 @@ def test_ps_shows_a_server_busy_then_idle(tmp_path, monkeypatch):
         assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
         stream = client.stream_generate("Count to a thousand:", maxTokens=4000, ignoreEos=True)
         next(iter(stream))  # it runs
-        busy = _until(client.pid, "busy")
+        busy = _until(client.pid, "busy", busy=1)
         assert busy["state"] == "busy" and busy["requestsRunning"] == 1, busy
         (model,) = [m for m in busy["models"] if m["name"] == DEFAULT]
         assert model["slotsBusy"] == 1

@@ -1,12 +1,16 @@
 """What serving a model over llama.cpp RPC servers costs, through `kinfer-rpc` as a client runs it.
 
     LLAMA_CPP_LIB_PATH=.llama/lib python bench/rpc_bench.py [MODEL.gguf] [--servers HOST:PORT,...]
-        [--start 2] [--threads 1] [--gpu-layers -1] [--npl 1,8] [--npp 128] [--ntg 32] [--kv-type q8_0]
+        [--start 2] [--device DEV] [--threads 1] [--gpu-layers -1] [--tensor-split 0,1] [--npl 1,8]
+        [--npp 128] [--ntg 32] [--kv-type q8_0]
 
 The same model is loaded twice in one `kinfer-rpc`: here (no rpcServers) and spread over RPC
 servers (`rpcServers`, every layer off this host's CPU unless `--gpu-layers` says otherwise).
 `--start N` starts N `kinfer rpc-server` processes on 127.0.0.1 (ended by pid at the end);
-`--servers` names running ones instead (another host's, say). For each load it measures:
+`--servers` names running ones instead (another host's, say). `--device` picks the devices the
+started servers serve (e.g. CUDA0); `--tensor-split` is the RPC load's `tensorSplit` (this host's
+GPUs come first in the device list, then the servers': `0,1` on a one-GPU host puts every layer on
+the server). For each load it measures:
 
 - `prompt_tps`: one request of `--npp` prompt tokens, its prompt time (timings.promptMs);
 - `decode_tps` at each `--npl`: that many requests of `--npp` distinct prompt tokens at once,
@@ -35,16 +39,18 @@ from harness import emit
 from kinfer_rpc.client import Client
 from kinfer_rpc.default_plugins import llama_rpc
 
-KINFER = os.path.join(os.path.dirname(sys.executable), "kinfer")
+KINFER = os.environ.get("KINFER") or os.path.join(os.path.dirname(sys.executable), "kinfer")
 
 
-def start_servers(n: int, threads: int) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+def start_servers(n: int, threads: int, device: str | None = None) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     procs, endpoints = [], []
     for _ in range(n):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         argv = [KINFER, "rpc-server", "--port", str(port), "--threads", str(threads)]
+        if device:
+            argv += ["--device", device]
         quiet = subprocess.DEVNULL
         procs.append(subprocess.Popen(argv, stdout=quiet, stderr=quiet, start_new_session=True))
         endpoint = f"127.0.0.1:{port}"
@@ -97,7 +103,9 @@ def main() -> None:
     ap.add_argument("--servers", default="", help="running RPC servers, comma-separated host:port")
     ap.add_argument("--start", type=int, default=2, help="start this many local servers (without --servers)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads: kinfer's and each started server's")
+    ap.add_argument("--device", default=None, help="devices the started servers serve (default: all)")
     ap.add_argument("--gpu-layers", type=int, default=-1)
+    ap.add_argument("--tensor-split", type=lambda s: [float(x) for x in s.split(",")], default=None)
     ap.add_argument("--npl", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--npp", type=int, default=128)
     ap.add_argument("--ntg", type=int, default=32)
@@ -108,7 +116,7 @@ def main() -> None:
     if args.servers:
         endpoints = args.servers.split(",")
     else:
-        procs, endpoints = start_servers(args.start, args.threads)
+        procs, endpoints = start_servers(args.start, args.threads, args.device)
     try:
         with Client() as c:
             base = {
@@ -119,13 +127,18 @@ def main() -> None:
                 "batch": 512,
             }
             records = {}
-            for load, extra in (("local", {}), ("rpc", {"rpcServers": endpoints, "gpuLayers": args.gpu_layers})):
+            remote: dict[str, Any] = {"rpcServers": endpoints, "gpuLayers": args.gpu_layers}
+            if args.tensor_split:
+                remote["tensorSplit"] = args.tensor_split
+            for load, extra in (("local", {}), ("rpc", remote)):
                 params: dict[str, Any] = {"options": {**base, **extra}}
                 if args.model:
                     params["model"] = args.model
                 described = c.request("model/load", params)
                 records[load] = measure(c, described["model"], args)
-                emit(load, {"load": load, "servers": endpoints if load == "rpc" else [], **records[load]})
+                where = [(d.get("device"), d.get("layers")) for d in described.get("devices", [])]
+                servers = endpoints if load == "rpc" else []
+                emit(load, {"load": load, "servers": servers, "devices": where, **records[load]})
                 c.request("model/unload", {"model": described["model"]})
             ratio = {k: round(records["rpc"][k] / records["local"][k], 3) for k in records["local"]}
             emit("ratio", {"load": "rpc/local", **ratio})

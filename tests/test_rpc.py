@@ -2,7 +2,8 @@
 `kinfer rpc-server` processes (CPU) hold layers of the embedded model beside this host's CPU.
 Replies are the same as the model's loaded here; a server that cannot be reached is -31003 naming
 it; a server killed mid-reply fails that model's requests (-32603 naming it), and the rest of
-kinfer-rpc goes on. Every server a test starts is ended by its pid."""
+kinfer-rpc goes on; so does one that stops answering (GGML_RPC_TIMEOUT). Every server a test
+starts is ended by its pid."""
 
 from __future__ import annotations
 
@@ -160,6 +161,37 @@ def test_a_server_killed_mid_reply_fails_its_model_and_nothing_else(server, serv
     assert status[spread["model"]]["state"] == "failed" and servers[1] in status[spread["model"]]["error"]
     # the other model, and kinfer-rpc itself, go on
     r = server.call("inference/generate", {"model": other["model"], "prompt": "Hi", "options": {"maxTokens": 3}})
+    assert r["usage"]["completionTokens"] > 0
+
+
+def test_a_server_that_stops_answering_fails_its_model_after_the_timeout(spawn, servers):
+    """A stopped server keeps its connection open: nothing but the socket timeout ends the wait."""
+    server = spawn(env={"GGML_RPC_TIMEOUT": "3"})
+    server.initialize()
+    spread = server.call("model/load", {"options": {**LOCAL, "rpcServers": servers, "gpuLayers": 20}}, timeout=120)
+    rid = server.request_async(
+        "inference/generate",
+        {
+            "model": spread["model"],
+            "prompt": "Count to a thousand.",
+            "options": {"maxTokens": 4000, "ignoreEos": True, "temperature": 0},
+            "partialResultToken": "p",
+        },
+    )
+    server.wait_for(lambda m: m.get("method") == "$/progress", timeout=60)
+    pid = server_pid(int(servers[0].rsplit(":", 1)[1]))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        err = server.response(rid, timeout=60)["error"]
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert err["code"] == -32603 and servers[0] in err["message"] and "3 s" in err["message"], err
+    assert 2 < waited < 30, waited
+    # kinfer-rpc goes on: another load of the model, here, answers
+    local = server.call("model/load", {"model": llama_model_path(), "options": {**LOCAL, "slots": 1}})
+    r = server.call("inference/generate", {"model": local["model"], "prompt": "Hi", "options": {"maxTokens": 3}})
     assert r["usage"]["completionTokens"] > 0
 
 

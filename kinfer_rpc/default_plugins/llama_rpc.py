@@ -7,7 +7,11 @@ llama.cpp (`patches/llama-rpc-no-abort.patch`) fails the connection instead and 
 as failed, which `Servers.check` turns into an error after each pass, and the model fails as a
 model whose decode failed does. A load is refused on a llama.cpp without RPC or without the
 patch. Before ggml connects, each server is asked for its protocol version here, with a time
-limit: one that does not answer is an error naming it, never a hang.
+limit: one that does not answer is an error naming it, never a hang. Once connected, a server that
+stops answering without closing the connection (a stopped process, a hung host, a network that
+drops packets) fails the same way after GGML_RPC_TIMEOUT seconds without an answer to one of
+ggml's sends or receives (the patch reads it when it connects; kinfer sets 120 unless the
+environment says otherwise, 0 waits forever). A pass on a slow server must finish within it.
 
 The protocol has no authentication: run servers on 127.0.0.1 (their default), in a private
 network or through an SSH tunnel (docs/rpc.md).
@@ -29,6 +33,7 @@ HELLO = 14  # RPC_CMD_HELLO
 PROTOCOL_MAJOR = 7  # RPC_PROTO_MAJOR_VERSION of the vendored ggml
 CAPS = 24  # RPC_CONN_CAPS_SIZE
 PROBE_SECONDS = float(os.environ.get("KINFER_RPC_CONNECT_SECONDS", "10"))
+TIMEOUT_SECONDS = "120"  # GGML_RPC_TIMEOUT's default here: a connected server's longest silence
 
 _lock = threading.Lock()
 _in_use: dict[str, int] = {}  # endpoint -> loads using it (ggml keeps one connection an endpoint)
@@ -133,6 +138,7 @@ class Servers:
         local = [d for d in range(g.dev_count()) if g.dev_type(g.dev_get(d)) in _GPU_TYPES] if g.dev_count else []
         devices = [g.dev_get(d) for d in local]
         self.names: dict[str, str | None] = {}
+        os.environ.setdefault("GGML_RPC_TIMEOUT", TIMEOUT_SECONDS)  # read by ggml when it connects
         for endpoint in self.endpoints:
             server = add(endpoint.encode())
             if not server or self._failed(endpoint.encode()):
@@ -153,7 +159,8 @@ class Servers:
         for endpoint in self.endpoints:
             if self._failed(endpoint.encode()):
                 raise RuntimeError(
-                    f"the RPC server {endpoint} failed (it cannot be reached or it closed the connection): "
+                    f"the RPC server {endpoint} failed (it cannot be reached, it closed the connection or it did "
+                    f"not answer for {os.environ.get('GGML_RPC_TIMEOUT', TIMEOUT_SECONDS)} s): "
                     "the model's layers there are gone"
                 )
 

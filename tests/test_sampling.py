@@ -97,3 +97,26 @@ def test_the_greedy_token_under_a_mask_is_the_masked_rows_argmax(values, allowed
         assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))
     elif keep.any():  # every allowed token at -inf: still an allowed one
         assert keep[got]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 2.0, float("-inf")]), min_size=1, max_size=400),
+    forbidden=st.sets(st.integers(0, 399), max_size=12),
+    top_forbidden=st.integers(0, 6),
+)
+def test_the_greedy_token_under_a_mostly_open_mask_is_the_masked_rows_argmax(values, forbidden, top_forbidden):
+    """A mask that allows nearly everything (inside a JSON string), with the row's best tokens
+    among the forbidden ones: the tries of the next best tokens give the masked row's argmax."""
+    from kinfer_rpc.engine import grammar
+
+    row = np.array(values, dtype=np.float32)
+    keep = np.ones(len(row), dtype=bool)
+    keep[[i for i in forbidden if i < len(row)]] = False
+    keep[np.argsort(-row, kind="stable")[:top_forbidden]] = False  # the best ones forbidden
+    bits = np.packbits(np.concatenate([keep, np.zeros(-len(keep) % 32, bool)]), bitorder="little").view(np.int32)
+    got = grammar.best_allowed(row, bits)
+    if np.isfinite(row[keep]).any():
+        assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))
+    elif keep.any():
+        assert keep[got]

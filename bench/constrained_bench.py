@@ -10,7 +10,9 @@ strings), so both runs decode the same number of tokens. Decode time is measured
 bench/engine_bench.py (from the last request's first token to the last token). `mask_us_token`
 is the time computing masks took per constrained token, `mask_share` that time as a share of
 the decode time (masks are computed while the device runs the pass, so on a GPU they cost time
-only where they outlast it). Prints one JSON object per line.
+only where they outlast it). `choice_us_token` is the time choosing a greedy token under its mask
+took (on the step's critical path), `own_best_share` how often the row's own best token was
+allowed. Prints one JSON object per line.
 """
 
 from __future__ import annotations
@@ -61,6 +63,27 @@ class MaskClock:
         grammar.one_mask = timed_one
 
 
+class ChoiceClock:
+    """Time spent choosing greedy tokens under masks (grammar.best_allowed), on the step's
+    critical path, and how many of those rows the row's own best token settled."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.rows = 0
+        self.own = 0
+        choose = grammar.best_allowed
+
+        def timed(row, bits, *rest):
+            t = time.perf_counter()
+            token = choose(row, bits, *rest)
+            self.seconds += time.perf_counter() - t
+            self.rows += 1
+            self.own += token is not None and token == int(row.argmax())
+            return token
+
+        grammar.best_allowed = timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -71,7 +94,7 @@ def main() -> None:
     ap.add_argument("--gpu-layers", type=int, default=-1)
     args = ap.parse_args()
     npls = [int(x) for x in args.npl.split(",")]
-    clock = MaskClock()
+    clock, choice = MaskClock(), ChoiceClock()
     opts = LoadOptions(
         context_length=args.npp + args.ntg + 8,
         slots=max(npls),
@@ -95,6 +118,7 @@ def main() -> None:
         prompts = distinct_prompts(npl, args.npp, model.info.n_vocab)
         plain = Run(engine, prompts, greedy(args.ntg)).timing()
         clock.seconds, clock.rows = 0.0, 0
+        choice.seconds, choice.rows, choice.own = 0.0, 0, 0
         held = Run(engine, prompts, greedy(args.ntg), constraint=matcher)
         timed = held.timing()
         tokens = sum(len(r) for r in held.replies)
@@ -109,6 +133,8 @@ def main() -> None:
                 "ratio": round(timed["decode_tps"] / plain["decode_tps"], 3),
                 "mask_us_token": round(clock.seconds / max(1, clock.rows) * 1e6, 1),
                 "mask_share": round(clock.seconds / max(1e-9, timed["decode_s"]), 3),
+                "choice_us_token": round(choice.seconds / max(1, choice.rows) * 1e6, 1),
+                "own_best_share": round(choice.own / max(1, choice.rows), 3),
                 "tokens": tokens,
             },
         )

@@ -142,19 +142,8 @@ def test_a_server_killed_mid_reply_fails_its_model_and_nothing_else(server, serv
         timeout=120,
     )
     assert spread["model"] != other["model"]
-    rid = server.request_async(
-        "inference/generate",
-        {
-            "model": spread["model"],
-            "prompt": "Count to a thousand.",
-            "options": {"maxTokens": 4000, "ignoreEos": True, "temperature": 0},
-            "partialResultToken": "p",
-        },
-    )
-    server.wait_for(lambda m: m.get("method") == "$/progress", timeout=60)
-    port = int(servers[1].rsplit(":", 1)[1])
-    pid = server_pid(port)
-    os.kill(pid, signal.SIGKILL)
+    rid = long_reply(server, spread["model"])
+    os.kill(server_pid(servers[1]), signal.SIGKILL)
     err = server.response(rid, timeout=60)["error"]
     assert err["code"] == -32603 and servers[1] in err["message"], err
     status = {m["model"]: m for m in server.call("model/status", {})["models"]}
@@ -169,17 +158,8 @@ def test_a_server_that_stops_answering_fails_its_model_after_the_timeout(spawn, 
     server = spawn(env={"GGML_RPC_TIMEOUT": "3"})
     server.initialize()
     spread = server.call("model/load", {"options": {**LOCAL, "rpcServers": servers, "gpuLayers": 20}}, timeout=120)
-    rid = server.request_async(
-        "inference/generate",
-        {
-            "model": spread["model"],
-            "prompt": "Count to a thousand.",
-            "options": {"maxTokens": 4000, "ignoreEos": True, "temperature": 0},
-            "partialResultToken": "p",
-        },
-    )
-    server.wait_for(lambda m: m.get("method") == "$/progress", timeout=60)
-    pid = server_pid(int(servers[0].rsplit(":", 1)[1]))
+    rid = long_reply(server, spread["model"])
+    pid = server_pid(servers[0])
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -195,6 +175,21 @@ def test_a_server_that_stops_answering_fails_its_model_after_the_timeout(spawn, 
     assert r["usage"]["completionTokens"] > 0
 
 
+def long_reply(server, model: str) -> int:
+    """A greedy reply of thousands of tokens on `model`, once it streams its first piece: its id."""
+    rid = server.request_async(
+        "inference/generate",
+        {
+            "model": model,
+            "prompt": "Count to a thousand.",
+            "options": {"maxTokens": 4000, "ignoreEos": True, "temperature": 0},
+            "partialResultToken": "p",
+        },
+    )
+    server.wait_for(lambda m: m.get("method") == "$/progress", timeout=60)
+    return rid
+
+
 def llama_model_path() -> str:
     """The embedded model by path: a second load beside the one loaded by name."""
     from kinfer_rpc.host.store import embedded_default_path
@@ -202,8 +197,9 @@ def llama_model_path() -> str:
     return embedded_default_path()
 
 
-def server_pid(port: int) -> int:
-    """The ggml-rpc-server listening on `port` (kinfer rpc-server execs it: same pid)."""
+def server_pid(endpoint: str) -> int:
+    """The ggml-rpc-server listening on `endpoint`'s port (kinfer rpc-server execs it: same pid)."""
+    port = int(endpoint.rsplit(":", 1)[1])
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

@@ -81,6 +81,11 @@ def test_stream_pieces_concatenate_to_text_before_stop(text, cuts, stop):
     assert joined == expected
 
 
+def mask_words(keep: np.ndarray) -> np.ndarray:
+    """A boolean mask as llguidance's bitmask row: int32 words, bit i of the row = token i."""
+    return np.packbits(np.concatenate([keep, np.zeros(-len(keep) % 32, bool)]), bitorder="little").view(np.int32)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     values=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, float("-inf")]), min_size=1, max_size=70),
@@ -91,7 +96,7 @@ def test_the_greedy_token_under_a_mask_is_the_masked_rows_argmax(values, allowed
 
     row = np.array(values, dtype=np.float32)
     keep = np.array(allowed_bits[: len(row)], dtype=bool)
-    bits = np.packbits(np.concatenate([keep, np.zeros(-len(keep) % 32, bool)]), bitorder="little").view(np.int32)
+    bits = mask_words(keep)
     got = grammar.best_allowed(row, bits)
     if np.isfinite(row[keep]).any():
         assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))
@@ -114,7 +119,7 @@ def test_the_greedy_token_under_a_mostly_open_mask_is_the_masked_rows_argmax(val
     keep = np.ones(len(row), dtype=bool)
     keep[[i for i in forbidden if i < len(row)]] = False
     keep[np.argsort(-row, kind="stable")[:top_forbidden]] = False  # the best ones forbidden
-    bits = np.packbits(np.concatenate([keep, np.zeros(-len(keep) % 32, bool)]), bitorder="little").view(np.int32)
+    bits = mask_words(keep)
     got = grammar.best_allowed(row, bits)
     if np.isfinite(row[keep]).any():
         assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))

@@ -196,6 +196,10 @@ def allowed_ids(bits: np.ndarray, n_vocab: int) -> np.ndarray:
     return ids[ids < n_vocab]
 
 
+def _allows(bits: np.ndarray, token: int) -> bool:
+    return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+
 def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | None:
     """The greedy token under a mask: the first of the allowed tokens with the highest logit, as
     sampling's argmax of the masked row gives it, without masking the row. Most steps of a model
@@ -210,7 +214,7 @@ def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | No
     best = int(row.argmax())
     if row[best] != row[best]:
         return None
-    if (int(bits[best >> 5]) >> (best & 31)) & 1:
+    if _allows(bits, best):
         return best
     if np.count_nonzero(bits) * 2 > len(bits):  # dense: most words allow something
         work = row.copy()
@@ -220,7 +224,7 @@ def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | No
             t = int(work.argmax())
             if work[t] == -np.inf:
                 break  # the rest is -inf: the allowed ids decide the tie
-            if (int(bits[t >> 5]) >> (t & 31)) & 1:
+            if _allows(bits, t):
                 return t
     idx = allowed_ids(bits, len(row))
     if not len(idx):

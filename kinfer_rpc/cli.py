@@ -1182,8 +1182,13 @@ def _rpc_server(args: argparse.Namespace) -> int:
             "private network or through an SSH tunnel (docs/rpc.md).",
             markup=False,
         )
+    # Its libraries are the ones beside it, whatever LD_LIBRARY_PATH names first (another llama.cpp's
+    # libggml there has no RPC backend: "Failed to find RPC backend").
+    env = dict(os.environ)
+    folder = os.path.dirname(support["server"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (folder, env.get("LD_LIBRARY_PATH")) if p)
     sys.stdout.flush()
-    os.execv(argv[0], argv)
+    os.execve(argv[0], argv, env)
     return 0  # not reached
 
 

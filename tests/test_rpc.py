@@ -38,13 +38,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def start_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [KINFER, "rpc-server", "--port", str(port), "--threads", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        env=env,
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # listening: a HELLO is answered
@@ -69,6 +70,22 @@ def servers():
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
+
+
+def test_the_server_uses_its_own_libraries_whatever_ld_library_path_names():
+    """Another llama.cpp's libggml (here llama-cpp-python's own, built without RPC) first on
+    LD_LIBRARY_PATH: the server still loads the libraries beside it and answers."""
+    import llama_cpp
+
+    other = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    if not os.path.exists(os.path.join(other, "libggml.so")):
+        pytest.skip("llama-cpp-python ships no libraries of its own here")
+    proc, endpoint = start_server({**os.environ, "LD_LIBRARY_PATH": other})
+    try:
+        llama_rpc.probe(endpoint, timeout=2)  # ConnectionError if it stopped
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def replies(c, model):

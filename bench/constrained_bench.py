@@ -70,27 +70,44 @@ class MaskClock:
 
 
 class ChoiceClock:
-    """Time spent choosing greedy tokens under masks (grammar.best_allowed), on the step's
-    critical path, and how many of those rows the row's own best token settled."""
+    """Time spent choosing greedy tokens under masks, on the step's critical path
+    (grammar.Masks.choose for a pass of held rows, grammar.best_allowed for a row on its own),
+    and how many of those rows the row's own best token settled."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.rows = 0
         self.own = 0
         self.on = False
-        choose = grammar.best_allowed
+        self.inside = False
+        choose, choose_all = grammar.best_allowed, grammar.Masks.choose
 
-        def timed(row, bits, *rest):
-            if not self.on:
-                return choose(row, bits, *rest)
+        def timed(row, bits, *rest, **kw):
+            if not self.on or self.inside:
+                return choose(row, bits, *rest, **kw)
             t = time.perf_counter()
-            token = choose(row, bits, *rest)
+            token = choose(row, bits, *rest, **kw)
             self.seconds += time.perf_counter() - t
             self.rows += 1
             self.own += token is not None and token == int(row.argmax())
             return token
 
+        def timed_all(masks, logits, picks):
+            if not self.on:
+                return choose_all(masks, logits, picks)
+            own = masks.own_best
+            self.inside = True
+            t = time.perf_counter()
+            try:
+                return choose_all(masks, logits, picks)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.inside = False
+                self.rows += len(picks)
+                self.own += masks.own_best - own
+
         grammar.best_allowed = timed
+        grammar.Masks.choose = timed_all  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -125,3 +125,41 @@ def test_the_greedy_token_under_a_mostly_open_mask_is_the_masked_rows_argmax(val
         assert got == sample(grammar.masked(row, keep), [], 0, SamplingOptions(temperature=0.0))
     elif keep.any():
         assert keep[got]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 2.0, float("-inf")]), min_size=96, max_size=96),
+            st.lists(st.booleans(), min_size=96, max_size=96),
+            st.sampled_from(["as drawn", "sparse", "open", "nan"]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    held=st.data(),
+)
+def test_a_pass_of_held_rows_gets_each_rows_own_greedy_choice(data, held):
+    """Masks.choose over a pass (the own best tokens from one argmax, a sparse mask's allowed ids
+    listed beforehand as the engine lists them while the pass runs) gives every held row the
+    token best_allowed gives it alone, NaNs included."""
+    from kinfer_rpc.engine import grammar
+
+    logits = np.array([values for values, _, _ in data], dtype=np.float32)
+    rows = sorted(held.draw(st.sets(st.integers(0, len(data) - 1), min_size=1)))
+    picks = []
+    for r in rows:
+        _, allowed_bits, kind = data[r]
+        keep = np.array(allowed_bits, dtype=bool)
+        if kind == "sparse":
+            keep[3:] = False
+        elif kind == "open":  # everything but the row's best token
+            keep[:] = True
+            keep[int(logits[r].argmax())] = False
+        elif kind == "nan":
+            logits[r, 7] = np.nan
+        bits = mask_words(keep)
+        picks.append((r, bits, grammar.sparse_ids(bits, logits.shape[1])))
+    got = grammar.Masks(logits.shape[1]).choose(logits, picks)
+    assert got == [grammar.best_allowed(logits[r], bits) for r, bits, _ in picks]

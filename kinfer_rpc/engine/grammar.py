@@ -146,6 +146,8 @@ class Masks:
         self.n_vocab = n_vocab
         self._executor: llguidance.LLExecutor | None = None
         self._bits = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+        self.chosen = 0  # rows choose() decided, and how many by their own best token
+        self.own_best = 0
 
     def compute(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
         """One bitmask row per matcher, in order (int32 words, bit i of the row = token i)."""
@@ -163,6 +165,32 @@ class Masks:
         if len(pairs) == 1:
             return [bool(pairs[0][0].consume_token(pairs[0][1]))]
         return [bool(ok) for ok in llguidance.numpy.consume_token_par(self._pool(), list(pairs))]
+
+    def choose(
+        self, logits: np.ndarray, picks: Sequence[tuple[int, np.ndarray, np.ndarray | None]]
+    ) -> list[int | None]:
+        """best_allowed(logits[r], bits, ids=ids) for each (r, bits, ids), the same tokens, for a
+        pass of held rows: the rows' own best tokens come from one argmax over the pass."""
+        if not picks:
+            return []
+        rows = [r for r, _, _ in picks]
+        block = logits if rows == list(range(len(logits))) else logits[rows]
+        out: list[int | None] = [None] * len(picks)
+        rest: list[int] = []
+        own = block.argmax(axis=1).tolist()
+        for k, ((r, bits, _), t) in enumerate(zip(picks, own)):
+            if logits[r, t] != logits[r, t]:
+                continue  # NaNs: sampling's own way (None)
+            if _allows(bits, t):
+                out[k] = t
+            else:
+                rest.append(k)
+        self.chosen += len(picks)
+        self.own_best += len(picks) - len(rest)
+        for k in rest:
+            r, bits, ids = picks[k]
+            out[k] = best_allowed(logits[r], bits, ids=ids, best=own[k])
+        return out
 
     def _pool(self) -> llguidance.LLExecutor:
         if self._executor is None:
@@ -200,7 +228,18 @@ def _allows(bits: np.ndarray, token: int) -> bool:
     return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
 
-def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | None:
+def sparse_ids(bits: np.ndarray, n_vocab: int) -> np.ndarray | None:
+    """The ids a sparse mask allows (most of its words allow nothing), listed ahead of the
+    choice while the device runs the pass; None for a dense one (best_allowed tries the row's
+    next best tokens there)."""
+    if np.count_nonzero(bits) * 2 > len(bits):
+        return None
+    return allowed_ids(bits, n_vocab)
+
+
+def best_allowed(
+    row: np.ndarray, bits: np.ndarray, rounds: int = 4, ids: np.ndarray | None = None, best: int | None = None
+) -> int | None:
     """The greedy token under a mask: the first of the allowed tokens with the highest logit, as
     sampling's argmax of the masked row gives it, without masking the row. Most steps of a model
     that follows its grammar, the row's own best token is allowed: one argmax and one bit. None
@@ -210,13 +249,15 @@ def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | No
     next best tokens are tried on a copy of the row with each forbidden best put at -inf (an
     argmax of the rest gives the same first-highest token as one of the masked row); listing
     tens of thousands of allowed ids would take 50 times longer. A sparse mask, or a row still
-    unsettled after `rounds` tries, takes the best of its allowed ids."""
-    best = int(row.argmax())
+    unsettled after `rounds` tries, takes the best of its allowed ids (`ids`: those of a sparse
+    mask, listed beforehand by sparse_ids; `best`: the row's argmax, when known)."""
+    if best is None:
+        best = int(row.argmax())
     if row[best] != row[best]:
         return None
     if _allows(bits, best):
         return best
-    if np.count_nonzero(bits) * 2 > len(bits):  # dense: most words allow something
+    if ids is None and np.count_nonzero(bits) * 2 > len(bits):  # dense: most words allow something
         work = row.copy()
         t = best
         for _ in range(rounds):
@@ -226,7 +267,7 @@ def best_allowed(row: np.ndarray, bits: np.ndarray, rounds: int = 4) -> int | No
                 break  # the rest is -inf: the allowed ids decide the tie
             if _allows(bits, t):
                 return t
-    idx = allowed_ids(bits, len(row))
+    idx = allowed_ids(bits, len(row)) if ids is None else ids
     if not len(idx):
         return best  # nothing is allowed: the grammar failed, and consuming the token says so
     return int(idx[int(row[idx].argmax())])

@@ -130,6 +130,7 @@ class Job:
     # every token taken so far; None: unconstrained.
     constraint: Any = None
     mask: np.ndarray | None = None  # the constraint's bitmask for the row of the pass in flight
+    mask_ids: np.ndarray | None = None  # the ids that mask allows, when it is sparse (grammar.sparse_ids)
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
     # the token of the pass just taken, already chosen and consumed by the constraint (_held_best)
     held: int | None = None
@@ -652,10 +653,12 @@ class Engine:
             token = sample(row, history, len(history), job.options.sampling)
         else:
             n_vocab = len(row)
+            ids = job.mask_ids if first and job.mask is not None else None
             bits = job.mask if first and job.mask is not None else grammar.one_mask(matcher, n_vocab)
-            job.mask = None
+            job.mask = job.mask_ids = None
             opts = job.options.sampling
-            best = grammar.best_allowed(row, bits) if opts.temperature <= 0 and opts.repeat_penalty == 1.0 else None
+            greedy = opts.temperature <= 0 and opts.repeat_penalty == 1.0
+            best = grammar.best_allowed(row, bits, ids=ids) if greedy else None
             if best is not None:  # greedy: what sampling the masked row gives, found faster
                 token = best
             else:
@@ -673,12 +676,14 @@ class Engine:
         them, job.held keeps them for _take (-1 and None where choosing failed: the row is then
         sampled in its turn, which fails the job with the grammar's error)."""
         rows = [r for r, job in enumerate(owners) if job.constraint is not None and job.stop_reason is None]
+        picks = [(r, m, owners[r].mask_ids) for r in rows if (m := owners[r].mask) is not None]
+        tokens = dict(zip((r for r, _, _ in picks), self._masks.choose(logits, picks))) if self._masks else {}
         chosen: list[tuple[int, int]] = []
         for r in rows:
             job = owners[r]
             best[r] = -1  # until chosen and consumed
-            token = grammar.best_allowed(logits[r], job.mask) if job.mask is not None else None
-            job.mask = None
+            token = tokens.get(r)
+            job.mask = job.mask_ids = None
             if token is None:  # (no mask computed, or NaNs in the row: sampling's own way)
                 try:
                     token = self._sample(job, logits[r], first=True)
@@ -703,8 +708,10 @@ class Engine:
         if self._masks is None:
             assert self.model is not None, _LOADED
             self._masks = grammar.Masks(self.model.info.n_vocab)
+        n_vocab = self._masks.n_vocab
         for job, bits in zip(jobs, self._masks.compute([job.constraint for job in jobs])):
             job.mask = bits
+            job.mask_ids = grammar.sparse_ids(bits, n_vocab)
 
     def _settle_drafts(self, job: Job, base: int, taken: int) -> None:
         """After verifying a job's drafts: count them, back off if they keep losing, and drop the

@@ -463,7 +463,9 @@ class LoadedModel:
     "quantized" or "dense"; `draft_policy` the requests' default draft policy (None for none) and
     `drafts` the draft tokens per step and slot there is room for; `prefix` the prefix pool's
     token budget (-1: off); `rpc_servers` and `devices` (where the layers went) are set for a load
-    over llama.cpp RPC servers."""
+    over llama.cpp RPC servers, `devices` also for one split over several GPUs; `split_mode`,
+    `tensor_split` and `main_gpu` say how the layers were spread over the GPUs, where the placement
+    or the load options said (None otherwise)."""
 
     model: str
     backend: str
@@ -492,6 +494,9 @@ class LoadedModel:
     ignored_parameters: list[IgnoredParameter] = attrs.field(factory=list)
     rpc_servers: list[str] | None = None
     devices: list[LayerDevice] | None = None
+    split_mode: str | None = None
+    tensor_split: list[float] | None = None
+    main_gpu: int | None = None
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> LoadedModel:
@@ -525,6 +530,9 @@ class LoadedModel:
             [LayerDevice.from_json(d) for d in m["devices"] if isinstance(d, dict)]
             if isinstance(m.get("devices"), list)
             else None,
+            m.get("splitMode"),
+            [float(x) for x in m["tensorSplit"]] if isinstance(m.get("tensorSplit"), list) else None,
+            m.get("mainGpu"),
         )
 
 

@@ -66,6 +66,14 @@ class LoadOptions:
     # each device's share of the offloaded layers, in device order (llama.cpp's tensor_split);
     # empty: in proportion to each device's free memory
     tensor_split: tuple[float, ...] = ()
+    # how the offloaded layers are spread over several GPUs (llama.cpp's split_mode): "layer"
+    # (each GPU a range of layers), "row" (every weight matrix cut by rows over the GPUs), "tensor"
+    # (every matrix and the KV cache cut over the GPUs, their results summed: tensor parallelism),
+    # "none" (all on `main_gpu`); None: not set (llama.cpp's default, "layer")
+    split_mode: str | None = None
+    # the GPU (index in MachineInfo.gpus) that holds the whole model with split_mode "none", and
+    # the small tensors and intermediate results with "row"; None: not set (llama.cpp's 0)
+    main_gpu: int | None = None
 
 
 @attrs.frozen
@@ -310,13 +318,40 @@ class SessionPolicy(Protocol):
 
 
 @attrs.frozen
+class GpuInfo:
+    """One GPU as the backend sees it: its name (llama.cpp's "CUDA0", ...) and memory."""
+
+    name: str
+    free_bytes: int = 0
+    total_bytes: int = 0
+
+
+@attrs.frozen
 class MachineInfo:
-    """What a placement may know of the machine."""
+    """What a placement may know of the machine.
+
+    `gpus` lists each GPU in the backend's device order (the order of `LoadOptions.tensor_split`
+    and the index of `main_gpu`); `gpu_free_bytes` and `gpu_total_bytes` are their sums (a
+    backend that does not list its GPUs gives only the sums). `of_gpus` makes both agree.
+    """
 
     gpu_free_bytes: int = 0
     gpu_total_bytes: int = 0
     host_free_bytes: int = 0
     has_gpu: bool = False
+    gpus: tuple[GpuInfo, ...] = ()
+
+    @classmethod
+    def of_gpus(cls, gpus: Iterable[GpuInfo], host_free_bytes: int = 0) -> MachineInfo:
+        """A machine with these GPUs, their sums filled in."""
+        listed = tuple(gpus)
+        return cls(
+            gpu_free_bytes=sum(g.free_bytes for g in listed),
+            gpu_total_bytes=sum(g.total_bytes for g in listed),
+            host_free_bytes=host_free_bytes,
+            has_gpu=bool(listed),
+            gpus=listed,
+        )
 
     @staticmethod
     def host_available() -> int:
@@ -365,7 +400,9 @@ class PlacementPlan:
 
     `batch` / `ubatch` (None: the defaults) are the logical and physical pass sizes; with tensors
     in host memory every physical pass rereads them, so a placement that keeps experts there asks
-    for large ones. The load options a user set explicitly win over the plan.
+    for large ones. With several GPUs, `split_mode`, `tensor_split` and `main_gpu` say how the
+    offloaded layers are spread over them (LoadOptions' fields of those names; None / empty: not
+    set, the backend's default). The load options a user set explicitly win over the plan.
     """
 
     gpu_layers: int
@@ -373,6 +410,9 @@ class PlacementPlan:
     batch: int | None = None
     reason: str = ""
     ubatch: int | None = None
+    split_mode: str | None = None
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int | None = None
 
 
 class Placement(Protocol):

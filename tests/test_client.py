@@ -933,6 +933,9 @@ LOADED = {
     "ignoredParameters": [{"name": "mirostat", "reason": "no equivalent"}],
     "rpcServers": ["127.0.0.1:50052"],
     "devices": [{"device": "RPC0", "server": "127.0.0.1:50052", "layers": [[0, 29]]}],
+    "splitMode": "layer",
+    "tensorSplit": [0.6, 0.4],
+    "mainGpu": 1,
 }
 
 
@@ -948,8 +951,11 @@ def test_results_parse_usage_and_the_loads_fields():
     assert m.ignored_parameters == [IgnoredParameter("mirostat", "no equivalent")]
     assert m.rpc_servers == ["127.0.0.1:50052"]
     assert m.devices == [LayerDevice("RPC0", "127.0.0.1:50052", [(0, 29)])]
-    bare = LoadedModel.from_json({k: v for k, v in LOADED.items() if k not in ("rpcServers", "devices")})
+    assert (m.split_mode, m.tensor_split, m.main_gpu) == ("layer", [0.6, 0.4], 1)
+    optional = ("rpcServers", "devices", "splitMode", "tensorSplit", "mainGpu")
+    bare = LoadedModel.from_json({k: v for k, v in LOADED.items() if k not in optional})
     assert bare.rpc_servers is None and bare.devices is None
+    assert (bare.split_mode, bare.tensor_split, bare.main_gpu) == (None, None, None)
     failed = ModelStatus.from_json({"model": "m", "backend": "llama", "state": "failed", "error": "no memory"})
     assert failed.error == "no memory"
 

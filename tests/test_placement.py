@@ -23,7 +23,7 @@ from kinfer_rpc.default_plugins import llama_buft as llama_cpp_buft
 from kinfer_rpc.default_plugins import placements as P
 from kinfer_rpc.host.runtime import model_facts
 from kinfer_rpc.host.store import ModelStore
-from kinfer_rpc.types import LoadOptions, MachineInfo
+from kinfer_rpc.types import GpuInfo, LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 GiB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,3 +309,297 @@ def test_mistakes_are_clear_errors_and_the_server_goes_on(server, moe_path):
     assert r["placement"] == "auto"
     server.call("model/unload", {"model": r["model"]})
     server.assert_clean()
+
+
+# -- several GPUs ------------------------------------------------------------------------------
+# Machines of 2, 4 and 8 GPUs of stated sizes (this machine has none); the split each plan asks
+# for reaches llama.cpp's params (test_split_params_reach_the_model_params) and what it does on
+# two real GPUs is measured by bench/gpu_multi.sh.
+
+# Qwen3-30B-A3B at Q4_K_M, by its header's numbers: 48 layers, 128 experts (8 used), 17.3 GiB
+QWEN3_30B = ModelFacts(
+    path="qwen3-30b-a3b.gguf",
+    size_bytes=int(17.3 * GiB),
+    layers=48,
+    experts=128,
+    architecture="qwen3moe",
+    experts_used=8,
+    weight_bytes=int(17.3 * GiB),
+    expert_bytes=int(15.9 * GiB),
+    outside_bytes=int(0.6 * GiB),
+    n_embd=2048,
+    n_vocab=151936,
+    n_ff=768,
+    kv_bytes_per_cell=48 * 4 * (128 + 128) * 2,
+)
+
+
+def gpus(*free_gib, total_gib=80):
+    """A machine of GPUs with this much free memory each, in llama.cpp's device order."""
+    return MachineInfo.of_gpus(
+        [GpuInfo(f"CUDA{i}", int(f * GiB), total_gib * GiB) for i, f in enumerate(free_gib)],
+        host_free_bytes=200 * GiB,
+    )
+
+
+@pytest.fixture(scope="module")
+def dense18(smol_path):
+    return scaled(model_facts(smol_path), 200)  # ~18 GiB of weights, 30 layers, no experts
+
+
+def test_machine_of_gpus_keeps_the_sums():
+    m = gpus(10, 30.5, total_gib=40)
+    assert (m.gpu_free_bytes, m.gpu_total_bytes, m.has_gpu) == (int(40.5 * GiB), 80 * GiB, True)
+    assert [g.name for g in m.gpus] == ["CUDA0", "CUDA1"]
+    assert MachineInfo.of_gpus([]) == MachineInfo()
+
+
+def test_one_gpu_plans_set_no_split(dense18):
+    for machine in (MachineInfo(gpu_free_bytes=80 * GiB, has_gpu=True), gpus(80), gpus(8)):
+        plan = P.Auto().plan(dense18, machine, LoadOptions())
+        assert (plan.split_mode, plan.tensor_split, plan.main_gpu) == (None, (), None)
+        assert "GPUs" not in plan.reason
+    assert P.Auto().plan(dense18, gpus(8), LoadOptions()) == P.Auto().plan(
+        dense18, MachineInfo(gpu_free_bytes=8 * GiB, has_gpu=True, host_free_bytes=200 * GiB), LoadOptions()
+    )
+
+
+@pytest.mark.parametrize("free", [(10, 30), (30, 10, 30, 5), (1, 2, 3, 4, 5, 6, 40, 7)])
+def test_a_model_that_fits_one_gpu_goes_on_the_one_with_the_most_free_memory(dense18, free):
+    plan = P.Auto().plan(dense18, gpus(*free), LoadOptions())
+    best = free.index(max(free))
+    assert (plan.gpu_layers, plan.split_mode, plan.main_gpu, plan.tensor_split) == (-1, "none", best, ())
+    assert f"on GPU {best} (CUDA{best}" in plan.reason and "splitMode none" in plan.reason
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_model_larger_than_one_gpu_is_split_by_layer_over_equal_gpus(dense18, n):
+    b = P.Budget(dense18, MachineInfo(), LoadOptions())
+    need = b.gpu_all(512)
+    each = (need / n + b.reserve(512)) / GiB * 1.15  # a share each, with its own pass buffers
+    plan = P.Auto().plan(dense18, gpus(*[each] * n), LoadOptions())
+    assert (plan.gpu_layers, plan.split_mode, plan.main_gpu, plan.host_tensors) == (-1, "layer", None, ())
+    assert plan.tensor_split == (round(1 / n, 4),) * n
+    assert f"split by layer over {n} GPUs" in plan.reason and "more than any one" in plan.reason
+
+
+def test_uneven_gpus_take_shares_in_proportion_to_what_they_have_left(dense18):
+    machine = gpus(16, 8)
+    plan = P.Auto().plan(dense18, machine, LoadOptions())
+    assert plan.gpu_layers == -1 and plan.split_mode == "layer"
+    b = P.Budget(dense18, machine, LoadOptions())
+    left = [16 * GiB - b.reserve(512), 8 * GiB - b.reserve(512)]  # after each GPU's pass buffers
+    assert plan.tensor_split == pytest.approx([left[0] / sum(left), left[1] / sum(left)], abs=1e-4)
+    assert plan.tensor_split[0] > 2 / 3  # the reserve weighs more on the smaller GPU
+    # and the layers llama.cpp gives each for those shares fit each
+    cost = b.per_layer + b.kv / dense18.layers
+    counts = P.layer_counts(plan.tensor_split, dense18.layers + 1)
+    assert sum(counts) == dense18.layers + 1 and all(c * cost <= u for c, u in zip(counts, left))
+    assert f"tensorSplit {plan.tensor_split[0]:g}, {plan.tensor_split[1]:g})" in plan.reason
+
+
+def test_layer_counts_follow_llama_cpp():
+    assert P.layer_counts([0.5, 0.5], 31) == [16, 15]
+    assert P.layer_counts([1, 3], 8) == [2, 6]
+    assert P.layer_counts([0, 1], 5) == [0, 5]
+    assert P.layer_counts([0.25] * 4, 3) == [1, 1, 1, 0]
+
+
+def test_a_split_that_fits_in_sum_but_not_layer_by_layer_is_not_planned(dense18):
+    # Two GPUs whose free memory together holds the model, one of them with room for less than a
+    # layer: llama.cpp would give the other every layer, more than it holds. The placement does not
+    # rely on the sum: it offloads the layers that fit.
+    import attrs
+
+    facts = attrs.evolve(dense18, outside_bytes=int(0.2 * GiB))
+    b = P.Budget(facts, MachineInfo(), LoadOptions())
+    cost = b.per_layer + b.kv / facts.layers
+    machine = gpus((b.reserve(512) + 30 * cost) / GiB, (b.reserve(512) + 0.9 * cost) / GiB)
+    b = P.Budget(facts, machine, LoadOptions())
+    assert b.gpu_all(512) <= b.free(512)  # the sum holds it
+    plan = P.Auto().plan(facts, machine, LoadOptions())
+    assert plan.split_mode == "layer" and 0 < plan.gpu_layers <= facts.layers  # not -1: not every layer
+    assert "does not split into whole layers that fit each of the 2 GPUs" in plan.reason
+
+
+def test_moe_experts_stay_in_host_memory_when_the_gpus_together_are_too_small():
+    need_all = P.Budget(QWEN3_30B, MachineInfo(), LoadOptions()).gpu_all(512)
+    # two 8 GiB GPUs: 17+ GiB of weights do not fit, the model without its experts does on one
+    plan = P.Auto().plan(QWEN3_30B, gpus(8, 8), LoadOptions())
+    assert plan.host_tensors == (P.EXPERTS,) and (plan.batch, plan.ubatch) == (4096, 4096)
+    assert (plan.split_mode, plan.main_gpu) == ("none", 0) and plan.gpu_layers == -1
+    assert "experts-host" in plan.reason and "2 GPUs" in plan.reason
+    # four 5 GiB GPUs: without the experts it fits only split over them (each keeps 3.4 GiB of pass buffers)
+    plan = P.Auto().plan(QWEN3_30B, gpus(5, 5, 5, 5), LoadOptions())
+    assert plan.host_tensors == (P.EXPERTS,) and plan.split_mode == "layer" and plan.tensor_split == (0.25,) * 4
+    # eight 12 GiB GPUs hold the whole model: no experts in host memory
+    plan = P.Auto().plan(QWEN3_30B, gpus(*[12] * 8), LoadOptions())
+    assert plan.host_tensors == () and plan.split_mode == "layer" and need_all > 12 * GiB
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_too_big_for_every_gpu_together_offloads_what_fits(dense18, n):
+    machine = gpus(*[12 / n] * n)
+    plan = P.Auto().plan(dense18, machine, LoadOptions())
+    assert 0 < plan.gpu_layers < dense18.layers and plan.host_tensors == ()
+    assert plan.split_mode == "layer" and plan.tensor_split == (round(1 / n, 4),) * n
+    assert f"{plan.gpu_layers} of 30 layers split by layer over {n} GPUs" in plan.reason
+    b = P.Budget(dense18, machine, LoadOptions())
+    cost = b.per_layer + b.kv / dense18.layers
+    left = b.usable(512)
+    counts = P.layer_counts(plan.tensor_split, plan.gpu_layers)
+    assert all(c * cost <= u for c, u in zip(counts, left))  # this many fit each GPU
+    counts = P.layer_counts(plan.tensor_split, plan.gpu_layers + 1)
+    assert not all(c * cost <= u for c, u in zip(counts, left))  # one more does not
+
+
+def test_nothing_fits_any_gpu_is_the_cpu(dense18):
+    plan = P.Auto().plan(dense18, gpus(0.5, 0.5), LoadOptions())
+    assert plan.gpu_layers == 0 and plan.split_mode is None and "2 GPUs" in plan.reason
+
+
+def test_gpu_and_experts_host_placements_split_too(dense18):
+    plan = P.Gpu().plan(dense18, gpus(12, 12), LoadOptions())
+    assert (plan.gpu_layers, plan.split_mode, plan.tensor_split) == (-1, "layer", (0.5, 0.5))
+    assert plan.reason.startswith("placement gpu: every layer split by layer over 2 GPUs")
+    plan = P.Gpu().plan(dense18, gpus(5, 30), LoadOptions())
+    assert (plan.split_mode, plan.main_gpu) == ("none", 1)
+    with pytest.raises(ValueError, match="the 2 GPUs have .* free together.*would fit: gpuLayers"):
+        P.Gpu().plan(dense18, gpus(6, 6), LoadOptions())
+    plan = P.ExpertsHost().plan(QWEN3_30B, gpus(5, 5, 5, 5), LoadOptions())
+    assert plan.host_tensors == (P.EXPERTS,) and plan.split_mode == "layer" and len(plan.tensor_split) == 4
+
+
+# -- the split through the runtime: the user's options win -----------------------------------------
+def _split(plan, **options):
+    from kinfer_rpc.host.options import load_options
+    from kinfer_rpc.host.runtime import split_of
+
+    opts, extra = load_options(options)
+    return split_of(plan, opts, extra["given"])
+
+
+def test_the_plans_split_applies_unless_the_options_set_one():
+    layer = PlacementPlan(gpu_layers=-1, split_mode="layer", tensor_split=(0.6, 0.4))
+    none = PlacementPlan(gpu_layers=-1, split_mode="none", main_gpu=1)
+    assert _split(layer) == ({"split_mode": "layer", "tensor_split": (0.6, 0.4), "main_gpu": None}, [])
+    assert _split(none) == ({"split_mode": "none", "tensor_split": (), "main_gpu": 1}, [])
+    assert _split(PlacementPlan(gpu_layers=-1)) == ({"split_mode": None, "tensor_split": (), "main_gpu": None}, [])
+    placed, notes = _split(layer, splitMode="row", mainGpu=1)
+    assert placed == {"split_mode": "row", "tensor_split": (0.6, 0.4), "main_gpu": 1}
+    assert notes == ["splitMode row set by the load options", "mainGpu 1 set by the load options"]
+    placed, notes = _split(none, tensorSplit=[1, 3])  # shares: a split by layer
+    assert placed == {"split_mode": "layer", "tensor_split": (1.0, 3.0), "main_gpu": None}
+    assert notes == ["tensorSplit [1, 3] set by the load options, so split by layer"]
+    placed, notes = _split(layer, mainGpu=0)  # one GPU named: the whole model there
+    assert placed == {"split_mode": "none", "tensor_split": (), "main_gpu": 0}
+    assert notes == ["mainGpu 0 set by the load options, so every layer on GPU 0 (splitMode none)"]
+    placed, _ = _split(none, splitMode="layer")
+    assert placed == {"split_mode": "layer", "tensor_split": (), "main_gpu": None}
+
+
+def test_split_options_are_checked_against_the_machine():
+    from kinfer_rpc import errors
+    from kinfer_rpc.host.options import load_options
+    from kinfer_rpc.host.runtime import check_split
+
+    def check(machine, **options):
+        opts, extra = load_options(options)
+        check_split(opts, extra["given"], machine)
+
+    check(gpus(8, 8), mainGpu=1, tensorSplit=[1, 1])
+    check(MachineInfo(gpu_free_bytes=8 * GiB, has_gpu=True), mainGpu=5)  # GPUs not listed: not checked
+    with pytest.raises(errors.KinferError, match=r"options.mainGpu 2: the backend sees 2 GPUs \(0 to 1\)") as e:
+        check(gpus(8, 8), mainGpu=2)
+    assert e.value.code == errors.INVALID_PARAMS
+    with pytest.raises(errors.KinferError, match="options.tensorSplit gives 3 shares but the backend sees 2 GPUs"):
+        check(gpus(8, 8), tensorSplit=[1, 1, 1])
+    with pytest.raises(errors.KinferError, match="options.mainGpu 0: the backend sees no GPU"):
+        check(MachineInfo(), mainGpu=0)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"splitMode": "rows"}, "options.splitMode must be one of layer, none, row, tensor"),
+        ({"splitMode": 2}, "options.splitMode must be a string"),
+        ({"mainGpu": -1}, "options.mainGpu must be between 0 and 15"),
+        ({"mainGpu": 16}, "options.mainGpu must be between 0 and 15"),
+        ({"mainGpu": 1.5}, "options.mainGpu must be an integer"),
+        ({"splitMode": "tensor", "flashAttention": False}, "options.splitMode tensor needs flash attention"),
+    ],
+)
+def test_bad_split_options_are_32602(options, words):
+    from kinfer_rpc import errors
+    from kinfer_rpc.host.options import load_options
+
+    with pytest.raises(errors.KinferError) as e:
+        load_options(options)
+    assert e.value.code == errors.INVALID_PARAMS and words in e.value.message
+
+
+def test_split_options_parse():
+    from kinfer_rpc.host.options import load_options
+
+    opts, extra = load_options({"splitMode": "row", "mainGpu": 3, "tensorSplit": [2, 1]})
+    assert (opts.split_mode, opts.main_gpu, opts.tensor_split) == ("row", 3, (2.0, 1.0))
+    assert {"splitMode", "mainGpu", "tensorSplit"} <= extra["given"]
+    opts, _ = load_options({})
+    assert (opts.split_mode, opts.main_gpu, opts.tensor_split) == (None, None, ())
+
+
+# -- the split reaching llama.cpp ----------------------------------------------------------------
+def test_split_params_reach_the_model_params():
+    from kinfer_rpc.default_plugins import llama as kinfer_llama
+
+    L = kinfer_llama._llama()
+    for mode, value in (("none", 0), ("layer", 1), ("row", 2), ("tensor", 3)):
+        assert getattr(L, f"LLAMA_SPLIT_MODE_{mode.upper()}") == value
+        p = L.llama_model_default_params()
+        keep = kinfer_llama.split_params(L, p, LoadOptions(split_mode=mode, main_gpu=1), local_gpu=True)
+        assert (p.split_mode, p.main_gpu) == (value, 1) and keep is None
+    p = L.llama_model_default_params()
+    keep = kinfer_llama.split_params(L, p, LoadOptions(tensor_split=(0.25, 0.75)), local_gpu=True)
+    assert [p.tensor_split[i] for i in range(3)] == [0.25, 0.75, 0.0] and len(keep) == 16
+    assert (p.split_mode, p.main_gpu) == (L.LLAMA_SPLIT_MODE_LAYER, 0)  # llama.cpp's defaults kept
+    # without a GPU (or RPC server) the mode and main GPU stay llama.cpp's: no main GPU to find
+    p = L.llama_model_default_params()
+    kinfer_llama.split_params(L, p, LoadOptions(split_mode="none", main_gpu=1), local_gpu=False)
+    assert (p.split_mode, p.main_gpu) == (L.LLAMA_SPLIT_MODE_LAYER, 0)
+
+
+def test_row_split_needs_split_buffers():
+    """The CPU backend has no split buffers; check_row_split refuses a GPU that lacks them, which
+    this machine can only show by calling the CPU device one."""
+    from kinfer_rpc.default_plugins import llama as kinfer_llama
+
+    kinfer_llama._llama()
+    g = llama_cpp_buft.Ggml()
+    cpu = next(i for i in range(g.dev_count()) if g.dev_type(g.dev_get(i)) == llama_cpp_buft.DEVICE_CPU)
+    assert g.row_split(cpu) is False
+    kinfer_llama.check_row_split(g)  # no GPU here: nothing to refuse
+
+    g.dev_type = lambda dev: llama_cpp_buft.DEVICE_GPU  # every device (the CPU's) taken for a GPU
+    with pytest.raises(RuntimeError, match="splitMode row needs split buffers, which .* of CPU does not have"):
+        kinfer_llama.check_row_split(g)
+
+
+@pytest.mark.model
+def test_split_options_through_the_server(server):
+    """On this machine (no GPU) a split mode changes nothing but is reported with its note; a GPU
+    named that the backend does not see is -32602."""
+    r = server.load_model(splitMode="layer", contextLength=256, slots=1)
+    assert r["splitMode"] == "layer" and "tensorSplit" not in r and "mainGpu" not in r
+    assert r["placementReason"].endswith("; splitMode layer set by the load options") and r["gpuLayers"] == 0
+    server.call("model/unload", {"model": r["model"]})
+    r = server.load_model(contextLength=256, slots=1)
+    assert not {"splitMode", "tensorSplit", "mainGpu", "devices"} & set(r)  # one machine, no split
+    server.call("model/unload", {"model": r["model"]})
+    for options, words in (
+        ({"mainGpu": 0}, "options.mainGpu 0: the backend sees no GPU"),
+        ({"tensorSplit": [1, 1]}, "options.tensorSplit gives 2 shares but the backend sees no GPU"),
+        ({"mainGpu": 0, "gpuLayers": 0}, "options.mainGpu 0: the backend sees no GPU"),
+    ):
+        e = error_of(server.request("model/load", {"model": None, "options": options}))
+        assert e["code"] == -32602 and words in e["message"], e
+    assert server.call("model/status")["models"] == []

@@ -29,6 +29,7 @@ from kinfer_rpc.types import (
     Backend,
     DraftPolicy,
     DraftRequest,
+    GpuInfo,
     LoadedModel,
     LoadOptions,
     MachineInfo,
@@ -162,6 +163,44 @@ class _Batch:
         return sum(out)
 
 
+def split_params(L: ModuleType, mparams: Any, options: LoadOptions, local_gpu: bool) -> Any:
+    """Set how llama_model_params `mparams` spreads the offloaded layers over the devices:
+    tensor_split, split_mode and main_gpu from the load options that set them (llama.cpp's
+    defaults stay otherwise). Without a GPU on this host or an RPC server the split mode and main
+    GPU are left alone: llama.cpp would look for the main GPU among no devices and fail the load.
+    Returns the tensor_split array, which must live as long as the load."""
+    shares = None
+    if options.tensor_split:
+        # llama.cpp reads llama_max_devices() (16) floats
+        shares = (ctypes.c_float * max(16, len(options.tensor_split)))(*options.tensor_split)
+        mparams.tensor_split = ctypes.cast(shares, ctypes.POINTER(ctypes.c_float))
+    if local_gpu or options.rpc_servers:
+        if options.split_mode is not None:
+            mparams.split_mode = {
+                "none": L.LLAMA_SPLIT_MODE_NONE,
+                "layer": L.LLAMA_SPLIT_MODE_LAYER,
+                "row": L.LLAMA_SPLIT_MODE_ROW,
+                "tensor": L.LLAMA_SPLIT_MODE_TENSOR,
+            }[options.split_mode]
+        if options.main_gpu is not None:
+            mparams.main_gpu = options.main_gpu
+    return shares
+
+
+def check_row_split(g: llama_buft.Ggml) -> None:
+    """RuntimeError unless every GPU's ggml backend has the split buffers split mode row puts each
+    weight matrix in (llama.cpp would fail the load with a bare error). ggml-cuda, as the llama.cpp
+    kinfer builds vendors it, has none: it cuts matrices over GPUs with split mode tensor."""
+    for i in range(g.dev_count() if g.dev_count else 0):
+        dev = g.dev_get(i)
+        if g.dev_type(dev) in (llama_buft.DEVICE_GPU, llama_buft.DEVICE_IGPU) and not g.row_split(i):
+            name = (g.dev_name(dev) or b"").decode() if g.dev_name else str(i)
+            raise RuntimeError(
+                f"splitMode row needs split buffers, which this llama.cpp's backend of {name} does not have; "
+                "splitMode tensor cuts every matrix over the GPUs instead, splitMode layer gives each a range of layers"
+            )
+
+
 class LlamaModel:
     """A GGUF model loaded into one llama.cpp context (the LoadedModel contract)."""
 
@@ -178,14 +217,17 @@ class LlamaModel:
         )
         self._rpc: llama_rpc.Servers | None = None
         self._split: Any = None
+        if options.split_mode == "row" and local_gpu:
+            check_row_split(llama_buft.Ggml())
         if options.rpc_servers:
             # The servers' devices (after this host's GPUs) take the offloaded layers.
             self._rpc = llama_rpc.Servers(options.rpc_servers)
             mparams.devices = ctypes.cast(self._rpc.array, ctypes.c_void_p)
+        self._split = split_params(L, mparams, options, local_gpu)
+        # Where the layers went, from llama.cpp's log: over RPC servers, or split over this host's GPUs.
+        layer_map = self._rpc is not None or (local_gpu and options.split_mode in ("layer", "row", "tensor"))
+        if layer_map:
             llama_rpc.capture_start()
-        if options.tensor_split:
-            self._split = (ctypes.c_float * max(16, len(options.tensor_split)))(*options.tensor_split)
-            mparams.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         # On a GPU llama_decode returns once the pass is queued (see decode).
         self.decode_async = not self.on_cpu
         self._overrides: llama_buft.Overrides | None = None
@@ -208,8 +250,10 @@ class LlamaModel:
             mparams.load_mtp = True  # otherwise llama.cpp skips the NextN tensors
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
         devices: tuple[dict[str, Any], ...] = ()
+        if layer_map:
+            names = self._rpc.names if self._rpc is not None else {}
+            devices = llama_rpc.capture_end(names, L.llama_model_n_layer(self.model) if self.model else 0)
         if self._rpc is not None:
-            devices = llama_rpc.capture_end(self._rpc.names, L.llama_model_n_layer(self.model) if self.model else 0)
             if not self.model:
                 self._rpc.release()
                 self._rpc.check()  # a server that failed during the load is named
@@ -307,6 +351,16 @@ class LlamaModel:
             return False, "one KV buffer for every slot: a reply's attention depends on its neighbours' cells"
         if options.rpc_servers:
             return False, "layers on RPC servers run kernels kinfer does not choose (their devices' own)"
+        if options.split_mode == "row" and not self.on_cpu:
+            return False, (
+                "splitMode row: matrices cut over several GPUs run kernels that kinfer's batch-invariant build "
+                "does not cover"
+            )
+        if options.split_mode == "tensor" and not self.on_cpu:
+            return False, (
+                "splitMode tensor: each matrix product is cut over the GPUs and their parts summed across them, "
+                "which kinfer's batch-invariant build does not cover"
+            )
         if self.on_cpu:
             if self.kv_type != "q8_0":
                 return False, (
@@ -569,15 +623,14 @@ class LlamaBackend:
     formats: tuple[str, ...] = ("gguf",)
 
     def machine(self) -> MachineInfo:
-        """GPU memory as ggml's devices report it, and the host's available memory."""
+        """Each GPU's memory as ggml's devices report it, in llama.cpp's device order (that of
+        tensor_split and main_gpu), and the host's available memory."""
         L = _llama()
         gpus = [d for d in llama_buft.Ggml().devices() if d["type"] == llama_buft.DEVICE_GPU]
-        has_gpu = bool(gpus) and bool(L.llama_supports_gpu_offload())
-        return MachineInfo(
-            gpu_free_bytes=sum(d["free"] for d in gpus) if has_gpu else 0,
-            gpu_total_bytes=sum(d["total"] for d in gpus) if has_gpu else 0,
-            host_free_bytes=MachineInfo.host_available(),
-            has_gpu=has_gpu,
+        if not L.llama_supports_gpu_offload():
+            gpus = []
+        return MachineInfo.of_gpus(
+            (GpuInfo(d["name"], d["free"], d["total"]) for d in gpus), host_free_bytes=MachineInfo.host_available()
         )
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:

@@ -137,6 +137,18 @@ class Ggml:
             None,
         )
         self.buft_name = self._fn("ggml_backend_buft_name", [ctypes.c_void_p], ctypes.c_char_p)
+        self.dev_reg = self._fn("ggml_backend_dev_backend_reg", [ctypes.c_void_p], ctypes.c_void_p)
+        self.reg_proc = self._fn(
+            "ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+        )
+
+    def row_split(self, index: int) -> bool:
+        """Whether ggml device `index`'s backend has split buffers (`ggml_backend_split_buffer_type`),
+        which llama.cpp's split mode row needs for every GPU it uses."""
+        if None in (self.dev_get, self.dev_reg, self.reg_proc):
+            return False
+        reg = self.dev_reg(self.dev_get(index))
+        return bool(reg) and bool(self.reg_proc(reg, b"ggml_backend_split_buffer_type"))
 
     def _fn(self, name: str, argtypes: list[type[Any]], restype: type[Any] | None) -> Any:
         """The named C function (a ctypes function pointer) of the first library that has it, else None."""

@@ -238,6 +238,9 @@ def generate_options(obj: object, seed_default: int, *, infill: bool = False) ->
 
 
 MAX_DEVICES = 16  # llama.cpp's llama_max_devices()
+# How a model's layers are spread over several GPUs (llama.cpp's split modes): one GPU, a range of
+# layers each, every weight matrix cut by rows, every matrix and the KV cache cut (tensor parallelism)
+SPLIT_MODES = ("none", "layer", "row", "tensor")
 
 
 def _rpc_servers(value: object) -> tuple[str, ...]:
@@ -334,6 +337,8 @@ def load_options(obj: object, context_default: int | None = None) -> tuple[LoadO
         reproducible=f.bool("reproducible", None),
         rpc_servers=_rpc_servers(f.raw("rpcServers")),
         tensor_split=_tensor_split(f.raw("tensorSplit")),
+        split_mode=f.str("splitMode", None, choices=SPLIT_MODES),
+        main_gpu=f.int("mainGpu", None, lo=0, hi=MAX_DEVICES - 1),
     )
     extra = {
         "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
@@ -353,4 +358,9 @@ def load_options(obj: object, context_default: int | None = None) -> tuple[LoadO
     f.done()
     if opts.slots > opts.batch:
         raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
+    if opts.split_mode == "tensor" and not opts.flash_attention:
+        raise errors.invalid_params(
+            "options.splitMode tensor needs flash attention (options.flashAttention true)",
+            {"field": "options.splitMode"},
+        )
     return opts, extra

@@ -26,6 +26,7 @@ from kinfer_rpc.types import (
     LoadedModel,
     LoadOptions,
     MachineAware,
+    MachineInfo,
     ModelFacts,
     PlacementPlan,
     Reproducible,
@@ -183,6 +184,64 @@ class _Placed(TypedDict, total=False):
     gpu_layers: int
     batch: int
     ubatch: int
+    split_mode: str | None
+    tensor_split: tuple[float, ...]
+    main_gpu: int | None
+
+
+SPLIT_OPTIONS = {"splitMode": "split_mode", "tensorSplit": "tensor_split", "mainGpu": "main_gpu"}
+
+
+def check_split(opts: LoadOptions, given: frozenset[str], machine: MachineInfo) -> None:
+    """-32602 for a mainGpu or tensorSplit the machine's GPUs cannot take (a backend that gives
+    only the sums of its GPUs' memory is not checked)."""
+    count = len(machine.gpus) if machine.gpus or not machine.has_gpu else None
+    if count is None:
+        return
+    seen = f"{count} GPU{'s' if count != 1 else ''}" if count else "no GPU"
+    if "mainGpu" in given and opts.main_gpu is not None and opts.main_gpu >= count:
+        raise errors.invalid_params(
+            f"options.mainGpu {opts.main_gpu}: the backend sees {seen}" + (f" (0 to {count - 1})" if count else ""),
+            {"field": "options.mainGpu", "gpus": count},
+        )
+    if "tensorSplit" in given and len(opts.tensor_split) > count:
+        raise errors.invalid_params(
+            f"options.tensorSplit gives {len(opts.tensor_split)} shares but the backend sees {seen}",
+            {"field": "options.tensorSplit", "gpus": count},
+        )
+
+
+def split_of(plan: PlacementPlan, opts: LoadOptions, given: frozenset[str]) -> tuple[_Placed, list[str]]:
+    """How the load's layers go over several GPUs: the plan's split mode, shares and main GPU,
+    each unless the load options set it, and notes saying what the options changed. Shares
+    given without a split mode split by layer (they mean nothing to split mode none); a main GPU
+    given alone puts the whole model there (split mode none), as one GPU named means."""
+    mode = opts.split_mode if "splitMode" in given else plan.split_mode
+    shares = opts.tensor_split if "tensorSplit" in given else tuple(plan.tensor_split)
+    main = opts.main_gpu if "mainGpu" in given else plan.main_gpu
+    notes = {
+        key: f"{key} {_show(getattr(opts, field))} set by the load options"
+        for key, field in SPLIT_OPTIONS.items()
+        if key in given
+    }
+    if "splitMode" not in given:
+        if "tensorSplit" in given and mode in (None, "none"):
+            mode = "layer"
+            notes["tensorSplit"] += ", so split by layer"
+        elif "mainGpu" in given and "tensorSplit" not in given and mode != "none":
+            mode = "none"
+            notes["mainGpu"] += f", so every layer on GPU {main} (splitMode none)"
+    if mode == "none" and "tensorSplit" not in given:
+        shares = ()  # nothing to share out
+    if mode == "layer" and "mainGpu" not in given:
+        main = None  # split mode layer has no main GPU
+    return {"split_mode": mode, "tensor_split": shares, "main_gpu": main}, list(notes.values())
+
+
+def _show(value: object) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    return str(value)
 
 
 class Runtime:
@@ -363,6 +422,11 @@ class Runtime:
         machine_of = backend.machine if isinstance(backend, MachineAware) else None
         facts = model_facts(ref.path) if ref.format == "gguf" else None
         if machine_of is None or facts is None:
+            asked = sorted(k for k in SPLIT_OPTIONS if k in given)
+            if asked and backend.name != "llama":
+                raise errors.KinferError(
+                    errors.NOT_SUPPORTED, f"options.{asked[0]} needs the llama backend, not {backend.name}"
+                )
             if name is not None:
                 raise errors.KinferError(
                     errors.NOT_SUPPORTED,
@@ -371,14 +435,15 @@ class Runtime:
                 )
             return opts, (None, f"the {backend.name} backend places the model itself")
         if name is None and "gpuLayers" in given:
-            return opts, (None, f"gpuLayers {opts.gpu_layers} set by the load options")
+            reason = f"gpuLayers {opts.gpu_layers} set by the load options"
+            if not given & SPLIT_OPTIONS.keys():
+                return opts, (None, reason)
+            check_split(opts, given, self._machine(ref, machine_of))
+            own, own_notes = split_of(PlacementPlan(gpu_layers=opts.gpu_layers), opts, given)
+            return attrs.evolve(opts, **own), (None, "; ".join([reason, *own_notes]))
         name = name or "auto"
-        try:
-            machine = machine_of()
-        except Exception as exc:  # the backend's library cannot run here: the load fails, nothing else
-            raise errors.KinferError(
-                errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}", {"path": ref.path}
-            ) from exc
+        machine = self._machine(ref, machine_of)
+        check_split(opts, given, machine)
         try:
             plan = self.plugins.placements[name].plan(facts, machine, opts)
         except ValueError as exc:
@@ -406,10 +471,22 @@ class Runtime:
             notes.append(f"batch {batch} set by the load options")
         ubatch = opts.ubatch if "ubatch" in given else min(plan.ubatch or opts.ubatch, batch)
         changes.update({"batch": batch, "ubatch": ubatch})
+        spread, spread_notes = split_of(plan, opts, given)
+        changes.update(spread)
+        notes += spread_notes
         if opts.slots > batch:
             raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed the pass size ({batch})")
         reason = plan.reason + "".join(f"; {n}" for n in notes)
         return attrs.evolve(opts, **changes), (name, reason)
+
+    @staticmethod
+    def _machine(ref: ModelRef, machine_of: Callable[[], MachineInfo]) -> MachineInfo:
+        try:
+            return machine_of()
+        except Exception as exc:  # the backend's library cannot run here: the load fails, nothing else
+            raise errors.KinferError(
+                errors.LOAD_FAILED, f"loading {ref.name} failed: {exc}", {"path": ref.path}
+            ) from exc
 
     def _backend_for(self, fmt: str, wanted: str | None) -> Backend:
         backends = self.plugins.backends

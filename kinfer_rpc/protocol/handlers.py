@@ -26,7 +26,7 @@ from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
 from kinfer_rpc.protocol.results import engine_status, job_result, token_logprobs
-from kinfer_rpc.types import LoadedModel
+from kinfer_rpc.types import LoadedModel, LoadOptions
 
 
 class _Progress:
@@ -161,7 +161,20 @@ class Handlers:
             "ignoredParameters": [{"name": n, "reason": why} for n, why in entry.ignored],
             **({"devices": [dict(d) for d in info.devices]} if info.devices else {}),
             **({"rpcServers": list(entry.options.rpc_servers)} if entry.options.rpc_servers else {}),
+            **self._split_fields(entry.options),
         }
+
+    @staticmethod
+    def _split_fields(opts: LoadOptions) -> dict[str, Any]:
+        """How the layers were spread over several GPUs, where the placement or the options said."""
+        out: dict[str, Any] = {}
+        if opts.split_mode is not None:
+            out["splitMode"] = opts.split_mode
+        if opts.tensor_split:
+            out["tensorSplit"] = list(opts.tensor_split)
+        if opts.main_gpu is not None:
+            out["mainGpu"] = opts.main_gpu
+        return out
 
     @staticmethod
     def _template_fields(entry: Loaded) -> dict[str, Any]:

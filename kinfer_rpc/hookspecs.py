@@ -53,6 +53,7 @@ def register_placements(register: Callable[[Placement], None]) -> None:
 
     A placement (kinfer_rpc.types.Placement) has a unique `name` and
     `plan(model, machine, options)` returning a PlacementPlan: GPU layers, tensor patterns kept
-    in host memory, the prompt pass size and a reason, or raising ValueError that says what
-    would fit. Called once at start-up.
+    in host memory, the prompt pass size, with several GPUs (`machine.gpus`) how the layers are
+    split over them, and a reason, or raising ValueError that says what would fit. Called once
+    at start-up.
     """

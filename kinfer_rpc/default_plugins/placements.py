@@ -27,6 +27,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import attrs
+
 import kinfer_rpc
 from kinfer_rpc.types import GpuInfo, LoadOptions, MachineInfo, ModelFacts, Placement, PlacementPlan
 
@@ -213,16 +215,7 @@ def _spread(b: Budget, need: int, ubatch: int, per_layer: float) -> Split | None
 
 
 def _with(plan: PlacementPlan, split: Split) -> PlacementPlan:
-    return PlacementPlan(
-        gpu_layers=plan.gpu_layers,
-        host_tensors=plan.host_tensors,
-        batch=plan.batch,
-        ubatch=plan.ubatch,
-        reason=plan.reason,
-        split_mode=split.split_mode,
-        tensor_split=split.tensor_split,
-        main_gpu=split.main_gpu,
-    )
+    return attrs.evolve(plan, split_mode=split.split_mode, tensor_split=split.tensor_split, main_gpu=split.main_gpu)
 
 
 class Cpu:
@@ -240,6 +233,7 @@ class Gpu:
         if not machine.has_gpu:
             raise ValueError("placement gpu needs a GPU and llama.cpp found none; use placement cpu or auto")
         need = b.gpu_all(PASS_PLAIN[1])
+        split = None
         if len(machine.gpus) >= 2:
             split = _spread(b, need, PASS_PLAIN[1], b.per_layer)
             if split is None:
@@ -248,20 +242,17 @@ class Gpu:
                     f"the {len(machine.gpus)} GPUs have {gib(b.free(PASS_PLAIN[1]))} free together after each "
                     "one's pass buffers" + _gpu_alternatives(b)
                 )
-            why = f"placement gpu: every layer {split.text}"
-            plan = PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1], reason=why)
-            return _with(plan, split)
-        if need > machine.gpu_free_bytes:
+            where = split.text
+        elif need > machine.gpu_free_bytes:
             raise ValueError(
                 f"everything on the GPU needs {b.describe(need, model.weight_bytes, PASS_PLAIN[1])} but "
                 f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
             )
-        return PlacementPlan(
-            gpu_layers=-1,
-            batch=PASS_PLAIN[0],
-            ubatch=PASS_PLAIN[1],
-            reason=f"placement gpu: every layer on the GPU ({gib(need)} of {gib(machine.gpu_free_bytes)} free)",
-        )
+        else:
+            where = f"on the GPU ({gib(need)} of {gib(machine.gpu_free_bytes)} free)"
+        why = f"placement gpu: every layer {where}"
+        plan = PlacementPlan(gpu_layers=-1, batch=PASS_PLAIN[0], ubatch=PASS_PLAIN[1], reason=why)
+        return _with(plan, split) if split is not None else plan
 
 
 class ExpertsHost:
@@ -284,6 +275,7 @@ class ExpertsHost:
                 reason="placement experts-host: no GPU, so every tensor is in host memory anyway; passes of 4096",
             )
         need = b.gpu_experts_host(PASS_EXPERTS[1])
+        split = None
         if len(machine.gpus) >= 2:
             split = _spread(b, need, PASS_EXPERTS[1], b.per_layer_dense)
             if split is None:
@@ -293,35 +285,27 @@ class ExpertsHost:
                     f"{len(machine.gpus)} GPUs have {gib(b.free(PASS_EXPERTS[1]))} free together after each one's "
                     "pass buffers" + _gpu_alternatives(b)
                 )
-            plan = PlacementPlan(
-                gpu_layers=-1,
-                host_tensors=(EXPERTS,),
-                batch=PASS_EXPERTS[0],
-                ubatch=PASS_EXPERTS[1],
-                reason=(
-                    f"placement experts-host: {model.experts} experts x {model.layers} layers "
-                    f"({gib(model.expert_bytes)}) in host memory, the rest ({gib(need)}) {split.text}; "
-                    "prompt passes of 4096 tokens, each rereading the experts once"
-                ),
-            )
-            return _with(plan, split)
-        if need > machine.gpu_free_bytes:
+            rest = f"({gib(need)}) {split.text}"
+        elif need > machine.gpu_free_bytes:
             raise ValueError(
                 f"the model without its experts needs "
                 f"{b.describe(need, model.weight_bytes - model.expert_bytes, PASS_EXPERTS[1])} but "
                 f"{gib(machine.gpu_free_bytes)} is free" + _gpu_alternatives(b)
             )
-        return PlacementPlan(
+        else:
+            rest = f"on the GPU ({gib(need)})"
+        plan = PlacementPlan(
             gpu_layers=-1,
             host_tensors=(EXPERTS,),
             batch=PASS_EXPERTS[0],
             ubatch=PASS_EXPERTS[1],
             reason=(
                 f"placement experts-host: {model.experts} experts x {model.layers} layers "
-                f"({gib(model.expert_bytes)}) in host memory, the rest on the GPU ({gib(need)}); "
+                f"({gib(model.expert_bytes)}) in host memory, the rest {rest}; "
                 "prompt passes of 4096 tokens, each rereading the experts once"
             ),
         )
+        return _with(plan, split) if split is not None else plan
 
 
 class Auto:

@@ -146,8 +146,7 @@ class Masks:
         self.n_vocab = n_vocab
         self._executor: llguidance.LLExecutor | None = None
         self._bits = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
-        self.chosen = 0  # rows choose() decided, and how many by their own best token
-        self.own_best = 0
+        self.own_best = 0  # rows choose() settled by their own best token
 
     def compute(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
         """One bitmask row per matcher, in order (int32 words, bit i of the row = token i)."""
@@ -185,7 +184,6 @@ class Masks:
                 out[k] = t
             else:
                 rest.append(k)
-        self.chosen += len(picks)
         self.own_best += len(picks) - len(rest)
         for k in rest:
             r, bits, ids = picks[k]

@@ -44,7 +44,7 @@ cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&
 # ggml's RPC server (llama.cpp's tools/rpc, the `ggml-rpc-server` program): it needs only ggml, so
 # it is compiled here against the libraries just built instead of configuring llama.cpp's tools.
 "${CXX:-c++}" -O2 -std=c++17 -I "$work/llama.cpp/ggml/include" "$work/llama.cpp/tools/rpc/rpc-server.cpp" \
-  -L "$work/build/bin" -lggml -lggml-base -Wl,--disable-new-dtags,-rpath,'$ORIGIN' -o "$work/build/bin/ggml-rpc-server" \
+  -L "$work/build/bin" -lggml -lggml-base -Wl,-rpath,'$ORIGIN' -o "$work/build/bin/ggml-rpc-server" \
   >> "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 # A compiler that links the C++ runtime statically (-static-libstdc++) makes libraries that crash
 # in a process that also loads libstdc++.so.6 (kinfer_rpc/default_plugins/llama_native.py): refuse them here.

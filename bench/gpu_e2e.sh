@@ -14,9 +14,7 @@ shapes=${*:-1b 7b}
 SHAPES=$shapes
 . bench/gpu_setup.sh
 for s in $shapes; do gpu_model "$s"; done
-rm -rf /tmp/kinfer
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
-export PYTHONPATH=/tmp/kinfer:/tmp/site KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc
+kinfer_install
 echo "kinfer-rpc: $KINFER_RPC, llama.cpp: $LLAMA_CPP_LIB_PATH" | tee -a "$OUT/e2e.md"
 rc=0
 for s in $shapes; do

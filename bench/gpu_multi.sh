@@ -13,9 +13,7 @@ shapes=${*:-7b}
 SHAPES=$shapes
 . bench/gpu_setup.sh
 for s in $shapes; do gpu_model "$s"; done
-rm -rf /tmp/kinfer
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
-export PYTHONPATH=/tmp/kinfer:/tmp/site KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc
+kinfer_install
 {
   echo "kinfer-rpc: $KINFER_RPC, llama.cpp: $LLAMA_CPP_LIB_PATH"
   nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader

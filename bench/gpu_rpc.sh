@@ -10,10 +10,9 @@ shapes=${*:-1b 7b}
 SHAPES=$shapes
 . bench/gpu_setup.sh
 for s in $shapes; do gpu_model "$s"; done
-if [ ! -x /tmp/kinfer/bin/kinfer ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
-fi
-export PYTHONPATH=/tmp/kinfer:/tmp/site:$PYTHONPATH KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc KINFER=/tmp/kinfer/bin/kinfer
+base=$PYTHONPATH
+kinfer_install
+export PYTHONPATH=$PYTHONPATH:$base
 for s in $shapes; do
   echo "## RPC over loopback, $s (every layer on the GPU; kinfer-rpc local vs through the server)" | tee -a "$OUT/rpc.md"
   python3 bench/rpc_bench.py /tmp/m-$s.gguf --start 1 --device CUDA0 --tensor-split 0,1 --threads 4 \

@@ -32,6 +32,14 @@ gpu_model() {
     /tmp/lc/llama-quantize "/tmp/m-$1-f16.gguf" "/tmp/m-$1.part.gguf" Q4_K_M >/dev/null 2>&1 &&
     rm -f "/tmp/m-$1-f16.gguf" && mv "/tmp/m-$1.part.gguf" "/tmp/m-$1.gguf"
 }
+# kinfer_install: this checkout installed as a package into /tmp/kinfer (its entry points and the
+# kinfer and kinfer-rpc scripts; the machine's packages and .gpu's wheels are the dependencies);
+# PYTHONPATH, KINFER_RPC and KINFER point at it.
+kinfer_install() {
+  rm -rf /tmp/kinfer
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
+  export PYTHONPATH=/tmp/kinfer:/tmp/site KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc KINFER=/tmp/kinfer/bin/kinfer
+}
 # SHAPES, set before sourcing this: make those models while kinfer's llama.cpp builds.
 models_pid=
 if [ -n "${SHAPES:-}" ]; then

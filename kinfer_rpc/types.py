@@ -191,9 +191,10 @@ class DecodeChained(Protocol):
     """Optional LoadedModel capability, with AsyncDecode and DeviceGreedy: `decode_chained()` is
     decode() of the last launched pass's rows (decode, decode_next or decode_chained) one token
     further, each row fed the token that pass samples on the device, before the host has read
-    it: the device runs the two passes back to back. Called only right after launching a pass
-    whose rows were one device-greedy token each, all asking for logits; raises ValueError
-    otherwise. A pass's wait is called before sampled_tokens() reads its tokens; the engine
+    it: the device runs the two passes back to back. Called right after launching a pass whose
+    rows were one device-greedy token each, all asking for logits (a backend may also chain to a
+    pass whose chunks each asked for one output, as a draft model's catch-up does); raises
+    ValueError otherwise. A pass's wait is called before sampled_tokens() reads its tokens; the engine
     waits for a chained pass it does not use and removes its cells (seq_remove)."""
 
     def decode_chained(self) -> Callable[[], np.ndarray]: ...

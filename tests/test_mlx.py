@@ -31,7 +31,7 @@ from kinfer_rpc.default_plugins.mlx import MlxBackend  # noqa: E402
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
 from kinfer_rpc.host.store import ModelStore, embedded_default_path  # noqa: E402
-from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
+from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk  # noqa: E402
 
 pytestmark = pytest.mark.model  # every test here loads a real model
 
@@ -290,6 +290,60 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
         assert [j.generated[:n] for j in got] == [j.generated for j in want]
     assert chained  # passes were chained on the device ...
     assert e.started_ahead and not host.started_ahead  # ... and the engine used them
+
+
+def test_a_draft_model_on_mlx_chains_its_rounds_in_one_wait():
+    """The draft-model policy on the mlx backend: each step's draft rounds are chained on the
+    device to the catch-up pass (one decode() a step, then decode_chained; the host reads the
+    drafts once), and they are the drafts that round-by-round passes read on the host give.
+    SmolLM2 drafting for itself: its drafts are its own greedy reply, and through the engine
+    every draft is accepted and the replies are the ones without drafting."""
+    opts = LoadOptions(context_length=CTX, slots=2, batch=64, drafts=3, draft_model=GGUF)
+    target = mlx_model(slots=2)
+    chained = kinfer_drafts.DraftModelPolicy().session(target, MlxBackend(), opts)
+    host = kinfer_drafts.DraftModelPolicy().session(target, MlxBackend(), opts)
+    assert chained.chained and host.chained
+    host.chained = False
+    for seq in range(2):
+        host.draft.set_device_greedy(seq, False)
+    calls = []
+    for name in ("decode", "decode_chained"):
+        fn = getattr(chained.draft, name)
+        setattr(chained.draft, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    e = _alone_engine()
+    a, b = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12"])
+    want_a, want_b = alone(tuple(a), 8, 0.0, 1), alone(tuple(b), 8, 0.0, 1)
+    DR = DraftRequest
+    steps = [
+        [DR(0, a, 4), DR(1, b, 2)],  # both prompts caught up in one pass, then 3 chained rounds
+        [DR(0, a + list(want_a[:3]), 4), DR(1, b + [want_b[0], 7], 3)],  # accepted drafts; a rejected one
+        [DR(1, b + list(want_b[:2]), 1)],  # one round: nothing chained
+    ]
+    for step in steps:
+        calls.clear()
+        got = chained.propose_many(step)
+        assert got == host.propose_many(step)
+        assert [len(d) for d in got] == [r.k for r in step]
+        k_max = max(r.k for r in step)
+        assert calls == ["decode"] + ["decode_chained"] * (k_max - 1)
+    assert chained.propose_many(steps[0]) == [list(want_a[:4]), list(want_b[:2])]
+    for s in (chained, host):
+        s.close()
+    d = Engine(
+        lambda p: MlxBackend().load(GGUF, opts, p),
+        lambda fn: fn(),
+        batch=64,
+        prefix=-1,
+        draft_session=lambda policy, model: policy.session(model, MlxBackend(), opts),
+    )
+    d.load_model()
+    policy = kinfer_drafts.DraftModelPolicy()
+    greedy = SamplingOptions(temperature=0.0)
+    jobs = [Job(list(p), GenerateOptions(max_tokens=8, drafts=3, draft_policy=policy, sampling=greedy)) for p in (a, b)]
+    run_until_done(d, jobs, arrivals=[0, 1])
+    assert [tuple(j.generated) for j in jobs] == [want_a, want_b]
+    assert sum(j.drafted for j in jobs) > 0 and sum(j.accepted for j in jobs) == sum(j.drafted for j in jobs)
+    d._sessions.pop("draft-model").close()
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -12,15 +12,24 @@ llama.cpp's own multi-token-prediction API.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import numpy as np
 
 import kinfer_rpc
 from kinfer_rpc.types import common_prefix
 
 if TYPE_CHECKING:
-    from kinfer_rpc.types import Backend, DraftPolicy, DraftRequest, LoadedModel, LoadOptions
+    from kinfer_rpc.types import (
+        Backend,
+        DecodeChained,
+        DeviceGreedy,
+        DraftPolicy,
+        DraftRequest,
+        LoadedModel,
+        LoadOptions,
+    )
 
 
 class NgramPolicy:
@@ -57,7 +66,9 @@ class DraftModelPolicy:
     One session per load keeps one draft sequence per slot and what it holds; each step it
     catches every drafting sequence up with its request's history (recomputing only what its
     cache does not already hold) and then decodes k tokens, every round one pass over all the
-    step's drafting requests."""
+    step's drafting requests. On a backend that feeds a pass with the one before's argmax on the
+    device (DecodeChained: the mlx backend) the rounds are chained to the catch-up pass, and the
+    step's drafting waits for the device once."""
 
     name = "draft-model"
 
@@ -66,6 +77,16 @@ class DraftModelPolicy:
 
     def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> DraftModelSession:
         return DraftModelSession(target, backend, options)
+
+
+@attrs.frozen
+class _Pass:
+    """A launched pass of the draft model: its wait, the request each output row belongs to, and
+    whether it fed each request's last draft."""
+
+    wait: Callable[[], np.ndarray]
+    rows: list[int]
+    fed: bool
 
 
 class DraftModelSession:
@@ -97,6 +118,17 @@ class DraftModelSession:
             raise
         self.capacity = options.batch
         self.cached: dict[int, list[int]] = {}
+        # A draft model whose greedy argmax stays on the device and whose next pass can be fed
+        # with it (the mlx backend): a step's draft rounds are chained, one wait for them all.
+        from kinfer_rpc.types import DecodeChained, DeviceGreedy
+
+        d = self.draft
+        self.chained = (
+            isinstance(d, DecodeChained)
+            and isinstance(d, DeviceGreedy)
+            and d.device_greedy
+            and all(d.set_device_greedy(seq, True) for seq in range(info.slots))
+        )
 
     def _check_vocabulary(self, target: LoadedModel) -> None:
         n = target.info.n_vocab
@@ -127,8 +159,10 @@ class DraftModelSession:
                 self.draft.seq_remove(r.seq, p, -1)
             self.cached[r.seq] = h[:p]
             todo.append([i, r.seq, p, h[p:]])
-        last: dict[int, int] = {}
+        pending: _Pass | None = None  # the last pass launched, not yet taken
         while any(t[3] for t in todo):
+            if pending is not None:
+                self._take(pending, requests, out)
             chunks: list[SeqChunk] = []
             rows: list[int] = []
             room = self.capacity
@@ -144,23 +178,44 @@ class DraftModelSession:
                 t[2] += len(take)
                 t[3] = t[3][len(take) :]
                 room -= len(take)
-            logits = self.draft.decode(chunks)()
-            for row, i in enumerate(rows):
-                last[i] = int(np.argmax(logits[row]))
-        # Draft: round j feeds every request's draft j and reads draft j + 1.
-        for i, tok in last.items():
-            out[i].append(tok)
-        live = [i for i, r in enumerate(requests) if r.k > 1]
+            pending = _Pass(self.draft.decode(chunks), rows, fed=False)
+        assert pending is not None  # every request feeds at least its last token
+        k_max = max(r.k for r in requests)
+        if self.chained and len(pending.rows) == len(requests):
+            # Draft round j feeds every request's draft j, chained on the device to the pass
+            # before it (the draft model's argmax, never read by the host): one wait for all.
+            passes = [pending]
+            chain = cast("DecodeChained", self.draft).decode_chained
+            for _ in range(k_max - 1):
+                try:
+                    passes.append(_Pass(chain(), pending.rows, fed=True))
+                except ValueError:  # no room to chain (the context's end): round by round from here
+                    break
+            passes[-1].wait()  # every pass before it is upstream of it
+            for launched in passes:
+                self._take(launched, requests, out)
+        else:
+            self._take(pending, requests, out)
+        # Round by round (a backend without chained passes, or the rest of a broken chain): round j
+        # feeds every request's draft j and reads draft j + 1.
+        live = [i for i, r in enumerate(requests) if len(out[i]) < r.k]
         while live:
             chunks = [
                 SeqChunk(requests[i].seq, len(requests[i].history) + len(out[i]) - 1, (out[i][-1],), 1) for i in live
             ]
-            logits = self.draft.decode(chunks)()
-            for row, i in enumerate(live):
-                self.cached[requests[i].seq].append(out[i][-1])
-                out[i].append(int(np.argmax(logits[row])))
+            self._take(_Pass(self.draft.decode(chunks), live, fed=True), requests, out)
             live = [i for i in live if len(out[i]) < requests[i].k]
-        return out
+        return [o[: r.k] for o, r in zip(out, requests)]
+
+    def _take(self, p: _Pass, requests: Sequence[DraftRequest], out: list[list[int]]) -> None:
+        """A pass's tokens, one per row, onto its requests' drafts (`fed`: the pass fed each
+        request's last draft, which its sequence's cells now hold)."""
+        logits = p.wait()
+        tokens = cast("DeviceGreedy", self.draft).sampled_tokens() if self.chained else [-1] * len(p.rows)
+        for row, i in enumerate(p.rows):
+            if p.fed:
+                self.cached[requests[i].seq].append(out[i][-1])
+            out[i].append(tokens[row] if tokens[row] >= 0 else int(np.argmax(logits[row])))
 
     def close(self) -> None:
         self.draft.close()

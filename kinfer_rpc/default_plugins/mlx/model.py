@@ -317,8 +317,9 @@ class MlxModel:
             named = [a for a in (result, ids) if a is not None]
             async_eval: Callable[..., None] = mx.async_eval  # unannotated in MLX's stubs
             async_eval(*named, *(cells.arrays() if out is None or not named else ()))
-            if ids is not None and all(greedy) and all(len(c.tokens) == 1 for c in chunks):
-                self._last = ([(c.seq, c.pos) for c in chunks], ids)
+            if ids is not None and all(greedy) and all(c.outputs == 1 for c in chunks):
+                # (a chunk's one output row is its last token: a draft model's catch-up pass chains too)
+                self._last = ([(c.seq, c.pos + len(c.tokens) - 1) for c in chunks], ids)
         n_vocab = self.n_vocab
 
         def logits() -> np.ndarray:

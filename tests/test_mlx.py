@@ -452,6 +452,19 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
         timeout=120,
     )
     assert g["tokens"] == list(alone(tuple(mlx_model().tokenize("The capital of France is", False, True)), 3, 0.0, 1))
+    # A draft model runs on the model's backend: an MLX folder drafts for a model on mlx, not on llama.
+    c.call("model/unload", {"model": GGUF})
+    drafting = {"contextLength": CTX, "draftPolicy": "draft-model", "draftModel": str(folder)}
+    refused = error_of(c.request("model/load", {"model": GGUF, "options": drafting}))
+    assert refused["code"] == errors.NOT_SUPPORTED and "llama backend" in refused["message"], refused
+    drafted = c.call("model/load", {"model": GGUF, "backend": "mlx", "options": {"slots": 1, **drafting}}, timeout=120)
+    assert drafted["backend"] == "mlx" and drafted["draftPolicy"] == "draft-model"
+    g2 = c.call(
+        "inference/generate",
+        {"model": GGUF, "prompt": "The capital of France is", "options": {"maxTokens": 3, "temperature": 0}},
+        timeout=120,
+    )
+    assert g2["tokens"] == g["tokens"] and g2["usage"]["draftTokens"] > 0
     bare = spawn(env={**os.environ, "KINFER_RPC_PLUGINS": "llama,drafts"})
     bare.initialize()
     err = error_of(bare.request("model/load", {"model": str(folder)}))

@@ -278,7 +278,7 @@ class Runtime:
                 )
             # None lets the backend choose from what a pass over k+1 positions costs on its
             # device; the count is fixed for the life of the load either way.
-            draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra["draftModel"])
+            draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra["draftModel"], backend)
             opts = attrs.evolve(opts, drafts=extra["drafts"], mtp=policy == "mtp", draft_model=draft_model)
             placement: str | None = extra["placement"]
             if placement is not None and placement not in self.plugins.placements:
@@ -381,19 +381,24 @@ class Runtime:
         log.info("loaded %s with %s: %s", ref.name, backend.name, model.info.description)
         return entry
 
-    def _draft_model(self, policy: str | None, name: str | None) -> str | None:
-        """The draft-model policy's GGUF: a name the store knows or a path."""
+    def _draft_model(self, policy: str | None, name: str | None, backend: Backend) -> str | None:
+        """The draft-model policy's model, which the target's backend loads: a name the store
+        knows or a path, in a format that backend reads."""
         if name is None:
             if policy == "draft-model":
                 raise errors.invalid_params(
-                    "draftPolicy draft-model needs options.draftModel: a GGUF model with the same vocabulary"
+                    "draftPolicy draft-model needs options.draftModel: a model with the same vocabulary"
                 )
             return None
         if policy != "draft-model":
             raise errors.invalid_params("options.draftModel is only used with draftPolicy draft-model")
         ref = self.store.resolve(name)
-        if ref.format != "gguf":
-            raise errors.KinferError(errors.NOT_SUPPORTED, f"the draft model {ref.name} is not a GGUF file")
+        if ref.format not in backend.formats:
+            raise errors.KinferError(
+                errors.NOT_SUPPORTED,
+                f"the draft model {ref.name} is a {ref.format} model and the {backend.name} backend, which"
+                f" runs it beside the model, reads {' and '.join(backend.formats)}",
+            )
         self.store.prepare(ref, None)
         return ref.path
 

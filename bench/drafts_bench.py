@@ -2,6 +2,7 @@
 and the cost of one pass checking k drafts (the curve of step time over k).
 
     python bench/drafts_bench.py [MODEL.gguf] [--drafts 4,8] [--draft-model DRAFT.gguf] [--curve MODEL.gguf]
+    python bench/drafts_bench.py MLX_FOLDER --backend mlx [--drafts 4,13] [--draft-model DRAFT_FOLDER]
 
 Edit: a code file in the prompt and the request to return it with a small change (editors and
 agents rewrite text they were given). Chat: an open question. Greedy, one request at a time,
@@ -23,7 +24,7 @@ from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host import templates as chat
 from kinfer_rpc.protocol.results import job_result
-from kinfer_rpc.types import LoadOptions, SeqChunk
+from kinfer_rpc.types import Backend, LoadOptions, SeqChunk
 
 CODE = '''import math
 
@@ -56,7 +57,14 @@ WORKLOADS = {
 }
 
 
-def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None, draft_model: str | None = None) -> Engine:
+def load(
+    model: str,
+    max_drafts: int,
+    gpu_layers: int,
+    threads: int | None,
+    draft_model: str | None = None,
+    backend_name: str = "llama",
+) -> Engine:
     opts = LoadOptions(
         context_length=2048,
         slots=1,
@@ -67,7 +75,13 @@ def load(model: str, max_drafts: int, gpu_layers: int, threads: int | None, draf
         drafts=max_drafts,
         draft_model=draft_model,
     )
-    backend = LlamaBackend()
+    backend: Backend
+    if backend_name == "mlx":
+        from kinfer_rpc.default_plugins.mlx import MlxBackend
+
+        backend = MlxBackend()
+    else:
+        backend = LlamaBackend()
     return start_engine(
         lambda p: backend.load(model, opts, p),
         draft_session=lambda policy, target: policy.session(target, backend, opts),
@@ -79,7 +93,7 @@ def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
 
 
 def workloads(args):
-    engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads, args.draft_model)
+    engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads, args.draft_model, args.backend)
     policies = [NgramPolicy()] + ([DraftModelPolicy()] if args.draft_model else [])
     info = engine.model.info
     base = GenerateOptions(max_tokens=args.max_tokens, sampling=SamplingOptions(temperature=0.0))
@@ -151,7 +165,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--drafts", default="4,8")
-    ap.add_argument("--draft-model", default=None, help="also the draft-model policy with this GGUF")
+    ap.add_argument("--draft-model", default=None, help="also the draft-model policy with this model")
+    ap.add_argument("--backend", choices=["llama", "mlx"], default="llama", help="the workloads' backend")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--gpu-layers", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=None)

@@ -2,6 +2,7 @@
 tokenizer files) for each MoE family mlx-lm ships that the mlx backend is tested with.
 
     python tests/modelgen/make_mlx_moe_model.py OUT --family qwen3_moe [--bits 4 --group 32]
+    python tests/modelgen/make_mlx_moe_model.py OUT --shape 30b-a3b --layers 16 --bits 4 --group 64
 
 Families (FAMILIES): qwen3_moe, qwen2_moe (with its shared expert), mixtral, deepseek_v2 (greedy
 routing) and deepseek_v3 (grouped sigmoid routing), both with latent attention, yarn rope and a
@@ -107,15 +108,46 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def config_of(family: str) -> dict[str, Any]:
-    return {"model_type": family, **_COMMON, **FAMILIES[family]}
+# Layer shapes of released MoE models, for measuring (the tests use the small FAMILIES shapes):
+# --shape NAME overrides the family's sizes, --layers how many of its layers are written.
+SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3-30B-A3B: hidden 2048, 32 query / 4 KV heads of 128, 128 experts of 768, 8 a token.
+    "30b-a3b": {
+        "family": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
+}
 
 
-def random_model(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+def config_of(family: str, shape: str | None = None, layers: int | None = None) -> dict[str, Any]:
+    config = {"model_type": family, **_COMMON, **FAMILIES[family]}
+    if shape:
+        sizes = dict(SHAPES[shape])
+        if sizes.pop("family") != family:
+            raise SystemExit(f"shape {shape} is a {SHAPES[shape]['family']} model, not {family}")
+        config.update(sizes)
+    if layers:
+        config["num_hidden_layers"] = layers
+    return config
+
+
+def random_model(
+    family: str, seed: int = 0, shape: str | None = None, layers: int | None = None
+) -> tuple[Any, dict[str, Any]]:
     """mlx-lm's model of `family` with every parameter drawn from `seed`: matrices normal with
     variance 1/fan-in (the output head 1.5 a weight, so that logits spread wide), norm weights
     near 1, routers' correction biases small."""
-    config = config_of(family)
+    config = config_of(family, shape, layers)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     key = mx.random.key(seed)
@@ -131,24 +163,37 @@ def random_model(family: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
         else:  # biases, the routers' score corrections
             w = 0.05 * mx.random.normal(p.shape, key=k)
         drawn.append((name, w.astype(mx.float16)))
+        if len(drawn) % 64 == 0:  # a large shape: draw in pieces, not one graph of every parameter
+            model.update(tree_unflatten(drawn))
+            mx.eval(model.parameters())
+            drawn = []
     model.update(tree_unflatten(drawn))
     mx.eval(model.parameters())
     return model, config
 
 
-def write(out: Path, family: str, bits: int | None = None, group: int = 32, seed: int = 0) -> Path:
+def write(
+    out: Path,
+    family: str,
+    bits: int | None = None,
+    group: int = 32,
+    seed: int = 0,
+    shape: str | None = None,
+    layers: int | None = None,
+    tokenizer_gguf: str | None = None,
+) -> Path:
     """The folder of `family`'s random model at `out` (made), quantized when `bits` is given."""
     from make_mlx_model import write_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    model, config = random_model(family, seed)
+    model, config = random_model(family, seed, shape, layers)
     if bits:
         model, config = quantize_model(model, config, group_size=group, bits=bits)
         mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
-    _, _, vocab, _ = mlx_loading._load_gguf(embedded_default_path())
-    write_tokenizer(out, vocab, VOCAB)
+    _, _, vocab, _ = mlx_loading._load_gguf(tokenizer_gguf or embedded_default_path())
+    write_tokenizer(out, vocab, config["vocab_size"])
     return out
 
 
@@ -159,9 +204,17 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=None)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a released model's layer shapes")
+    ap.add_argument("--layers", type=int, default=None, help="write this many layers")
+    ap.add_argument(
+        "--tokenizer-gguf",
+        default=None,
+        help="take SmolLM2's tokenizer from this GGUF (default: the embedded one; elsewhere "
+        "tests/modelgen/make_draft_model.py's small copy of its vocabulary)",
+    )
     a = ap.parse_args()
     t = time.perf_counter()
-    out = write(Path(a.out), a.family, a.bits, a.group, a.seed)
+    out = write(Path(a.out), a.family, a.bits, a.group, a.seed, a.shape, a.layers, a.tokenizer_gguf)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(json.dumps({"out": str(out), "bytes": size, "seconds": round(time.perf_counter() - t, 1)}))
 

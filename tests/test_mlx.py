@@ -465,6 +465,9 @@ def test_over_the_protocol(spawn, folder):  # noqa: F811
         timeout=120,
     )
     assert g2["tokens"] == g["tokens"] and g2["usage"]["draftTokens"] > 0
+    c.call("model/unload", {"model": GGUF})
+    mtp = error_of(c.request("model/load", {"model": GGUF, "backend": "mlx", "options": {"draftPolicy": "mtp"}}))
+    assert mtp["code"] == errors.LOAD_FAILED and "multi-token-prediction layers; use the llama" in mtp["message"], mtp
     bare = spawn(env={**os.environ, "KINFER_RPC_PLUGINS": "llama,drafts"})
     bare.initialize()
     err = error_of(bare.request("model/load", {"model": str(folder)}))

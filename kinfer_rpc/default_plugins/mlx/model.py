@@ -57,6 +57,11 @@ class MlxModel:
     def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
         if options.host_tensors:
             raise NotImplementedError("keeping tensors in host memory is not supported by the mlx backend")
+        if options.mtp:  # mlx-lm's model code drops the MTP weights as it loads them (each model's sanitize)
+            raise NotImplementedError(
+                "draftPolicy mtp is not supported by the mlx backend: mlx-lm's models load without their"
+                " multi-token-prediction layers; use the llama backend, or draftPolicy ngram or draft-model"
+            )
         if options.kv_type not in (None, "f16"):
             raise ValueError(
                 f"the mlx backend keeps KV cells in the model's float type; kvType {options.kv_type!r} is not supported"

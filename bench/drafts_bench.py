@@ -4,6 +4,9 @@ and the cost of one pass checking k drafts (the curve of step time over k).
     python bench/drafts_bench.py [MODEL.gguf] [--drafts 4,8] [--draft-model DRAFT.gguf] [--curve MODEL.gguf]
     python bench/drafts_bench.py MLX_FOLDER --backend mlx [--drafts 4,13] [--draft-model DRAFT_FOLDER]
 
+On mlx the draft model runs twice: as the engine runs it (its drafts fed to the checking pass on
+the device, one wait a step) and as draft-model-read-first (the drafts read on the host first).
+
 Edit: a code file in the prompt and the request to return it with a small change (editors and
 agents rewrite text they were given). Chat: an open question. Greedy, one request at a time,
 through the engine on its worker thread. Replies are compared token for token with drafting off.
@@ -88,6 +91,31 @@ def load(
     )
 
 
+class ReadFirst:
+    """draft-model with its drafts read on the host before the pass that checks them (two waits
+    a step): the reference for the drafts fed to that pass on the device (one wait a step)."""
+
+    name = "draft-model-read-first"
+
+    def propose(self, history, k):
+        raise RuntimeError("drafts through a session")
+
+    def session(self, target, backend, options):
+        inner = DraftModelPolicy().session(target, backend, options)
+        return _Eager(inner)
+
+
+@attrs.define
+class _Eager:
+    inner: object
+
+    def propose_many(self, requests):
+        return self.inner.propose_many(requests)
+
+    def close(self):
+        self.inner.close()
+
+
 def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
     return run_one(engine, prompt, options).jobs[0]
 
@@ -95,6 +123,8 @@ def run(engine: Engine, prompt: list, options: GenerateOptions) -> Job:
 def workloads(args):
     engine = load(args.model, max(args.drafts), args.gpu_layers, args.threads, args.draft_model, args.backend)
     policies = [NgramPolicy()] + ([DraftModelPolicy()] if args.draft_model else [])
+    if args.draft_model and args.backend == "mlx":
+        policies.append(ReadFirst())
     info = engine.model.info
     base = GenerateOptions(max_tokens=args.max_tokens, sampling=SamplingOptions(temperature=0.0))
     for name, text in WORKLOADS.items():

@@ -89,6 +89,10 @@ class SeqChunk:
     pos: int
     tokens: Sequence[int]
     outputs: int = 1
+    # Drafts still on the device (a DeviceTokens model only): `(handles, row)` stands in for
+    # tokens[1:], token 1 + j being row `row` of handles[j] (launched_tokens() of passes of a
+    # model of the same backend); tokens[1:] then only hold their count.
+    device_tokens: tuple[Sequence[Any], int] | None = None
 
 
 @attrs.frozen
@@ -201,6 +205,19 @@ class DecodeChained(Protocol):
 
 
 @runtime_checkable
+class DeviceTokens(Protocol):
+    """Optional LoadedModel capability, with DecodeChained: `launched_tokens()` is a handle to the
+    tokens the last launched pass samples on the device (one per output row, in row order), taken
+    before its wait, and decode() accepts chunks whose `device_tokens` name such handles (of this
+    model or another of the same backend): the pass is fed with them on the device, so a draft
+    model's rounds and the pass that verifies them run back to back with one wait."""
+
+    feeds_device_tokens: bool
+
+    def launched_tokens(self) -> Any: ...
+
+
+@runtime_checkable
 class Reproducible(Protocol):
     """Optional LoadedModel capability: `reproducible()` says whether this load computes a
     sequence's logits bit for bit the same whatever other sequences share its passes, however its
@@ -306,6 +323,27 @@ class DraftSession(Protocol):
     def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
 
     def close(self) -> None: ...
+
+
+class PendingDrafts(Protocol):
+    """Drafts launched on the device and not read yet (DeviceDraftSession). `handles[i]` is
+    request i's `SeqChunk.device_tokens` (its drafts on the device; the chunk takes the first k),
+    or `handles` is None when the drafts were read already. `resolve()` returns the drafts as
+    propose_many would, once the pass they were fed to has been waited for (no wait of its own
+    then), and settles the session's state; it is called exactly once."""
+
+    handles: Sequence[tuple[Sequence[Any], int]] | None
+
+    def resolve(self) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class DeviceDraftSession(Protocol):
+    """Optional DraftSession capability: `propose_on_device(requests)` is propose_many whose
+    drafts stay on the device for the target's verify pass to be fed with (a DeviceTokens target
+    of the same backend), or None when it cannot this step (then propose_many)."""
+
+    def propose_on_device(self, requests: Sequence[DraftRequest]) -> PendingDrafts | None: ...
 
 
 @runtime_checkable
@@ -434,7 +472,10 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "backend": (Backend, (WeightForms, MachineAware, BackendFeatures)),
     "draft policy": (DraftPolicy, (SessionPolicy,)),
     "placement": (Placement, ()),
-    "model": (LoadedModel, (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, Reproducible, FillInMiddle)),
+    "model": (
+        LoadedModel,
+        (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, DeviceTokens, Reproducible, FillInMiddle),
+    ),
 }
 
 

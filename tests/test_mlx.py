@@ -329,6 +329,15 @@ def test_a_draft_model_on_mlx_chains_its_rounds_in_one_wait():
     assert chained.propose_many(steps[0]) == [list(want_a[:4]), list(want_b[:2])]
     for s in (chained, host):
         s.close()
+
+
+def test_draft_model_drafts_reach_the_verify_pass_on_the_device():
+    """Through the engine, the draft model's rounds feed the target's verify pass on the device
+    (SeqChunk.device_tokens) and the host reads them after that pass's wait: each drafting step
+    is the draft passes launched, the verify pass launched, ONE wait (the verify pass's), then
+    the drafts read (their waits find them done). Greedy and seeded-sampled replies (whose
+    drafts get rejected) are the ones without drafting; the drafts read are the ones fed."""
+    opts = LoadOptions(context_length=CTX, slots=3, batch=64, drafts=3, draft_model=GGUF)
     d = Engine(
         lambda p: MlxBackend().load(GGUF, opts, p),
         lambda fn: fn(),
@@ -338,12 +347,60 @@ def test_a_draft_model_on_mlx_chains_its_rounds_in_one_wait():
     )
     d.load_model()
     policy = kinfer_drafts.DraftModelPolicy()
-    greedy = SamplingOptions(temperature=0.0)
-    jobs = [Job(list(p), GenerateOptions(max_tokens=8, drafts=3, draft_policy=policy, sampling=greedy)) for p in (a, b)]
-    run_until_done(d, jobs, arrivals=[0, 1])
-    assert [tuple(j.generated) for j in jobs] == [want_a, want_b]
-    assert sum(j.drafted for j in jobs) > 0 and sum(j.accepted for j in jobs) == sum(j.drafted for j in jobs)
-    d._sessions.pop("draft-model").close()
+    session = d._session(policy)
+    events: list[str] = []
+    fed: list[list[int]] = []  # the verify passes' device-fed tokens, read back by the test
+
+    def spy(obj, name, tag):
+        fn = getattr(obj, name)
+
+        def launch(*a):
+            if tag == "verify":
+                for c in a[0]:
+                    if c.device_tokens is not None:
+                        handles, row = c.device_tokens
+                        events.append("fed")
+                        fed.append([int(np.asarray(h)[row]) for h in handles[: len(c.tokens) - 1]])
+            events.append(tag)
+            wait = fn(*a)
+
+            def waited():
+                events.append(f"{tag}-wait")
+                return wait()
+
+            return waited
+
+        setattr(obj, name, launch)
+
+    spy(d.model, "decode", "verify")
+    spy(session.draft, "decode", "draft")
+    spy(session.draft, "decode_chained", "chain")
+    e = _alone_engine()
+    a, b, c = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
+    want = [alone(tuple(a), 12, 0.0, 1), alone(tuple(b), 12, 0.0, 1), alone(tuple(c), 12, 0.8, 5)]
+    samplings = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.0), SamplingOptions(0.8, seed=5)]
+    jobs = [
+        Job(list(p), GenerateOptions(max_tokens=12, drafts=3, draft_policy=policy, sampling=s))
+        for p, s in zip((a, b, c), samplings)
+    ]
+    read: list[list[int]] = []
+    settle = d._settle_drafts
+    d._settle_drafts = lambda job, base, taken: read.append(list(job.drafts)) or settle(job, base, taken)
+    run_until_done(d, jobs, arrivals=[0, 1, 1])
+    assert [tuple(j.generated) for j in jobs] == want
+    assert jobs[0].accepted == jobs[0].drafted > 0  # SmolLM2 drafting greedily for itself
+    assert jobs[2].accepted < jobs[2].drafted  # sampled: some drafts rejected, the reply unchanged
+    assert "fed" in events
+    # Split at each verify launch: a drafting step's draft passes all come before it, and
+    # nothing of the draft model waits until the verify pass has.
+    log = " ".join(events)
+    for step in log.split(" verify ")[1:]:
+        head, _, tail = step.partition("verify-wait")
+        assert "wait" not in head, log
+    drafting = log.split("draft ")[1:]
+    assert drafting and all(s.index("verify-wait") < s.index("draft-wait") for s in drafting), log
+    assert sorted(map(tuple, fed)) == sorted(map(tuple, read))  # the drafts verified are the ones fed
+    session.close()
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Backend,
         DecodeChained,
         DeviceGreedy,
+        DeviceTokens,
         DraftPolicy,
         DraftRequest,
         LoadedModel,
@@ -68,7 +69,9 @@ class DraftModelPolicy:
     cache does not already hold) and then decodes k tokens, every round one pass over all the
     step's drafting requests. On a backend that feeds a pass with the one before's argmax on the
     device (DecodeChained: the mlx backend) the rounds are chained to the catch-up pass, and the
-    step's drafting waits for the device once."""
+    step's drafting waits for the device once; with a target that takes tokens on the device
+    (DeviceTokens) not even that: the drafts feed the verify pass and are read after its wait
+    (propose_on_device)."""
 
     name = "draft-model"
 
@@ -87,6 +90,26 @@ class _Pass:
     wait: Callable[[], np.ndarray]
     rows: list[int]
     fed: bool
+
+
+@attrs.define(eq=False)
+class _Launched:
+    """A step's drafts (PendingDrafts): read already (`passes` empty), or launched on the device
+    and read by resolve() once the target's pass they feed is done."""
+
+    session: DraftModelSession
+    requests: Sequence[DraftRequest]
+    out: list[list[int]]
+    passes: list[_Pass] = attrs.field(factory=list)
+    handles: list[tuple[list[Any], int]] | None = None
+
+    def resolve(self) -> list[list[int]]:
+        s, passes, self.passes = self.session, self.passes, []
+        if s._unread is self:
+            s._unread = None
+        for p in passes:  # evaluated with the target's pass: no wait here
+            s._take(p, self.requests, self.out)
+        return [o[: r.k] for o, r in zip(self.out, self.requests)]
 
 
 class DraftModelSession:
@@ -118,6 +141,7 @@ class DraftModelSession:
             raise
         self.capacity = options.batch
         self.cached: dict[int, list[int]] = {}
+        self._unread: _Launched | None = None  # drafts on the device whose pass was not read yet
         # A draft model whose greedy argmax stays on the device and whose next pass can be fed
         # with it (the mlx backend): a step's draft rounds are chained, one wait for them all.
         from kinfer_rpc.types import DecodeChained, DeviceGreedy
@@ -146,8 +170,20 @@ class DraftModelSession:
                 )
 
     def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return self._launch(requests, on_device=False).resolve()
+
+    def propose_on_device(self, requests: Sequence[DraftRequest]) -> _Launched | None:
+        """The drafts left on the device (DeviceDraftSession): the catch-up pass and the chained
+        rounds launched, not waited for; None when the draft model cannot chain."""
+        if not (self.chained and getattr(self.draft, "feeds_device_tokens", False)):
+            return None
+        return self._launch(requests, on_device=True)
+
+    def _launch(self, requests: Sequence[DraftRequest], on_device: bool) -> _Launched:
         from kinfer_rpc.types import SeqChunk
 
+        if self._unread is not None:  # drafts launched and never read: settle them first
+            self._unread.resolve()
         out: list[list[int]] = [[] for _ in requests]
         # Catch up: each sequence's cells must hold its history; the last token asks for logits.
         todo: list[list[Any]] = []  # (request index, seq, position, tokens still to feed)
@@ -181,19 +217,29 @@ class DraftModelSession:
             pending = _Pass(self.draft.decode(chunks), rows, fed=False)
         assert pending is not None  # every request feeds at least its last token
         k_max = max(r.k for r in requests)
+        launched = _Launched(self, requests, out)
         if self.chained and len(pending.rows) == len(requests):
             # Draft round j feeds every request's draft j, chained on the device to the pass
             # before it (the draft model's argmax, never read by the host): one wait for all.
             passes = [pending]
-            chain = cast("DecodeChained", self.draft).decode_chained
+            draft = cast("DecodeChained", self.draft)
+            tokens = [cast("DeviceTokens", draft).launched_tokens()] if on_device else []
             for _ in range(k_max - 1):
                 try:
-                    passes.append(_Pass(chain(), pending.rows, fed=True))
+                    passes.append(_Pass(draft.decode_chained(), pending.rows, fed=True))
                 except ValueError:  # no room to chain (the context's end): round by round from here
                     break
+                if on_device:
+                    tokens.append(cast("DeviceTokens", draft).launched_tokens())
+            if on_device and len(passes) == k_max:
+                # Read after the target's pass that they feed: the session waits for nothing.
+                launched.passes = passes
+                launched.handles = [(tokens, row) for row in range(len(requests))]
+                self._unread = launched
+                return launched
             passes[-1].wait()  # every pass before it is upstream of it
-            for launched in passes:
-                self._take(launched, requests, out)
+            for launched_pass in passes:
+                self._take(launched_pass, requests, out)
         else:
             self._take(pending, requests, out)
         # Round by round (a backend without chained passes, or the rest of a broken chain): round j
@@ -205,7 +251,7 @@ class DraftModelSession:
             ]
             self._take(_Pass(self.draft.decode(chunks), live, fed=True), requests, out)
             live = [i for i in live if len(out[i]) < requests[i].k]
-        return [o[: r.k] for o, r in zip(out, requests)]
+        return launched
 
     def _take(self, p: _Pass, requests: Sequence[DraftRequest], out: list[list[int]]) -> None:
         """A pass's tokens, one per row, onto its requests' drafts (`fed`: the pass fed each

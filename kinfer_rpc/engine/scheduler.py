@@ -35,11 +35,14 @@ from kinfer_rpc.types import (
     AsyncDecode,
     DecodeChained,
     DecodeNext,
+    DeviceDraftSession,
     DeviceGreedy,
+    DeviceTokens,
     DraftPolicy,
     DraftRequest,
     DraftSession,
     LoadedModel,
+    PendingDrafts,
     SeqChunk,
     SessionPolicy,
     contract_problems,
@@ -119,6 +122,8 @@ class Job:
     t_first: float = 0.0
     t_end: float = 0.0
     drafts: list[int] = attrs.field(factory=list)  # proposed for the pass in flight
+    # the drafts' SeqChunk.device_tokens while they are on the device (-1s in `drafts` until read)
+    device_drafts: tuple[Any, int] | None = None
     drafted: int = 0  # draft tokens proposed over the whole reply
     accepted: int = 0  # ... and accepted
     draft_pause: int = 0  # steps left without drafting (the low-acceptance fallback)
@@ -210,6 +215,9 @@ class Engine:
         self._greedy: dict[int, bool] | None = None  # set at load: see _sync_greedy
         self._decode_next = False  # set at load: whether the model has decode_next
         self._decode_chained = False  # set at load: whether the model has decode_chained
+        self._feeds_device = False  # set at load: whether passes can be fed drafts on the device
+        # drafts fed to the pass in flight on the device, read after its wait (_read_drafts)
+        self._on_device: list[tuple[PendingDrafts, list[tuple[Job, int]]]] = []
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -368,6 +376,7 @@ class Engine:
         self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
         self._decode_next = isinstance(self.model, DecodeNext)
         self._decode_chained = self._greedy is not None and isinstance(self.model, DecodeChained)
+        self._feeds_device = isinstance(self.model, DeviceTokens) and self.model.feeds_device_tokens
         if isinstance(self._default_policy, SessionPolicy):
             # Now, not at the first request: a load whose policy cannot start (no draft model,
             # no MTP head) fails with the reason instead of quietly drafting nothing.
@@ -432,6 +441,8 @@ class Engine:
             except Exception:
                 log.exception("the pass started ahead failed")
         self._drop_chained()
+        if self._on_device and self.model is not None:  # fed to a pass never taken: the session settles them
+            self._read_drafts()
 
     def _chain(self, chunks: list[SeqChunk]) -> None:
         """Right after launching a steady pass: chain the next one to it on the device
@@ -546,7 +557,9 @@ class Engine:
             self._propose_all(decoding, wanted)
             chunks: list[SeqChunk] = []
             for job in decoding:  # decoding: feed the last sampled token and its drafts
-                chunks.append(SeqChunk(job.slot, job.n_past, (job.generated[-1], *job.drafts), 1 + len(job.drafts)))
+                tokens = (job.generated[-1], *job.drafts)
+                device = job.device_drafts if job.drafts else None
+                chunks.append(SeqChunk(job.slot, job.n_past, tokens, len(tokens), device_tokens=device))
                 budget -= 1 + len(job.drafts)
         else:  # the usual step, on the device's critical path: one token a job
             chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
@@ -578,6 +591,7 @@ class Engine:
 
     def _take(self, chunks: list[SeqChunk], owners: list[Job], logits: np.ndarray, events: list[_Event]) -> None:
         """Sample every row that asked for logits; the text work waits for the next pass."""
+        self._read_drafts()
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
         some_plain = any(plain)
@@ -829,7 +843,7 @@ class Engine:
         vocab = self.model.info.n_vocab
         grouped: dict[str, list[tuple[Job, int]]] = {}
         for job, k in zip(jobs, counts):
-            job.drafts = []
+            job.drafts, job.device_drafts = [], None
             if k <= 0:
                 continue
             policy = job.options.draft_policy
@@ -842,9 +856,21 @@ class Engine:
             try:
                 # (grouped: only jobs whose policy is a SessionPolicy)
                 session = self._session(cast(SessionPolicy, items[0][0].options.draft_policy))
-                proposals = session.propose_many(
-                    [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items]
-                )
+                requests = [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items]
+                pending = None
+                if (
+                    self._feeds_device
+                    and isinstance(session, DeviceDraftSession)
+                    and all(job.constraint is None for job, _ in items)  # (a grammar checks drafts first)
+                ):
+                    pending = session.propose_on_device(requests)
+                if pending is not None and pending.handles is not None:
+                    # Fed to the pass on the device and read after its wait (_read_drafts).
+                    for (job, k), handle in zip(items, pending.handles):
+                        job.drafts, job.device_drafts = [-1] * k, handle
+                    self._on_device.append((pending, items))
+                    continue
+                proposals = pending.resolve() if pending is not None else session.propose_many(requests)
             except Exception:
                 # A drafter's failure costs speed, never a reply: this step goes undrafted.
                 log.exception("draft policy %s failed", name)
@@ -856,6 +882,24 @@ class Engine:
                 # A draft the grammar rejects would be rejected by verification anyway: the
                 # tokens checked are only those the grammar allows, so the reply is the same.
                 job.drafts = job.drafts[: job.constraint.validate_tokens(job.drafts)]
+
+    def _read_drafts(self) -> None:
+        """After the wait of a pass fed with drafts on the device: the drafts it verified. A
+        draft that cannot be read stays -1, which no sampled token equals: it is rejected, and
+        its cell removed, as any rejected draft."""
+        pending, self._on_device = self._on_device, []
+        assert self.model is not None, _LOADED
+        vocab = self.model.info.n_vocab
+        for drafts, items in pending:
+            try:
+                read = drafts.resolve()
+            except Exception:
+                log.exception("reading drafts from the device failed")
+                read = [[] for _ in items]
+            for (job, k), got in zip(items, read):
+                clean = [t if 0 <= t < vocab else -1 for t in (int(t) for t in list(got)[:k])]
+                job.drafts = clean + [-1] * (k - len(clean))
+                job.device_drafts = None
 
     @staticmethod
     def _clean(drafts: Iterable[int], k: int, vocab: int) -> list[int]:

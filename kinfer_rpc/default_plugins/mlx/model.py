@@ -262,12 +262,13 @@ class MlxModel:
         cols = pos[:, None] + np.arange(L, dtype=np.int32)[None]
         cells.reserve(int(cols.max()) + 1)
         seqs = [c.seq for c in group]
+        fed = self._fed(group, mx.array(tokens), L)
         if L <= self.drafts + 1 and self._buffers_ready():
             fn = self._compiled_step(seqs, int(cols.max()))
             want_a = mx.array(np.array(want or [0], dtype=np.int32))
             seq_a = mx.array(seqs, dtype=mx.int32)
             out, cells.keys, cells.values = fn(
-                mx.array(tokens), seq_a, mx.array(cols), mx.array(pos), want_a, cells.keys, cells.values
+                fed, seq_a, mx.array(cols), mx.array(pos), want_a, cells.keys, cells.values
             )
             return out if want else None
         span = min(cells.want, -(-int(cols.max() + 1) // STEP) * STEP)
@@ -277,8 +278,31 @@ class MlxModel:
         args = (mx.array(seqs, dtype=mx.int32), mx.array(cols), mx.array(pos), mx.array(mask), span, first)
         cache = [_Rows(cells, i, *args) for i in range(self.layers)]
         rows = mx.array(np.array(want or [0], dtype=np.int32))
-        out = self._logits(mx.array(tokens), cache, rows)
+        out = self._logits(fed, cache, rows)
         return out if want else None
+
+    @staticmethod
+    def _fed(group: Sequence[SeqChunk], tokens: mx.array, L: int) -> mx.array:
+        """The (B, L) tokens of a forward with every chunk's device_tokens written in: per set of
+        handles, one stack of its passes' tokens and one scatter into the flat tokens."""
+        sets: dict[int, tuple[Sequence[mx.array], list[int], list[int]]] = {}
+        for b, c in enumerate(group):
+            if c.device_tokens is None:
+                continue
+            handles, row = c.device_tokens
+            k = len(c.tokens) - 1
+            if k > len(handles):
+                raise ValueError(f"a chunk of {k} device tokens names {len(handles)} passes")
+            _, src, dst = sets.setdefault(id(handles), (handles, [], []))
+            src.extend(row * len(handles) + j for j in range(k))
+            dst.extend(b * L + 1 + j for j in range(k))
+        if not sets:
+            return tokens
+        flat = tokens.reshape(-1)
+        for handles, src, dst in sets.values():
+            drafts = mx.stack(list(handles), axis=1).reshape(-1).astype(mx.int32)
+            flat[mx.array(np.array(dst, dtype=np.int32))] = drafts[mx.array(np.array(src, dtype=np.int32))]
+        return flat.reshape(tokens.shape)
 
     def decode(self, chunks: Sequence[SeqChunk]) -> Callable[[], np.ndarray]:
         cells = self.cells
@@ -398,6 +422,16 @@ class MlxModel:
             return np.zeros((n, n_vocab), dtype=np.float32)
 
         return logits
+
+    # The DeviceTokens capability: a draft model's rounds (decode, then decode_chained) handed
+    # to the target's verify pass without reading them (tokens fed by device_tokens).
+    feeds_device_tokens = True
+
+    def launched_tokens(self) -> mx.array:
+        """The device-greedy tokens of the pass launched last, one per row (before its wait)."""
+        if self._last is None:
+            raise ValueError("launched_tokens follows only a pass of one device-greedy token a row")
+        return self._last[1]
 
     def sampled_tokens(self) -> list[int]:
         """After a pass's wait: the token of every output row sampled here, -1 for the others."""

@@ -8,7 +8,8 @@
 #   split -b 44M mlx_cuda_13-*.whl into parts cuda.part-* in .gpu2/m1 and .gpu2/m2; the other wheels
 #   and a small GGUF with SmolLM2's vocabulary, tok.gguf (tests/modelgen/make_draft_model.py --layers 1
 #   --embd 32), in .gpu2/m3; kinfer's own dependencies the machine lacks (jsonrpcserver and OSlash
-#   built as wheels, jsonschema and its dependencies, llguidance, attrs, pluggy) where there is room.
+#   built as wheels with `pip wheel`, jsonschema and its dependencies, llguidance, attrs, pluggy) in
+#   .gpu2/m1 beside the first part: without them the jobs that spawn kinfer-rpc fail at its import.
 # Runs, in order (they share /tmp/c):
 #   STAGE=1 bash bench/gpu_mlx.sh, then STAGE=2: copy the parts from .gpu2/m1 and .gpu2/m2
 #   STAGE=3 bash bench/gpu_mlx.sh (the default): install, model, then JOBS (default: kernels, probe,
@@ -32,6 +33,8 @@ rm -rf /tmp/kinfer
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kinfer . >/dev/null
 export PYTHONPATH=/tmp/kinfer:/tmp/mlxsite:$PWD KINFER_RPC=/tmp/kinfer/bin/kinfer-rpc
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.array([1.0, 2.0]).sum().item())"
+python3 -c "import jsonrpcserver" 2>/dev/null ||
+  echo "jsonrpcserver is not installed (.gpu2/m1 lacks its wheel): the jobs that spawn kinfer-rpc will fail" >&2
 M=/tmp/m7b
 # The 7.4B Llama shape of docs/performance.md's MLX figures (vocabulary 128256), random 4-bit weights.
 [ -f $M/config.json ] || python3 tests/modelgen/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \

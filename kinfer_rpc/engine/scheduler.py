@@ -887,6 +887,8 @@ class Engine:
         """After the wait of a pass fed with drafts on the device: the drafts it verified. A
         draft that cannot be read stays -1, which no sampled token equals: it is rejected, and
         its cell removed, as any rejected draft."""
+        if not self._on_device:  # (every step: the usual case)
+            return
         pending, self._on_device = self._on_device, []
         assert self.model is not None, _LOADED
         vocab = self.model.info.n_vocab

@@ -11,6 +11,11 @@
   scatter), evaluated each step, with the buffers also given to eval, and pipelined
   (async_eval, a pass queued before the last one is read), against copying every buffer: a
   write that costs a copy is not done in place.
+- `matmul`: default_plugins/mlx/matmul.py's row-invariant products: the load check in each form,
+  then on the 7.4B shape's matrices (4-bit groups of 64, and float16): whether a row gets the same
+  bits alone and in a pass of 128 rows, the largest difference from MLX's own product, and ms a
+  call (32 calls a graph) at 1 to 640 rows against MLX's (mx.quantized_matmul, x @ w.T), for
+  both of its forms (tensor cores, mma; a float fma chain, simt: up to 32 rows).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 from harness import emit
 
 from kinfer_rpc.default_plugins.mlx import attention as att
+from kinfer_rpc.default_plugins.mlx import matmul as mm
 
 
 def check_attention() -> list[dict]:
@@ -186,14 +192,75 @@ def time_writes(slots: int = 128, cells: int = 256, B: int = 32) -> list[dict]:
     return out
 
 
+def matmul(rows: list[int]) -> list[dict]:
+    out = []
+    for form in mm.FORMS:
+        for dtype, group, bits in ((mx.float16, 64, 4), (mx.float16, 32, 8), (mx.bfloat16, 128, 4)):
+            worst, same = mm.self_check(dtype, group, bits, form)
+            row = {"check": f"{form} {dtype} {bits}-bit groups of {group}", "relative diff": worst, "same": same}
+            out.append(row)
+            emit("matmul_check", row)
+    rng = np.random.default_rng(2)
+    shapes = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+    for weights in ("quantized", "dense"):
+        for N, K in shapes:
+            if weights == "dense" and N > 20000:
+                continue
+            w = mx.array((rng.standard_normal((N, K)) * 0.02).astype(np.float16))
+            fns = {}
+            if weights == "quantized":
+                wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+                sc, bi = sc.astype(mx.float16), bi.astype(mx.float16)
+                for form in mm.FORMS:
+                    fns[form] = lambda x, f=form, wq=wq, sc=sc, bi=bi: mm.quantized(x, wq, sc, bi, 64, 4, f)
+                fns["mlx"] = lambda x, wq=wq, sc=sc, bi=bi: mx.quantized_matmul(
+                    x, wq, sc, bi, transpose=True, group_size=64, bits=4
+                )
+            else:
+                for form in mm.FORMS:
+                    fns[form] = lambda x, f=form, w=w: mm.dense(x, w, f)
+                fns["mlx"] = lambda x, w=w: x @ w.T
+            xs = mx.array(rng.standard_normal((max(rows), K)).astype(np.float16))
+            ref = fns["mlx"](xs[:128]).astype(mx.float32)
+            row = {"weights": weights, "N": N, "K": K}
+            for form in mm.FORMS:
+                big = fns[form](xs[:128])
+                alone = mx.concatenate([fns[form](xs[i : i + 1]) for i in range(0, 128, 9)])
+                mx.eval(big, alone, ref)
+                row[f"{form} same"] = bool(mx.array_equal(alone, big[::9]).item())
+                diff = mx.max(mx.abs(big.astype(mx.float32) - ref)) / mx.max(mx.abs(ref))
+                row[f"{form} diff"] = round(float(diff.item()), 5)
+            for M in rows:
+                x = xs[:M]
+                for name, fn in fns.items():
+                    if name == "simt" and M > 32:
+                        continue
+                    mx.eval(fn(x))
+                    t = time.perf_counter()
+                    for _ in range(3):
+                        mx.eval([fn(x) for _ in range(32)])
+                    row[f"{name} {M}"] = round((time.perf_counter() - t) * 1000 / 96, 4)
+            out.append(row)
+            emit("matmul", row)
+            del w
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--parts", default="attention,writes,matmul")
+    ap.add_argument("--rows", default="1,2,4,5,8,14,16,32,64,128,640", help="matmul: rows a call")
     a = ap.parse_args()
-    result = {"device": str(mx.default_device()), "mlx": mx.__version__}
-    result["attention_check"] = check_attention()
-    result["attention_ms_32_calls"] = time_attention()
-    result["writes_ms_a_pass"] = time_writes()
+    parts = a.parts.split(",")
+    result: dict = {"device": str(mx.default_device()), "mlx": mx.__version__}
+    if "matmul" in parts:
+        result["matmul"] = matmul([int(r) for r in a.rows.split(",")])
+    if "attention" in parts:
+        result["attention_check"] = check_attention()
+        result["attention_ms_32_calls"] = time_attention()
+    if "writes" in parts:
+        result["writes_ms_a_pass"] = time_writes()
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -644,3 +644,117 @@ def test_a_constrained_reply_with_logprobs_on_mlx():
     together = [held(e), job(prompt, 12, 0.8, 3), job(prompt[:9], 20)]
     run_until_done(e, together, arrivals=[1, 0, 0])
     assert together[0].generated == lone.generated and together[0].logprobs == lone.logprobs
+
+
+def _rows_one_by_one(monkeypatch, calls=None, nudge=None):
+    """matmul.py's kernels played on the CPU by MLX's own products a row at a time (rows that
+    cannot depend on each other); `calls` collects each call's row count; `nudge(M)` adds a
+    pass-dependent error (what the load check must catch)."""
+    import mlx.core as mx
+
+    from kinfer_rpc.default_plugins.mlx import matmul as mm
+
+    def by_rows(x, product):
+        x2 = x.reshape(-1, x.shape[-1])
+        M = x2.shape[0]
+        if calls is not None:
+            calls.append(M)
+        y = mx.concatenate([product(x2[i : i + 1]) for i in range(M)])
+        if nudge is not None:
+            y = y * (1.0 + nudge(M))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def quantized(x, w, scales, biases, group_size, bits, form="mma"):
+        return by_rows(
+            x, lambda r: mx.quantized_matmul(r, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+        )
+
+    monkeypatch.setattr(mm, "quantized", quantized)
+    monkeypatch.setattr(mm, "dense", lambda x, w, form="mma": by_rows(x, lambda r: r @ w.T))
+
+
+def test_row_invariant_matmul_load_check_tells_a_right_kernel_from_a_wrong_one(monkeypatch):
+    """The CUDA row-invariant matmul (default_plugins/mlx/matmul.py) cannot run here; what can: the
+    check a GPU load runs before routing the decode passes to it. It passes products that match
+    MLX's and give every row the same bits in every pass, and fails one that is off by a scale,
+    and one whose rows depend on how many share the pass."""
+    import mlx.core as mx
+
+    from kinfer_rpc.default_plugins.mlx import matmul as mm
+
+    assert not mm.available()  # no CUDA here: loads keep MLX's products
+    assert not mlx_model().rows_matmul
+    _rows_one_by_one(monkeypatch)
+    for group, bits in ((64, 4), (32, 8), (128, 4)):
+        worst, same = mm.self_check(mx.float32, group, bits)
+        assert same and worst < 1e-5
+    _rows_one_by_one(monkeypatch, nudge=lambda M: 0.01)
+    worst, same = mm.self_check(mx.float32, 64, 4)
+    assert same and worst > 0.005  # off by 1%: refused
+    _rows_one_by_one(monkeypatch, nudge=lambda M: 1e-6 * (M > 8))
+    worst, same = mm.self_check(mx.float32, 64, 4)
+    assert not same and worst < 0.005  # close enough, but a row's bits depend on the pass: refused
+
+
+def test_row_invariant_matmul_routes_the_decode_passes(monkeypatch, folder):
+    """How a GPU load uses the row-invariant matmul, here on the CPU with the kernel's part played
+    by MLX's products a row at a time: every linear layer of a 4-bit MLX folder (and the tied
+    output head) is routed, the decode passes (drafts checked with them included) call it and
+    the prompt passes do not, and replies are the kernel-off replies, alone, among others and
+    drafted. `unroute` gives the layers their MLX classes back."""
+    import sys
+
+    import mlx.nn as nn
+
+    from kinfer_rpc.default_plugins.mlx import matmul as mm
+    from kinfer_rpc.default_plugins.mlx import routing as mlx_routing
+
+    calls: list[int] = []
+    _rows_one_by_one(monkeypatch, calls)
+    from kinfer_rpc.default_plugins.mlx import attention as att
+
+    monkeypatch.setattr(
+        att,
+        "attention",
+        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: att.reference(q, nk, nv, k, v, s, c, sc),
+    )
+    routed: list[int] = []
+
+    def loader(drafts, on):
+        def load(p):
+            opts = LoadOptions(context_length=CTX, slots=3, batch=16, drafts=drafts, weights="quantized")
+            m = MlxBackend().load(str(folder), opts, p)
+            module = sys.modules[type(m.model.layers[0].self_attn).__module__]
+            monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+            assert mlx_routing._route_attention(m.model)
+            m._use_kernel()
+            if on:
+                n, left = mm.route(m.model)
+                routed.append(n)
+                assert not left
+                m.rows_matmul = True
+            return m
+
+        return load
+
+    def run(drafts, on, arrivals):
+        e = Engine(loader(drafts, on), lambda fn: fn(), batch=16, prefix=-1)
+        e.load_model()
+        prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
+        return e, run_until_done(e, [job(p, 5, drafts=drafts) for p in prompts], arrivals=arrivals)
+
+    _, off = run(0, False, [0, 0, 0])
+    assert not calls  # off: MLX's products
+    e, on = run(0, True, [0, 2, 3])
+    layers = e.model.model.model.layers
+    assert routed[0] == 7 * len(layers) + 1  # q, k, v, o, gate, up, down a layer, and the tied head
+    assert isinstance(e.model.model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert type(e.model.model.model.embed_tokens).__name__ == "_QuantizedEmbedding"
+    assert [j.generated for j in on] == [j.generated for j in off]
+    assert calls and max(calls) <= 3  # decode rows only: the prompts (5 tokens and more) ran MLX's
+    calls.clear()
+    _, drafted = run(3, True, [0, 0, 1])
+    assert [j.generated for j in drafted] == [j.generated for j in off]
+    assert sum(j.accepted for j in drafted) > 0 and max(calls) > 3  # passes of k + 1 rows a sequence
+    mm.unroute(e.model.model)
+    assert type(e.model.model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear

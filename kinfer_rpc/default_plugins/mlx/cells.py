@@ -41,6 +41,18 @@ class _Cells:
             self.values[layer] = mx.pad(values, pad)
         self.cap = max(self.cap, keys.shape[2])
 
+    def grow(self) -> bool:
+        """Every layer's buffers padded to `want` cells now; False when a layer has none yet."""
+        if any(k is None for k in self.keys):
+            return False
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            assert keys is not None and values is not None  # made together
+            if keys.shape[2] < self.want:
+                pad = [(0, 0), (0, 0), (0, self.want - keys.shape[2]), (0, 0)]
+                self.keys[i], self.values[i] = mx.pad(keys, pad), mx.pad(values, pad)
+                self.cap = max(self.cap, self.want)
+        return True
+
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
 

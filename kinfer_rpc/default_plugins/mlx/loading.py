@@ -150,11 +150,14 @@ def _gpu_free() -> int | None:
     return int(total) - mx.get_active_memory() if total else None
 
 
-def _weights_form(model: Any, wanted: str | None, on_gpu: bool) -> tuple[str, str]:
+def _weights_form(model: Any, wanted: str | None, on_gpu: bool, rows: bool = False) -> tuple[str, str]:
     """ "dense" or "quantized", and why. A model stored without quantized weights is dense
-    whatever was asked. The default (`wanted` None): dense when the expanded weights (float16 on
-    a GPU, float32 on the CPU) take at most half the device's free memory (what is left holds the
-    KV cells and the passes), quantized otherwise or when the free memory is unknown. On a GPU
+    whatever was asked. The default (`wanted` None): on a GPU whose decode passes run kinfer's
+    row-invariant matmul (`rows`), quantized: there a pass reads quantized weights faster than
+    dense ones at every row count (docs/performance.md). Otherwise dense when the expanded
+    weights (float16 on a GPU, float32 on the CPU) take at most half the device's free memory
+    (what is left holds the KV cells and the passes), quantized otherwise or when the free
+    memory is unknown. With MLX's own kernels on a GPU
     dense float16 is MLX's fast path for many rows (MLX 0.32 CUDA's quantized matmul plateaus near
     300 tok/s on a 7B); on the CPU dense float32 (BLAS) beats MLX's quantized matmul too
     (SmolLM2: 9.3 vs 7.1 tok/s alone, 12.0 vs 9.3 at 8), and like it gives a row the same result
@@ -165,6 +168,8 @@ def _weights_form(model: Any, wanted: str | None, on_gpu: bool) -> tuple[str, st
         return "dense", "the model stores no quantized weights"
     if wanted is not None:
         return wanted, "set by the load options"
+    if on_gpu and rows:
+        return "quantized", "kinfer's row-invariant matmul reads quantized weights faster than dense ones"
     where = "the GPU's" if on_gpu else "host memory's"
     need, free = _dense_bytes(model, on_gpu), _gpu_free() if on_gpu else (MachineInfo.host_available() or None)
     if free is None:

@@ -12,6 +12,7 @@ greedy one-token rows can have the next pass chained to it, fed with its own arg
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
+from kinfer_rpc.default_plugins.mlx import matmul as mlx_matmul
 from kinfer_rpc.default_plugins.mlx.cells import STEP, _Cells, _Rows, _Traced
 from kinfer_rpc.default_plugins.mlx.draft_count import DEFAULT_DRAFTS
 from kinfer_rpc.default_plugins.mlx.loading import (
@@ -81,7 +83,17 @@ class MlxModel:
                 raise FileNotFoundError(f"no model at {path}")
             if not on_gpu or p.is_file() and _is_gguf(p):
                 _float_type(self.model, mx.float16 if on_gpu else mx.float32)
-            self.weights, self.weights_reason = _weights_form(self.model, options.weights, on_gpu)
+            # kinfer's row-invariant kernels (attention.py, matmul.py) in the decode passes: on a
+            # GPU, for the families whose attention is routed, unless the load asks for speed
+            # (reproducible false) or KINFER_MLX_MATMUL=0 (checked at load: see below)
+            rows = (
+                on_gpu
+                and self.config.get("model_type") in _SPLIT_HEAD
+                and options.reproducible is not False
+                and os.environ.get("KINFER_MLX_MATMUL", "1") != "0"
+                and mlx_matmul.available()
+            )
+            self.weights, self.weights_reason = _weights_form(self.model, options.weights, on_gpu, rows)
             if self.weights == "dense" and _quantized(self.model):
                 from mlx_lm.utils import dequantize_model
 
@@ -108,6 +120,14 @@ class MlxModel:
         self.counter: mx.array | None = None
         if on_gpu and self.split_head and _attention_kernel(self.model, self.config):
             self._use_kernel()
+        # With the attention kernel: the decode passes' matrix products through kinfer's
+        # row-invariant matmul (matmul.py), so that a row's logits do not depend on the pass
+        # (drafts checked with it, other requests beside it).
+        self.rows_matmul = False
+        self.rows_reason = "MLX's matrix products"
+        if self.kernel and rows:
+            self.rows_matmul, self.rows_reason = mlx_matmul.prepare(self.model)
+            log.info("mlx: row-invariant matmul %s (%s)", "on" if self.rows_matmul else "off", self.rows_reason)
         self.n_vocab = int(self.config.get("vocab_size") or len(self.vocab.pieces))
         flat = dict(_flat(self.model.parameters()))
         group = (self.config.get("quantization") or {}).get("group_size", 32)
@@ -216,7 +236,8 @@ class MlxModel:
                 _Traced(keys, values, i, slots, cols, pos, mask, span, first, self.kernel, self.counter)
                 for i in range(layers)
             ]
-            logits = self._logits(tokens, cache, rows)
+            with mlx_matmul.routed(self.rows_matmul):  # read as the pass is traced
+                logits = self._logits(tokens, cache, rows)
             if self.kernel:
                 # The kernel wrote the cells into the buffers in place, which MLX does not see:
                 # the buffers handed on depend on the pass (every layer's kernel is upstream of
@@ -263,6 +284,10 @@ class MlxModel:
         cells.reserve(int(cols.max()) + 1)
         seqs = [c.seq for c in group]
         fed = self._fed(group, mx.array(tokens), L)
+        if L <= self.drafts + 1 and self.kernel and not self._buffers_ready():
+            # Grown here, so that every decode pass takes the compiled path with the kernels,
+            # not only those whose rows need no more cells (which depends on the other rows).
+            cells.grow()
         if L <= self.drafts + 1 and self._buffers_ready():
             fn = self._compiled_step(seqs, int(cols.max()))
             want_a = mx.array(np.array(want or [0], dtype=np.int32))
@@ -465,8 +490,17 @@ class MlxModel:
     def reproducible(self) -> tuple[bool, str]:
         """The CPU: MLX's matrix products give a row the same result whatever rows are beside it
         (tests/test_mlx.py). A GPU: MLX picks its matrix kernels by the number of rows in a pass
-        (docs/performance.md)."""
+        (docs/performance.md); with kinfer's kernels (attention.py, matmul.py) a decode pass's
+        rows are independent, but prompt passes still run MLX's, and how a prompt is split into
+        passes depends on the other requests."""
         if self.device == mx.gpu:
+            if self.rows_matmul:
+                return False, (
+                    "decode passes on the GPU run kinfer's row-invariant kernels (a token checked with drafts or "
+                    "beside other requests gets the logits it gets alone), but prompt passes run MLX's, which it "
+                    "picks by the number of rows in a pass, and how a prompt is split into passes depends on the "
+                    "other requests"
+                )
             return False, "MLX on a GPU picks its matrix kernels by the number of rows in a pass"
         return True, "MLX on the CPU, whose matrix products give a row the same result whatever rows are beside it"
 

@@ -53,7 +53,7 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
       timeout 240 python3 bench/mlx_probe.py $M --rows ${ROWS:-1,32,128} ${PROBE_ARGS:-} --out "$OUT/mlx_probe.json" | tee "$OUT/mlx_probe.md" ;;
     kernels)  # the decode attention kernel checked against MLX's, the KV writes' cost in each form, and the
       # row-invariant matmul checked and timed against MLX's products (PARTS picks among them)
-      timeout 300 python3 bench/mlx_kernels.py --out "$OUT/mlx_kernels.json" --parts ${PARTS:-attention,writes,matmul} \
+      timeout 300 python3 bench/mlx_kernels.py --out "$OUT/mlx_kernels.json" --parts ${PARTS:-attention,writes,matmul} ${KROWS:+--rows $KROWS} \
           | tee "$OUT/mlx_kernels.md" || true ;;
     ablate)  # the decode pass with parts of its attention swapped for mlx-lm's; also without cuDNN's SDPA
       for env in KINFER_MLX_ATTENTION=0 "KINFER_MLX_ATTENTION=0 MLX_CUDA_USE_CUDNN_SDPA=0" "KINFER_MLX_ATTENTION=0 MLX_USE_CUDA_GRAPHS=0"; do

@@ -12,8 +12,8 @@ GS values of a row, w = scale * q + bias). Two forms, each checked at load again
 and for rows that do not depend on each other (self_check):
 
 - `mma` (float16 and bfloat16, the default): tensor cores, MMA_SOURCE below. On the H100 a 7.4B
-  4-bit model decodes 5x faster through it at 32 rows than through MLX's quantized matmul, and
-  at 0.8x of MLX's speed alone (docs/performance.md).
+  4-bit model decodes several times faster through it at 8 to 128 rows than through MLX's
+  quantized matmul (docs/performance.md).
 - `simt` (any float type): a warp per output column and a tile of TM rows; lane l takes the
   16-byte words l, l + 32, ... of w's row n, turns them into floats once, and for each row of
   the tile adds their products with the row's x (one fma chain a word, in order) to the row's
@@ -125,11 +125,15 @@ QUANTIZED_SOURCE = _BODY.replace("@DEQUANT@", _QUANTIZED)
 DENSE_SOURCE = _BODY.replace("@DEQUANT@", _DENSE)
 
 # The tensor-core form (float16 and bfloat16 x): a block per 16 output columns and 8 * TT rows,
-# NW warps splitting K in fixed chunks of 32 (warp w takes chunks w, w + NW, ...), each warp's
+# NW warps splitting K in fixed chunks of 64 (warp w takes chunks w, w + NW, ...), each warp's
 # part a sum of mma.sync m16n8k16 products (w's 16 columns as A, turned into the model's float
 # type in registers; 8 rows of x as B; float accumulators), in chunk order; the warps' parts are
-# then added in warp order. A row's result depends on K, its own x and w: not on M, on where in
-# its tile of 8 the row sits, nor on the other rows (each column of an mma is its own sum).
+# then added in warp order. Lane t of a quad takes the 16 values k0 + 16t .. k0 + 16t + 15 of a
+# chunk (one load, no lane reading another's), and gives the mma's k slots 2t, 2t + 1, 2t + 8,
+# 2t + 9 of step s its values 4s .. 4s + 3, the same for A and B: each step sums 16 of the
+# chunk's products, and the four steps all 64. A row's result depends on K, its own x and w:
+# not on M, on where in its tile of 8 the row sits, nor on the other rows (each column of an
+# mma is its own sum).
 MMA_SOURCE = """
     const int M = x_shape[0];
     const int K = x_shape[1];
@@ -137,49 +141,54 @@ MMA_SOURCE = """
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;  // A's rows g and g + 8; B's column (a row of x) g
-    const int t = lane & 3;  // A's and B's k pairs 2t, 2t + 1 and 2t + 8, 2t + 9
+    const int t = lane & 3;  // the quad's lane: values 16t .. 16t + 15 of a chunk
     const int n0 = blockIdx.x * 16;
     const int m0 = blockIdx.y * (8 * TT);
-    const int chunks = K / 32;
+    const int chunks = K / 64;
     const int na = min(n0 + g, N - 1);  // a row past N is computed on row N - 1 and never written
     const int nb = min(n0 + g + 8, N - 1);
     constexpr bool QUANT = BITS < 16;
-    constexpr int WPR = QUANT ? BITS / 4 : 4;  // 16-byte words of a row a chunk of 32 takes
-    const bool x4 = (reinterpret_cast<size_t>(x) % 4) == 0 && (K % 2) == 0;  // x in 4-byte pairs
+    constexpr int WL = BITS / 2;  // 32-bit words holding a lane's 16 values of a row: 2, 4 or 8
+    constexpr int PER = 32 / BITS;  // values a 32-bit word holds
+    const bool x16 = (reinterpret_cast<size_t>(x) % 16) == 0;  // x's rows in 16-byte loads
     float c[TT][4];
     #pragma unroll
     for (int i = 0; i < TT; ++i) { c[i][0] = 0.0f; c[i][1] = 0.0f; c[i][2] = 0.0f; c[i][3] = 0.0f; }
-    // a chunk's raw A: WPR 16-byte words of rows na and nb, and their scale and bias
-    uint4 ra[WPR], rb[WPR];
+    // a chunk's raw A for this lane: its words of rows na and nb, and their scale and bias
+    uint32_t ra[WL], rb[WL];
     float sa = 0.0f, ba = 0.0f, sb = 0.0f, bb = 0.0f;
-    auto load = [&](int ch, uint4* pa, uint4* pb, float& s_a, float& b_a, float& s_b, float& b_b) {
-        const uint4* wv = reinterpret_cast<const uint4*>(w);
-        const size_t row = (size_t)K * (QUANT ? BITS : 16) / 128;  // 16-byte words a row
-        #pragma unroll
-        for (int i = 0; i < WPR; ++i) {
-            pa[i] = wv[(size_t)na * row + (size_t)ch * WPR + i];
-            pb[i] = wv[(size_t)nb * row + (size_t)ch * WPR + i];
+    auto load = [&](int ch, uint32_t* pa, uint32_t* pb, float& s_a, float& b_a, float& s_b, float& b_b) {
+        const size_t row = (size_t)K * BITS / 32;  // 32-bit words a row
+        const size_t at = ((size_t)ch * 64 + 16 * t) * BITS / 32;
+        const uint32_t* wa = reinterpret_cast<const uint32_t*>(w) + (size_t)na * row + at;
+        const uint32_t* wb = reinterpret_cast<const uint32_t*>(w) + (size_t)nb * row + at;
+        if (WL == 2) {
+            const uint2 u = *reinterpret_cast<const uint2*>(wa);
+            const uint2 v = *reinterpret_cast<const uint2*>(wb);
+            pa[0] = u.x; pa[1] = u.y; pb[0] = v.x; pb[1] = v.y;
+        } else {
+            #pragma unroll
+            for (int i = 0; i < WL / 4; ++i) {
+                const uint4 u = reinterpret_cast<const uint4*>(wa)[i];
+                const uint4 v = reinterpret_cast<const uint4*>(wb)[i];
+                pa[4 * i] = u.x; pa[4 * i + 1] = u.y; pa[4 * i + 2] = u.z; pa[4 * i + 3] = u.w;
+                pb[4 * i] = v.x; pb[4 * i + 1] = v.y; pb[4 * i + 2] = v.z; pb[4 * i + 3] = v.w;
+            }
         }
         if (QUANT) {
             const int groups = K / GS;
-            const int gi = ch * 32 / GS;
+            const int gi = (ch * 64 + 16 * t) / GS;
             s_a = static_cast<float>(scales[(size_t)na * groups + gi]);
             b_a = static_cast<float>(biases[(size_t)na * groups + gi]);
             s_b = static_cast<float>(scales[(size_t)nb * groups + gi]);
             b_b = static_cast<float>(biases[(size_t)nb * groups + gi]);
         }
     };
-    // two values of a row at chunk positions k, k + 1 (k = 16s + 8h + 2t) as one A register:
-    // word (16s + 8h) / PER + 2t / PER of the chunk, from bit BITS * (2t % PER) (PER values a
-    // 32-bit word; 2t / PER is picked among at most 4 words without indexing the array by t)
-    constexpr int PER = QUANT ? 32 / BITS : 2;
-    constexpr int IMAX = 6 / PER;
-    const int wi = (2 * t) / PER;
-    const int sh = QUANT ? BITS * ((2 * t) % PER) : 0;
-    auto pair = [&](const uint4* r, float s, float b, int base) -> uint32_t {
-        const uint32_t* p = reinterpret_cast<const uint32_t*>(r) + base;
-        const uint32_t word = (IMAX == 0 || wi == 0) ? p[0] : (IMAX == 1 || wi == 1) ? p[1] : (wi == 2) ? p[2] : p[3];
-        if (!QUANT) return word;  // dense: the pair as stored
+    // values v, v + 1 of a lane's 16 of a row as one A register (v even, known when unrolled)
+    auto pair = [&](const uint32_t* r, float s, float b, int v) -> uint32_t {
+        if (!QUANT) return r[v / 2];  // dense: the pair as stored
+        const uint32_t word = r[v / PER];
+        const int sh = BITS * (v % PER);
         const uint32_t mask = (1u << (QUANT ? BITS : 1)) - 1u;
         const float v0 = fmaf(s, static_cast<float>((word >> sh) & mask), b);
         const float v1 = fmaf(s, static_cast<float>((word >> (sh + (QUANT ? BITS : 0))) & mask), b);
@@ -192,36 +201,42 @@ MMA_SOURCE = """
     };
     if (warp < chunks) load(warp, ra, rb, sa, ba, sb, bb);
     for (int ch = warp; ch < chunks; ch += NW) {
-        uint4 na_[WPR], nb_[WPR];
+        uint32_t na_[WL], nb_[WL];
         float nsa = 0.0f, nba = 0.0f, nsb = 0.0f, nbb = 0.0f;
         if (ch + NW < chunks) load(ch + NW, na_, nb_, nsa, nba, nsb, nbb);  // the next chunk's loads in flight
-        uint32_t a[2][4];
+        uint32_t a[4][4];
         #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            a[s][0] = pair(ra, sa, ba, (16 * s) / PER);
-            a[s][1] = pair(rb, sb, bb, (16 * s) / PER);
-            a[s][2] = pair(ra, sa, ba, (16 * s + 8) / PER);
-            a[s][3] = pair(rb, sb, bb, (16 * s + 8) / PER);
+        for (int s = 0; s < 4; ++s) {
+            a[s][0] = pair(ra, sa, ba, 4 * s);
+            a[s][1] = pair(rb, sb, bb, 4 * s);
+            a[s][2] = pair(ra, sa, ba, 4 * s + 2);
+            a[s][3] = pair(rb, sb, bb, 4 * s + 2);
         }
-        const size_t k0 = (size_t)ch * 32;
+        const size_t k0 = (size_t)ch * 64 + 16 * t;
         #pragma unroll
         for (int i = 0; i < TT; ++i) {
             if (m0 + 8 * i < M) {  // the same for the whole warp
                 const int m = m0 + 8 * i + g;
-                const T* xr = x + (size_t)min(m, M - 1) * K + k0 + 2 * t;
+                uint32_t xw[8];
                 #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    uint32_t b0 = 0u, b1 = 0u;
-                    if (m < M) {
-                        if (x4) {
-                            b0 = *reinterpret_cast<const uint32_t*>(xr + 16 * s);
-                            b1 = *reinterpret_cast<const uint32_t*>(xr + 16 * s + 8);
-                        } else {  // the same pairs, a half at a time
-                            const unsigned short* h = reinterpret_cast<const unsigned short*>(xr + 16 * s);
-                            b0 = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
-                            b1 = (uint32_t)h[8] | ((uint32_t)h[9] << 16);
-                        }
+                for (int j = 0; j < 8; ++j) xw[j] = 0u;
+                if (m < M) {
+                    const T* xr = x + (size_t)m * K + k0;
+                    if (x16) {
+                        const uint4 u0 = reinterpret_cast<const uint4*>(xr)[0];
+                        const uint4 u1 = reinterpret_cast<const uint4*>(xr)[1];
+                        xw[0] = u0.x; xw[1] = u0.y; xw[2] = u0.z; xw[3] = u0.w;
+                        xw[4] = u1.x; xw[5] = u1.y; xw[6] = u1.z; xw[7] = u1.w;
+                    } else {  // the same values, a half at a time
+                        const unsigned short* h = reinterpret_cast<const unsigned short*>(xr);
+                        #pragma unroll
+                        for (int j = 0; j < 8; ++j) xw[j] = (uint32_t)h[2 * j] | ((uint32_t)h[2 * j + 1] << 16);
                     }
+                }
+                #pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const uint32_t b0 = xw[2 * s];
+                    const uint32_t b1 = xw[2 * s + 1];
                     if (BF) {
                         asm volatile(
                             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -239,7 +254,7 @@ MMA_SOURCE = """
             }
         }
         #pragma unroll
-        for (int i = 0; i < WPR; ++i) { ra[i] = na_[i]; rb[i] = nb_[i]; }
+        for (int i = 0; i < WL; ++i) { ra[i] = na_[i]; rb[i] = nb_[i]; }
         sa = nsa; ba = nba; sb = nsb; bb = nbb;
     }
     // the warps' parts, added in warp order
@@ -314,7 +329,7 @@ FORMS = ("mma", "simt")  # tensor cores (float16 and bfloat16), or a float fma c
 
 
 def _takes(form: str, x: mx.Dtype, k: int) -> bool:
-    return form == "simt" or (x in (mx.float16, mx.bfloat16) and k % 32 == 0)
+    return form == "simt" or (x in (mx.float16, mx.bfloat16) and k % 64 == 0)
 
 
 def quantized(
@@ -322,9 +337,11 @@ def quantized(
 ) -> mx.array:
     """x (..., K) times w^T, w (N, K) in MLX's affine quantization (mx.quantize's outputs):
     what mx.quantized_matmul(x, w, scales, biases, transpose=True) computes, with rows that do
-    not depend on each other."""
+    not depend on each other. A layer the tensor-core form does not take (K not a multiple of 64)
+    always runs the fma-chain form."""
     K = x.shape[-1]
-    if not quantizable(w.shape[0], K, group_size, bits) or scales.dtype != biases.dtype or not _takes(form, x.dtype, K):
+    form = form if _takes(form, x.dtype, K) else "simt"
+    if not quantizable(w.shape[0], K, group_size, bits) or scales.dtype != biases.dtype:
         raise ValueError(
             f"the row-invariant matmul ({form}) takes 4- or 8-bit groups of 32, 64 or 128 (got {bits}, {group_size})"
         )
@@ -339,9 +356,11 @@ _none: dict[mx.Dtype, mx.array] = {}  # the dense mma's stand-in scales and bias
 
 
 def dense(x: mx.array, w: mx.array, form: str = "mma") -> mx.array:
-    """x (..., K) times w^T for w (N, K) in x's float type, with rows that do not depend on each other."""
+    """x (..., K) times w^T for w (N, K) in x's float type, with rows that do not depend on each other
+    (the fma-chain form where the tensor-core form does not take K)."""
     K = x.shape[-1]
-    if w.dtype != x.dtype or K % (16 // x.dtype.size) or not _takes(form, x.dtype, K):
+    form = form if _takes(form, x.dtype, K) else "simt"
+    if w.dtype != x.dtype or K % (16 // x.dtype.size):
         raise ValueError(f"the row-invariant matmul ({form}) takes weights in x's type and rows of whole 16-byte words")
     if form == "mma":
         none = _none.get(x.dtype)
@@ -536,7 +555,7 @@ def prepare(model: Any) -> tuple[bool, str]:
 def _check(form: str, forms: set[tuple[mx.Dtype, int, int]]) -> str:
     """Why the kernel in `form` cannot serve these (float type, group size, bits), or ""."""
     for dtype, group_size, bits in sorted(forms, key=str):
-        if not _takes(form, dtype, 32):
+        if not _takes(form, dtype, 64):
             return f"the row-invariant matmul ({form}) does not take {dtype}"
         try:
             worst, same = self_check(dtype, group_size, bits, form)

@@ -15,7 +15,8 @@
   then on the 7.4B shape's matrices (4-bit groups of 64, and float16): whether a row gets the same
   bits alone and in a pass of 128 rows, the largest difference from MLX's own product, and ms a
   call (32 calls a graph) at 1 to 640 rows against MLX's (mx.quantized_matmul, x @ w.T), for
-  both of its forms (tensor cores, mma; a float fma chain, simt: up to 32 rows).
+  both of its forms (tensor cores, mma; a float fma chain, simt: up to 32 rows), and the
+  tensor-core form with 1, 2 and 4 chunks a warp loads at once.
 """
 
 from __future__ import annotations
@@ -240,6 +241,19 @@ def matmul(rows: list[int]) -> list[dict]:
                     for _ in range(3):
                         mx.eval([fn(x) for _ in range(32)])
                     row[f"{name} {M}"] = round((time.perf_counter() - t) * 1000 / 96, 4)
+            if N <= 14336 and K == 4096:  # the tensor-core form with each prefetch depth (chunks loaded at once)
+                bits = 4 if weights == "quantized" else 16
+                keep = mm.PREFETCH[bits]
+                for pd in (1, 2, 4):
+                    mm.PREFETCH[bits] = pd
+                    for M in (1, 32):
+                        x = xs[:M]
+                        mx.eval(fns["mma"](x))
+                        t = time.perf_counter()
+                        for _ in range(3):
+                            mx.eval([fns["mma"](x) for _ in range(32)])
+                        row[f"mma PD{pd} {M}"] = round((time.perf_counter() - t) * 1000 / 96, 4)
+                mm.PREFETCH[bits] = keep
             out.append(row)
             emit("matmul", row)
             del w

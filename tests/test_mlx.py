@@ -694,6 +694,13 @@ def test_row_invariant_matmul_load_check_tells_a_right_kernel_from_a_wrong_one(m
     _rows_one_by_one(monkeypatch, nudge=lambda M: 1e-6 * (M > 8))
     worst, same = mm.self_check(mx.float32, 64, 4)
     assert not same and worst < 0.005  # close enough, but a row's bits depend on the pass: refused
+    # weights that do not match x's rows are refused before any kernel runs
+    monkeypatch.undo()
+    wq, scales, biases = mx.quantize(mx.zeros((32, 128)), group_size=64, bits=4)
+    with pytest.raises(ValueError, match="do not match"):
+        mm.quantized(mx.zeros((1, 64), dtype=mx.float16), wq, scales, biases, 64, 4)
+    with pytest.raises(ValueError, match="x's rows and type"):
+        mm.dense(mx.zeros((1, 64), dtype=mx.float16), mx.zeros((32, 128), dtype=mx.float16))
 
 
 def test_row_invariant_matmul_routes_the_decode_passes(monkeypatch, folder):

@@ -31,6 +31,7 @@ part of the pass.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import cast
 
@@ -295,7 +296,9 @@ def attention(
     global _kernel
     if _kernel is None:
         kernel = mx.fast.cuda_kernel(
-            name="kinfer_decode_attention",
+            # MLX caches a compiled kernel by its name, also on disk across processes: the
+            # source's hash in the name keeps a changed source from running an older build
+            name=f"kinfer_decode_attention_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]}",
             input_names=["queries", "new_keys", "new_values", "keys", "values", "slots", "cols", "scale", "counter"],
             output_names=["out", "partial", "row_max", "row_sum"],
             source=_SOURCE,

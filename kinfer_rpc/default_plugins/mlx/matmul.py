@@ -25,6 +25,7 @@ never on M, on the tile, nor on the other rows.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -155,8 +156,6 @@ MMA_SOURCE = """
     #pragma unroll
     for (int i = 0; i < TT; ++i) { c[i][0] = 0.0f; c[i][1] = 0.0f; c[i][2] = 0.0f; c[i][3] = 0.0f; }
     // a chunk's raw A for this lane: its words of rows na and nb, and their scale and bias
-    uint32_t ra[WL], rb[WL];
-    float sa = 0.0f, ba = 0.0f, sb = 0.0f, bb = 0.0f;
     auto load = [&](int ch, uint32_t* pa, uint32_t* pb, float& s_a, float& b_a, float& s_b, float& b_b) {
         const size_t row = (size_t)K * BITS / 32;  // 32-bit words a row
         const size_t at = ((size_t)ch * 64 + 16 * t) * BITS / 32;
@@ -199,11 +198,8 @@ MMA_SOURCE = """
         const __half2 h = __floats2half2_rn(v0, v1);
         return *reinterpret_cast<const uint32_t*>(&h);
     };
-    if (warp < chunks) load(warp, ra, rb, sa, ba, sb, bb);
-    for (int ch = warp; ch < chunks; ch += NW) {
-        uint32_t na_[WL], nb_[WL];
-        float nsa = 0.0f, nba = 0.0f, nsb = 0.0f, nbb = 0.0f;
-        if (ch + NW < chunks) load(ch + NW, na_, nb_, nsa, nba, nsb, nbb);  // the next chunk's loads in flight
+    // one chunk's products into c (ra, rb, sa, ba, sb, bb: its raw A, as load left them)
+    auto step = [&](int ch, const uint32_t* ra, const uint32_t* rb, float sa, float ba, float sb, float bb) {
         uint32_t a[4][4];
         #pragma unroll
         for (int s = 0; s < 4; ++s) {
@@ -253,9 +249,20 @@ MMA_SOURCE = """
                 }
             }
         }
+    };
+    // a warp's chunks in order, PD of them loaded at once (their loads in flight together)
+    for (int ch0 = warp; ch0 < chunks; ch0 += NW * PD) {
+        uint32_t ra[PD][WL], rb[PD][WL];
+        float sa[PD], ba[PD], sb[PD], bb[PD];
         #pragma unroll
-        for (int i = 0; i < WL; ++i) { ra[i] = na_[i]; rb[i] = nb_[i]; }
-        sa = nsa; ba = nba; sb = nsb; bb = nbb;
+        for (int p = 0; p < PD; ++p) {
+            sa[p] = 0.0f; ba[p] = 0.0f; sb[p] = 0.0f; bb[p] = 0.0f;
+            if (ch0 + p * NW < chunks) load(ch0 + p * NW, ra[p], rb[p], sa[p], ba[p], sb[p], bb[p]);
+        }
+        #pragma unroll
+        for (int p = 0; p < PD; ++p) {
+            if (ch0 + p * NW < chunks) step(ch0 + p * NW, ra[p], rb[p], sa[p], ba[p], sb[p], bb[p]);  // warp-uniform
+        }
     }
     // the warps' parts, added in warp order
     __shared__ float part[NW][16][8 * TT];
@@ -279,6 +286,7 @@ MMA_SOURCE = """
     }
 """
 NW = 8  # warps a block of the tensor-core form (K split among them)
+PREFETCH = {4: 4, 8: 4, 16: 2}  # chunks a warp of the tensor-core form loads at once, by bits of w
 TT = 4  # tiles of 8 rows a block of the tensor-core form
 
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}
@@ -297,8 +305,12 @@ def _kernel(kind: str) -> Callable[..., list[mx.array]]:
     if kernel is None:
         names = ["x", "w"] if kind == "dense" else ["x", "w", "scales", "biases"]
         sources = {"quantized": QUANTIZED_SOURCE, "dense": DENSE_SOURCE, "mma": MMA_SOURCE}
+        # MLX caches a compiled kernel by its name (with the template values), also on disk
+        # across processes: the source's hash in the name keeps a changed source from running
+        # an older build. Every input's type is T or fixed by the template values.
+        digest = hashlib.sha1(sources[kind].encode()).hexdigest()[:12]
         made = mx.fast.cuda_kernel(
-            name=f"kinfer_rows_matmul_{kind}", input_names=names, output_names=["y"], source=sources[kind]
+            name=f"kinfer_rows_matmul_{kind}_{digest}", input_names=names, output_names=["y"], source=sources[kind]
         )
         kernel = _kernels[kind] = cast("Callable[..., list[mx.array]]", made)  # MLX's stubs: a plain object
     return kernel
@@ -310,7 +322,8 @@ def _launch(kind: str, x: mx.array, inputs: list[mx.array], n: int, template: li
     M = x2.shape[0]
     if kind == "mma":
         rows, threads, cols = 8 * TT, NW * 32, 16
-        template = [*template, ("BF", int(x.dtype == mx.bfloat16)), ("NW", NW), ("TT", TT)]
+        bits = dict(template)["BITS"]
+        template = [*template, ("BF", int(x.dtype == mx.bfloat16)), ("NW", NW), ("TT", TT), ("PD", PREFETCH[bits])]
     else:
         rows, threads, cols = TM, NT, NT // 32
         template = [*template, ("TM", TM), ("NT", NT)]
@@ -345,11 +358,17 @@ def quantized(
         raise ValueError(
             f"the row-invariant matmul ({form}) takes 4- or 8-bit groups of 32, 64 or 128 (got {bits}, {group_size})"
         )
-    if form == "mma":
-        if scales.dtype != x.dtype:
-            scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
-        return _launch("mma", x, [w, scales, biases], w.shape[0], [("BITS", bits), ("GS", group_size)])
-    return _launch("quantized", x, [w, scales, biases], w.shape[0], [("BITS", bits), ("GS", group_size)])
+    if w.shape[1] * 32 != K * bits or scales.shape != (w.shape[0], K // group_size):
+        raise ValueError(f"x's rows of {K} do not match quantized weights {w.shape} and scales {scales.shape}")
+    if scales.dtype != x.dtype:  # (the kernels read them as T)
+        scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
+    return _launch(
+        "mma" if form == "mma" else "quantized",
+        x,
+        [w, scales, biases],
+        w.shape[0],
+        [("BITS", bits), ("GS", group_size)],
+    )
 
 
 _none: dict[mx.Dtype, mx.array] = {}  # the dense mma's stand-in scales and biases
@@ -360,8 +379,10 @@ def dense(x: mx.array, w: mx.array, form: str = "mma") -> mx.array:
     (the fma-chain form where the tensor-core form does not take K)."""
     K = x.shape[-1]
     form = form if _takes(form, x.dtype, K) else "simt"
-    if w.dtype != x.dtype or K % (16 // x.dtype.size):
-        raise ValueError(f"the row-invariant matmul ({form}) takes weights in x's type and rows of whole 16-byte words")
+    if w.dtype != x.dtype or K % (16 // x.dtype.size) or w.shape[1] != K:
+        raise ValueError(
+            f"the row-invariant matmul ({form}) takes weights of x's rows and type, in whole 16-byte words"
+        )
     if form == "mma":
         none = _none.get(x.dtype)
         if none is None:
@@ -401,7 +422,7 @@ class _QuantizedLinear(QuantizedLinear):
 
 class _Linear(Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        if not _route[0]:
+        if not _route[0] or x.dtype != self["weight"].dtype:  # (MLX promotes: a float32 gate, say)
             return cast("mx.array", cast(Any, super()).__call__(x))
         y = dense(x, self["weight"], self.kinfer_form)
         return y + self["bias"] if "bias" in self else y
@@ -418,7 +439,7 @@ class _QuantizedEmbedding(QuantizedEmbedding):
 
 class _Embedding(Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _route[0]:
+        if not _route[0] or x.dtype != self["weight"].dtype:
             return cast("mx.array", cast(Any, super()).as_linear(x))
         return dense(x, self["weight"], self.kinfer_form)
 
@@ -484,9 +505,10 @@ def self_check(
     dtype: mx.Dtype = mx.float16, group_size: int = 64, bits: int = 4, form: str = "mma"
 ) -> tuple[float, bool]:
     """The kernel against MLX's own products on pseudo-random data (passes of 1, 3, 16, 17 and
-    40 rows; a quantized weight in the given form and a dense one; an x that starts 2 bytes past
-    a 16-byte boundary): the largest difference relative to the largest value, and whether every
-    row came out with the same bits in every pass it was in."""
+    40 rows, a row alone at another index, the rows shuffled; a quantized weight in the given
+    form and a dense one; an x that starts 2 bytes past a 16-byte boundary): the largest
+    difference relative to the largest value, and whether every row came out with the same bits
+    in every pass it was in, wherever it sat."""
     K, N = 512, 200  # N: not a whole number of blocks; K: whole groups of every size taken
 
     def data(shape: tuple[int, ...], seed: int) -> mx.array:
@@ -515,13 +537,17 @@ def self_check(
 
         rows = {M: ours(x[:M]) for M in (1, 3, 16, 17, 40)}
         shifted, copied = ours(odd), ours(odd_copy)
-        mx.eval(list(rows.values()), shifted, copied)
+        order = [(7 * i + 3) % 40 for i in range(40)]  # every row once, each at another index
+        lone, shuffled = ours(x[5:6]), ours(x[mx.array(order)])
+        mx.eval(list(rows.values()), shifted, copied, lone, shuffled)
         ref = theirs(x[:40]).astype(mx.float32)
         scale = max(_number(mx.max(mx.abs(ref))), 1e-6)
         worst = max(worst, _number(mx.max(mx.abs(rows[40].astype(mx.float32) - ref))) / scale)
         for M, got in rows.items():
             same = same and bool(mx.array_equal(got, rows[40][:M]).item())
         same = same and bool(mx.array_equal(shifted, copied).item())
+        same = same and bool(mx.array_equal(lone, rows[40][5:6]).item())
+        same = same and bool(mx.array_equal(shuffled, rows[40][mx.array(order)]).item())
     return worst, same
 
 
@@ -530,39 +556,47 @@ def prepare(model: Any) -> tuple[bool, str]:
     route them (`route`). (False, why) when the kernel cannot run here, differs from MLX's
     products, or lets a row depend on the others: the model keeps MLX's products."""
     forms: set[tuple[mx.Dtype, int, int]] = set()
+    odd = False  # a layer the tensor-core form gives to the fma chain (K not a multiple of 64)
     for _, module in model.named_modules():
         if _swap(module) is None:
             continue
+        w = module["weight"]
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             forms.add((module["scales"].dtype, module.group_size, module.bits))
+            odd = odd or (w.shape[1] * 32 // module.bits) % 64 != 0
         else:
-            forms.add((module["weight"].dtype, 64, 4))  # the check runs the dense kernel in every form
+            forms.add((w.dtype, 64, 4))  # the check runs the dense kernel in every form
+            odd = odd or w.shape[1] % 64 != 0
     if not forms:
         return False, "no matrix layer of this model is in a form the row-invariant matmul takes"
     why = ""
     for form in FORMS:  # the tensor-core form where it runs and passes, else the fma chain
-        why = _check(form, forms)
+        why = _check(form, forms, odd)
         if not why:
             swapped, left = route(model, form)
-            said = f"{swapped} matrix layers routed ({form})"
-            if left:
-                said += f"; left to MLX: {', '.join(left[:3])}{', ...' if len(left) > 3 else ''}"
-            return True, said
+            if left:  # a row would still depend on the pass there: the kernel would buy nothing
+                unroute(model)
+                some = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+                return False, f"matrix layers the row-invariant matmul does not take: {some}"
+            return True, f"{swapped} matrix layers routed ({form})"
         log.info("mlx: %s", why)
     return False, why
 
 
-def _check(form: str, forms: set[tuple[mx.Dtype, int, int]]) -> str:
-    """Why the kernel in `form` cannot serve these (float type, group size, bits), or ""."""
+def _check(form: str, forms: set[tuple[mx.Dtype, int, int]], odd: bool = False) -> str:
+    """Why the kernel in `form` cannot serve these (float type, group size, bits), or "". A float
+    type the form does not take, and with `odd` every type, is checked in the fma-chain form too
+    (what such layers run)."""
     for dtype, group_size, bits in sorted(forms, key=str):
-        if not _takes(form, dtype, 64):
-            return f"the row-invariant matmul ({form}) does not take {dtype}"
-        try:
-            worst, same = self_check(dtype, group_size, bits, form)
-        except Exception as exc:  # noqa: BLE001 - a CUDA build without NVRTC headers, say
-            return f"the row-invariant matmul ({form}) did not run ({exc})"
-        if not same:
-            return f"the row-invariant matmul ({form}) gave a row different bits in different passes"
-        if not worst < (0.02 if dtype == mx.bfloat16 else 0.005):
-            return f"the row-invariant matmul ({form}) differs from MLX's by {worst:.3g} of the largest value"
+        checks = [form if _takes(form, dtype, 64) else "simt"]
+        checks += ["simt"] if odd and checks[0] != "simt" else []
+        for each in checks:
+            try:
+                worst, same = self_check(dtype, group_size, bits, each)
+            except Exception as exc:  # noqa: BLE001 - a CUDA build without NVRTC headers, say
+                return f"the row-invariant matmul ({each}) did not run ({exc})"
+            if not same:
+                return f"the row-invariant matmul ({each}) gave a row different bits in different passes"
+            if not worst < (0.02 if dtype == mx.bfloat16 else 0.005):
+                return f"the row-invariant matmul ({each}) differs from MLX's by {worst:.3g} of the largest value"
     return ""

@@ -156,6 +156,59 @@ def test_drafts_change_no_reply(folders):
     assert drafted > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_attention_kernel_route_and_no_row_invariant_matmul(folders, family, monkeypatch):
+    """On CUDA these families' decode attention is kinfer's kernel (their head runs only on the
+    rows that ask for logits); here on the CPU with the kernel's part played by MLX's own
+    operations, routed as on the GPU: greedy replies among others and drafted are the kernel-off
+    replies alone. The row-invariant matmul is not routed for them: their experts' gathered
+    products stay MLX's, so a load would refuse it (the check passed, the layers given back)."""
+    import sys
+
+    from kinfer_rpc.default_plugins.mlx import attention as att
+    from kinfer_rpc.default_plugins.mlx import matmul as mm
+    from kinfer_rpc.default_plugins.mlx import routing as mlx_routing
+
+    calls = []
+    monkeypatch.setattr(
+        att,
+        "attention",
+        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: (
+            calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc)
+        ),
+    )
+
+    def loader(drafts):
+        def load(p):
+            opts = LoadOptions(context_length=CTX, slots=3, batch=64, drafts=drafts)
+            m = MlxBackend().load(str(folders[family]), opts, p)
+            assert m.split_head
+            module = sys.modules[type(m.model.layers[0].self_attn).__module__]
+            monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+            assert mlx_routing._route_attention(m.model)
+            m._use_kernel()
+            return m
+
+        return load
+
+    plain = engine(folders[family], slots=3)
+    prompts = [plain.model.tokenize(t, True, True) for t in TEXTS[1:4]]
+    solo = [run_until_done(plain, [job(p)])[0].generated for p in prompts]
+    e = Engine(loader(0), lambda fn: fn(), batch=64, prefix=-1)
+    e.load_model()
+    assert [j.generated for j in run_until_done(e, [job(p) for p in prompts], arrivals=[0, 1, 3])] == solo
+    assert calls  # the compiled decode passes went through the kernel's route
+    d = Engine(loader(4), lambda fn: fn(), batch=64, prefix=-1)
+    d.load_model()
+    drafted = run_until_done(d, [job(p, drafts=4) for p in prompts], arrivals=[0, 0, 1])
+    assert [j.generated for j in drafted] == solo
+    monkeypatch.setattr(mm, "self_check", lambda *a: (0.0, True))  # a kernel that passes its checks
+    on, why = mm.prepare(e.model.model)
+    assert not on and "does not take" in why
+    swapped = (mm._QuantizedLinear, mm._Linear, mm._QuantizedEmbedding, mm._Embedding)
+    assert not any(type(m) in swapped for _, m in e.model.model.named_modules())  # given back
+
+
 def test_ollama_safetensors_manifest_loads(folders, tmp_path, monkeypatch):
     """The 4-bit qwen3_moe folder's tensors as an Ollama safetensors model (one blob per tensor
     with its scales and biases, json layers for the config and tokenizer): mlx-lm's model built

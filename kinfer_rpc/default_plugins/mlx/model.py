@@ -49,8 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kinfer_rpc.mlx")
 
 # Architectures whose Model.__call__ is exactly `head(model.model(x))`: the head then runs only on
-# the rows that asked for logits (not on every prompt token).
-_SPLIT_HEAD = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite"}
+# the rows that asked for logits (not on every prompt token), and on CUDA their decode attention
+# is kinfer's kernel (routing.py).
+_SPLIT_HEAD = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "granite", "qwen3_moe", "qwen2_moe", "mixtral"}
+# Of those, the mixtures of experts: their experts' gathered matrix products stay MLX's, so their
+# decode passes cannot be row-invariant and do not take kinfer's row-invariant matmul.
+_EXPERTS = {"qwen3_moe", "qwen2_moe", "mixtral"}
 
 
 class MlxModel:
@@ -88,7 +92,7 @@ class MlxModel:
             # (reproducible false) or KINFER_MLX_MATMUL=0 (checked at load: see below)
             rows = (
                 on_gpu
-                and self.config.get("model_type") in _SPLIT_HEAD
+                and self.config.get("model_type") in _SPLIT_HEAD - _EXPERTS
                 and options.reproducible is not False
                 and os.environ.get("KINFER_MLX_MATMUL", "1") != "0"
                 and mlx_matmul.available()

@@ -13,8 +13,8 @@
 # Runs, in order (they share /tmp/c):
 #   STAGE=1 bash bench/gpu_mlx.sh, then STAGE=2: copy the parts from .gpu2/m1 and .gpu2/m2
 #   STAGE=3 bash bench/gpu_mlx.sh (the default): install, model, then JOBS (default: kernels, probe,
-#   curve, compare in both weight forms, defaults, invariance; ablate, e2e, drafts and moe on
-#   request). Reports go to OUT (default /tmp/out). If /tmp is cleared in between, start again
+#   curve, compare in both weight forms, defaults, invariance; ablate, e2e, drafts, pair and moe
+#   on request). Reports go to OUT (default /tmp/out). If /tmp is cleared in between, start again
 #   from STAGE=1; later STAGE=3 runs on the same machine need no .gpu2.
 set -euo pipefail
 mkdir -p /tmp/c
@@ -83,6 +83,14 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
       draft_model
       timeout 240 python3 bench/drafts_bench.py $M --backend mlx --drafts ${DRAFTS:-4,13} --draft-model $D \
           --max-tokens 256 | tee "$OUT/mlx_drafts.md" || true ;;
+    pair)  # drafting with drafts that are accepted: a 7.4B target whose layers after the second write
+      # nothing and a draft of its first two layers (make_mlx_model.py --draft-pair), same replies
+      P=/tmp/m7b-pair
+      [ -f $P/config.json ] || python3 tests/modelgen/make_mlx_model.py $P --hidden 4096 --layers 32 --heads 32 \
+          --kv-heads 8 --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf \
+          --draft-pair $P-draft --draft-layers 2
+      timeout 240 python3 bench/drafts_bench.py $P --backend mlx --drafts ${DRAFTS:-4,13} --draft-model $P-draft \
+          --max-tokens 256 | tee "$OUT/mlx_pair.md" || true ;;
     moe)  # a mixture of experts of Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48 layers), 4-bit, beside
       # mlx-lm in the same form: decode at NPL at once, then one long prompt
       MOE=/tmp/moe30

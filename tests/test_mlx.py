@@ -292,6 +292,32 @@ def test_queued_greedy_passes_give_the_host_argmax_replies():
     assert e.started_ahead and not host.started_ahead  # ... and the engine used them
 
 
+def test_draft_pair_agrees_with_its_target(tmp_path):
+    """make_mlx_model.py --draft-pair (the benchmarks' accepted drafts): the target's layers after
+    the draft's write nothing, so the draft's logits are the target's, bit for bit; the target
+    keeps all its layers (it costs what a plain model of its shape costs)."""
+    import argparse
+
+    import make_mlx_model
+    import mlx.core as mx
+    from mlx_lm.utils import load as mlx_lm_load
+
+    a = argparse.Namespace(
+        hidden=64, layers=4, heads=2, kv_heads=1, intermediate=128, vocab=49152, bits=4, group=64,
+        seed=3, tokenizer_gguf=None, draft_pair=str(tmp_path / "draft"), draft_layers=1,
+    )  # fmt: skip
+    make_mlx_model.random_llama(tmp_path / "target", a)
+    target, _ = mlx_lm_load(str(tmp_path / "target"))
+    draft, _ = mlx_lm_load(str(tmp_path / "draft"))
+    assert (len(target.layers), len(draft.layers)) == (4, 1)
+    x = mx.array([[1, 500, 900, 33, 7000, 12]])
+    want, got = target(x), draft(x)
+    assert mx.array_equal(want, got).item()
+    plain = argparse.Namespace(**{**vars(a), "draft_pair": None})
+    make_mlx_model.random_llama(tmp_path / "plain", plain)  # the same weights, every layer writing
+    assert not mx.array_equal(mlx_lm_load(str(tmp_path / "plain"))[0](x), want).item()
+
+
 def test_a_draft_model_on_mlx_chains_its_rounds_in_one_wait():
     """The draft-model policy on the mlx backend: each step's draft rounds are chained on the
     device to the catch-up pass (one decode() a step, then decode_chained; the host reads the

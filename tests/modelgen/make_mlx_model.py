@@ -10,6 +10,13 @@ Random weights: mlx-lm's llama model, its own initialisation, quantized by mlx_l
 a vocabulary larger than its 49152 tokens is padded with added tokens `<|extra_N|>`.
 `--from-gguf` dequantizes the GGUF's Q4_1/Q8_0 tensors and quantizes them again mlx-lm's way; its
 config keeps the interleaved rope layout llama.cpp's tensors are stored in (rope_traditional).
+
+`--draft-pair DRAFT --draft-layers N`: a target and a draft model that agree by construction,
+for measuring drafting with drafts that are accepted (random weights otherwise accept none).
+Every layer of the target after the first N writes nothing to the residual stream (its attention
+output and MLP down projections are zero), so the target's logits are those of its first N layers
+and the head; DRAFT gets exactly those (N layers, the same embeddings, norm and head). The target
+still computes all its layers: a pass costs what it costs the plain random model.
 """
 
 from __future__ import annotations
@@ -86,12 +93,23 @@ def random_llama(out: Path, a) -> None:
     # Layer by layer to float16 and quantized, so a 7B shape never holds all of its float32 copy.
     model.set_dtype(mx.float16)
     mx.eval(model.parameters())
+    for layer in model.layers[a.draft_layers :] if a.draft_pair else []:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     model, config = quantize_model(model, config, group_size=a.group, bits=a.bits)
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
     _, _, vocab, _ = mlx_loading._load_gguf(a.tokenizer_gguf or embedded_default_path())
     write_tokenizer(out, vocab, a.vocab)
+    if a.draft_pair:  # the first N layers, the embeddings, the final norm and the head
+        draft = Path(a.draft_pair)
+        draft.mkdir(parents=True, exist_ok=True)
+        model.model.layers = model.model.layers[: a.draft_layers]
+        model.args.num_hidden_layers = a.draft_layers
+        save_model(draft, model)
+        save_config({**config, "num_hidden_layers": a.draft_layers}, draft / "config.json")
+        write_tokenizer(draft, vocab, a.vocab)
 
 
 def main():
@@ -113,6 +131,8 @@ def main():
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-pair", default=None, help="also write a draft model that agrees with this one here")
+    ap.add_argument("--draft-layers", type=int, default=2, help="layers of the draft (--draft-pair)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -286,7 +286,9 @@ MMA_SOURCE = """
     }
 """
 NW = 8  # warps a block of the tensor-core form (K split among them)
-PREFETCH = {4: 4, 8: 4, 16: 2}  # chunks a warp of the tensor-core form loads at once, by bits of w
+# chunks a warp of the tensor-core form loads at once, by bits of w: on the H200, 2 or 4 were no
+# faster than 1 alone and slower at 32 rows (bench/mlx_kernels.py times each)
+PREFETCH = {4: 1, 8: 1, 16: 1}
 TT = 4  # tiles of 8 rows a block of the tensor-core form
 
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}

@@ -154,3 +154,37 @@ class RepeatLast:
 
     def propose(self, history, k):
         return [history[-1]] * k
+
+
+def mlx_kernel_engine(
+    monkeypatch, path, calls: list, drafts: int = 0, batch: int = 16, context_length: int = CTX, **load
+) -> Engine:
+    """An mlx engine whose decode passes run as with the CUDA attention kernel, here on the CPU:
+    the kernel's part (it writes the pass's cells into the buffers it is given and returns the
+    attention) played by MLX's own operations (attention.reference), routed as on the GPU. Each
+    call of the kernel appends to `calls`. `load`: the rest of the LoadOptions."""
+    import sys
+
+    from kinfer_rpc.default_plugins.mlx import MlxBackend, routing
+    from kinfer_rpc.default_plugins.mlx import attention as att
+
+    monkeypatch.setattr(
+        att,
+        "attention",
+        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: (
+            calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc)
+        ),
+    )
+
+    def loaded(progress):
+        opts = LoadOptions(context_length=context_length, batch=batch, drafts=drafts, **load)
+        m = MlxBackend().load(str(path), opts, progress)
+        module = sys.modules[type(m.model.layers[0].self_attn).__module__]
+        monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+        assert routing._route_attention(m.model)
+        m._use_kernel()
+        return m
+
+    e = Engine(loaded, lambda fn: fn(), batch=batch, prefix=-1)
+    e.load_model()
+    return e

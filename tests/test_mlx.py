@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mlx.core")
 
-from engine_helpers import WORDS, run_until_done  # noqa: E402
+from engine_helpers import WORDS, mlx_kernel_engine, run_until_done  # noqa: E402
 from protocol_fixtures import server, spawn  # noqa: E402,F401
 from rpcclient import error_of  # noqa: E402
 
@@ -601,41 +601,15 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     cache writes left to it and the buffers handed on through mx.depends. Replies (rows joining
     and leaving, prompts beside decode rows in one step, queued greedy passes, drafts) are the
     kernel-off replies."""
-    import sys
-
-    from kinfer_rpc.default_plugins.mlx import attention as att
-    from kinfer_rpc.default_plugins.mlx import routing as mlx_routing
-
-    calls = []
-    monkeypatch.setattr(
-        att,
-        "attention",
-        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: (
-            calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc)
-        ),
-    )
-
-    def loader(drafts):
-        def load(p):
-            m = MlxBackend().load(GGUF, LoadOptions(context_length=CTX, slots=3, batch=16, drafts=drafts), p)
-            module = sys.modules[type(m.model.layers[0].self_attn).__module__]
-            monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
-            assert mlx_routing._route_attention(m.model)
-            m._use_kernel()
-            return m
-
-        return load
-
-    e = Engine(loader(0), lambda fn: fn(), batch=16, prefix=-1)
-    e.load_model()
+    calls: list[int] = []
+    e = mlx_kernel_engine(monkeypatch, GGUF, calls, context_length=CTX, slots=3)
     assert e.model.kernel == 1 and e.model.counter.size == 3 * 9  # SmolLM2: 9 query heads
     prompts = _prompts(e, ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time"])
     solo = [list(alone(tuple(p), 5, 0.0, 1)) for p in prompts]
     got = run_until_done(e, [job(p, 5) for p in prompts], arrivals=[0, 2, 3])
     assert [j.generated for j in got] == solo
     assert calls  # the compiled passes went through the kernel's route
-    d = Engine(loader(3), lambda fn: fn(), batch=16, prefix=-1)
-    d.load_model()
+    d = mlx_kernel_engine(monkeypatch, GGUF, calls, drafts=3, context_length=CTX, slots=3)
     drafted = run_until_done(d, [job(p, 5, drafts=3) for p in prompts], arrivals=[0, 0, 1])
     assert [j.generated for j in drafted] == solo
     assert sum(j.accepted for j in drafted) > 0

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_helpers import run_until_done  # noqa: E402
+from engine_helpers import mlx_kernel_engine, run_until_done  # noqa: E402
 from protocol_fixtures import server, spawn  # noqa: E402,F401
 
 from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402
@@ -163,43 +163,17 @@ def test_attention_kernel_route_and_no_row_invariant_matmul(folders, family, mon
     operations, routed as on the GPU: greedy replies among others and drafted are the kernel-off
     replies alone. The row-invariant matmul is not routed for them: their experts' gathered
     products stay MLX's, so a load would refuse it (the check passed, the layers given back)."""
-    import sys
-
-    from kinfer_rpc.default_plugins.mlx import attention as att
     from kinfer_rpc.default_plugins.mlx import matmul as mm
-    from kinfer_rpc.default_plugins.mlx import routing as mlx_routing
-
-    calls = []
-    monkeypatch.setattr(
-        att,
-        "attention",
-        lambda q, nk, nv, k, v, s, c, sc, counter, heads=None, splits=None: (
-            calls.append(counter.size) or att.reference(q, nk, nv, k, v, s, c, sc)
-        ),
-    )
-
-    def loader(drafts):
-        def load(p):
-            opts = LoadOptions(context_length=CTX, slots=3, batch=64, drafts=drafts)
-            m = MlxBackend().load(str(folders[family]), opts, p)
-            assert m.split_head
-            module = sys.modules[type(m.model.layers[0].self_attn).__module__]
-            monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
-            assert mlx_routing._route_attention(m.model)
-            m._use_kernel()
-            return m
-
-        return load
 
     plain = engine(folders[family], slots=3)
     prompts = [plain.model.tokenize(t, True, True) for t in TEXTS[1:4]]
     solo = [run_until_done(plain, [job(p)])[0].generated for p in prompts]
-    e = Engine(loader(0), lambda fn: fn(), batch=64, prefix=-1)
-    e.load_model()
+    calls: list[int] = []
+    e = mlx_kernel_engine(monkeypatch, folders[family], calls, batch=64, context_length=CTX, slots=3)
+    assert e.model.split_head
     assert [j.generated for j in run_until_done(e, [job(p) for p in prompts], arrivals=[0, 1, 3])] == solo
     assert calls  # the compiled decode passes went through the kernel's route
-    d = Engine(loader(4), lambda fn: fn(), batch=64, prefix=-1)
-    d.load_model()
+    d = mlx_kernel_engine(monkeypatch, folders[family], calls, drafts=4, batch=64, context_length=CTX, slots=3)
     drafted = run_until_done(d, [job(p, drafts=4) for p in prompts], arrivals=[0, 0, 1])
     assert [j.generated for j in drafted] == solo
     monkeypatch.setattr(mm, "self_check", lambda *a: (0.0, True))  # a kernel that passes its checks

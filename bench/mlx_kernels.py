@@ -242,10 +242,9 @@ def matmul(rows: list[int]) -> list[dict]:
                         mx.eval([fn(x) for _ in range(32)])
                     row[f"{name} {M}"] = round((time.perf_counter() - t) * 1000 / 96, 4)
             if N <= 14336 and K == 4096:  # the tensor-core form with each prefetch depth (chunks loaded at once)
-                bits = 4 if weights == "quantized" else 16
-                keep = mm.PREFETCH[bits]
+                keep = mm.PREFETCH
                 for pd in (1, 2, 4):
-                    mm.PREFETCH[bits] = pd
+                    mm.PREFETCH = pd
                     for M in (1, 32):
                         x = xs[:M]
                         mx.eval(fns["mma"](x))
@@ -253,7 +252,7 @@ def matmul(rows: list[int]) -> list[dict]:
                         for _ in range(3):
                             mx.eval([fns["mma"](x) for _ in range(32)])
                         row[f"mma PD{pd} {M}"] = round((time.perf_counter() - t) * 1000 / 96, 4)
-                mm.PREFETCH[bits] = keep
+                mm.PREFETCH = keep
             out.append(row)
             emit("matmul", row)
             del w

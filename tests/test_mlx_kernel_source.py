@@ -111,7 +111,7 @@ def matmul_source(dtype: str, kind: str, bits: int, group: int) -> str:
     types = f"  using T = {dtype};\n" + (f"  using W = {dtype};\n" if kind == "dense" else "")
     ints: tuple[tuple[str, int], ...] = (("BITS", bits), ("GS", group)) if kind != "dense" else ()
     if kind == "mma":
-        ints += (("BF", int(dtype == "__nv_bfloat16")), ("NW", mm.NW), ("TT", mm.TT), ("PD", mm.PREFETCH[bits]))
+        ints += (("BF", int(dtype == "__nv_bfloat16")), ("NW", mm.NW), ("TT", mm.TT), ("PD", mm.PREFETCH))
     else:
         ints += (("TM", mm.TM), ("NT", mm.NT))
     consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in ints)

@@ -286,9 +286,9 @@ MMA_SOURCE = """
     }
 """
 NW = 8  # warps a block of the tensor-core form (K split among them)
-# chunks a warp of the tensor-core form loads at once, by bits of w: on the H200, 2 or 4 were no
-# faster than 1 alone and slower at 32 rows (bench/mlx_kernels.py times each)
-PREFETCH = {4: 1, 8: 1, 16: 1}
+# chunks a warp of the tensor-core form loads at once: on the H200, 2 or 4 were no faster than 1
+# alone and slower at 32 rows, in every weight form (bench/mlx_kernels.py times each)
+PREFETCH = 1
 TT = 4  # tiles of 8 rows a block of the tensor-core form
 
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}
@@ -324,8 +324,7 @@ def _launch(kind: str, x: mx.array, inputs: list[mx.array], n: int, template: li
     M = x2.shape[0]
     if kind == "mma":
         rows, threads, cols = 8 * TT, NW * 32, 16
-        bits = dict(template)["BITS"]
-        template = [*template, ("BF", int(x.dtype == mx.bfloat16)), ("NW", NW), ("TT", TT), ("PD", PREFETCH[bits])]
+        template = [*template, ("BF", int(x.dtype == mx.bfloat16)), ("NW", NW), ("TT", TT), ("PD", PREFETCH)]
     else:
         rows, threads, cols = TM, NT, NT // 32
         template = [*template, ("TM", TM), ("NT", NT)]

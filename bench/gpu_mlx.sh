@@ -37,8 +37,8 @@ python3 -c "import jsonrpcserver" 2>/dev/null ||
   echo "jsonrpcserver is not installed (.gpu2/m1 lacks its wheel): the jobs that spawn kinfer-rpc will fail" >&2
 M=/tmp/m7b
 # The 7.4B Llama shape of docs/performance.md's MLX figures (vocabulary 128256), random 4-bit weights.
-[ -f $M/config.json ] || python3 tests/modelgen/make_mlx_model.py $M --hidden 4096 --layers 32 --heads 32 --kv-heads 8 \
-    --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf
+SHAPE_74B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256 --bits 4"
+[ -f $M/config.json ] || python3 tests/modelgen/make_mlx_model.py $M $SHAPE_74B --tokenizer-gguf /tmp/c/tok.gguf
 [ -n "${ONLY_SETUP:-}" ] && exit 0
 # A small draft model with the same vocabulary (2 layers, hidden 512), for the draft-model policy.
 D=/tmp/m7b-draft
@@ -86,8 +86,7 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
     pair)  # drafting with drafts that are accepted: a 7.4B target whose layers after the second write
       # nothing and a draft of its first two layers (make_mlx_model.py --draft-pair), same replies
       P=/tmp/m7b-pair
-      [ -f $P/config.json ] || python3 tests/modelgen/make_mlx_model.py $P --hidden 4096 --layers 32 --heads 32 \
-          --kv-heads 8 --intermediate 14336 --vocab 128256 --bits 4 --tokenizer-gguf /tmp/c/tok.gguf \
+      [ -f $P/config.json ] || python3 tests/modelgen/make_mlx_model.py $P $SHAPE_74B --tokenizer-gguf /tmp/c/tok.gguf \
           --draft-pair $P-draft --draft-layers 2
       timeout 240 python3 bench/drafts_bench.py $P --backend mlx --drafts ${DRAFTS:-4,13} --draft-model $P-draft \
           --max-tokens 256 | tee "$OUT/mlx_pair.md" || true ;;

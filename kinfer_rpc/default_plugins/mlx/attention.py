@@ -31,11 +31,12 @@ part of the pass.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from typing import cast
 
 import mlx.core as mx
+
+from kinfer_rpc.default_plugins.mlx import cuda_kernel
+from kinfer_rpc.default_plugins.mlx.cuda_kernel import available as available
 
 NT = 128  # threads a block: one cell each while scoring, one output dimension each after
 CHUNK = 512  # cells a block covers (4 tiles of NT)
@@ -260,14 +261,6 @@ _SOURCE = """
 _kernel: Callable[..., list[mx.array]] | None = None  # the compiled kernel: its outputs, by output_names
 
 
-def available() -> bool:
-    """Whether this MLX can run the kernel: a CUDA build, on the GPU."""
-    cuda = getattr(mx, "cuda", None)
-    return (
-        hasattr(mx.fast, "cuda_kernel") and cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-    )
-
-
 def attention(
     queries: mx.array,
     new_keys: mx.array,
@@ -295,15 +288,12 @@ def attention(
     backend fixes it per load from its context length."""
     global _kernel
     if _kernel is None:
-        kernel = mx.fast.cuda_kernel(
-            # MLX caches a compiled kernel by its name, also on disk across processes: the
-            # source's hash in the name keeps a changed source from running an older build
-            name=f"kinfer_decode_attention_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]}",
-            input_names=["queries", "new_keys", "new_values", "keys", "values", "slots", "cols", "scale", "counter"],
-            output_names=["out", "partial", "row_max", "row_sum"],
-            source=_SOURCE,
+        _kernel = cuda_kernel.make(
+            "kinfer_decode_attention",
+            _SOURCE,
+            ["queries", "new_keys", "new_values", "keys", "values", "slots", "cols", "scale", "counter"],
+            ["out", "partial", "row_max", "row_sum"],
         )
-        _kernel = cast("Callable[..., list[mx.array]]", kernel)  # MLX's stubs type it as a plain object
     B, HQ, L, D = queries.shape
     S, HKV, C, Dk = keys.shape
     if (

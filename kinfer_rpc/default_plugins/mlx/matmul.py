@@ -25,7 +25,6 @@ never on M, on the tile, nor on the other rows.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -37,6 +36,9 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
+
+from kinfer_rpc.default_plugins.mlx import cuda_kernel
+from kinfer_rpc.default_plugins.mlx.cuda_kernel import available as available
 
 log = logging.getLogger("kinfer_rpc.mlx")
 
@@ -294,27 +296,13 @@ TT = 4  # tiles of 8 rows a block of the tensor-core form
 _kernels: dict[str, Callable[..., list[mx.array]]] = {}
 
 
-def available() -> bool:
-    """Whether this MLX can run the kernel: a CUDA build, on the GPU."""
-    cuda = getattr(mx, "cuda", None)
-    return (
-        hasattr(mx.fast, "cuda_kernel") and cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-    )
-
-
 def _kernel(kind: str) -> Callable[..., list[mx.array]]:
     kernel = _kernels.get(kind)
     if kernel is None:
         names = ["x", "w"] if kind == "dense" else ["x", "w", "scales", "biases"]
         sources = {"quantized": QUANTIZED_SOURCE, "dense": DENSE_SOURCE, "mma": MMA_SOURCE}
-        # MLX caches a compiled kernel by its name (with the template values), also on disk
-        # across processes: the source's hash in the name keeps a changed source from running
-        # an older build. Every input's type is T or fixed by the template values.
-        digest = hashlib.sha1(sources[kind].encode()).hexdigest()[:12]
-        made = mx.fast.cuda_kernel(
-            name=f"kinfer_rows_matmul_{kind}_{digest}", input_names=names, output_names=["y"], source=sources[kind]
-        )
-        kernel = _kernels[kind] = cast("Callable[..., list[mx.array]]", made)  # MLX's stubs: a plain object
+        # every input's type is T or fixed by the template values
+        kernel = _kernels[kind] = cuda_kernel.make(f"kinfer_rows_matmul_{kind}", sources[kind], names, ["y"])
     return kernel
 
 

@@ -49,11 +49,13 @@ def engine():
     e.model.close()
 
 
-GRAMMARS = Grammars()
+# Each engine's own compiler: a Grammars keeps the tokenizer of the model it first saw, which
+# reads that model's vocabulary (a reference engine's model is closed after its test).
+GRAMMARS: dict[Engine, Grammars] = {}
 
 
 def job(engine, kind, source, text=PROMPT, n=48, temperature=0.0, seed=0, **more):
-    matcher = GRAMMARS.matcher(engine.model, kind, source) if kind else None
+    matcher = GRAMMARS.setdefault(engine, Grammars()).matcher(engine.model, kind, source) if kind else None
     opts = attrs.evolve(_options(n, temperature, seed), **more)
     return Job(list(tokenize(text)), opts, constraint=matcher)
 
@@ -228,5 +230,39 @@ def test_greedy_held_replies_start_the_next_pass_ahead_and_stay_the_same(engine)
         for a, b in zip(want, got):
             assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)
         check(*CONSTRAINTS[0], got[0].text) if got[0].stop_reason == "stop" else None
+    finally:
+        reference.model.close()
+
+
+def test_a_grammar_completed_while_the_next_pass_runs_gives_its_slot_back_after_it(engine, monkeypatch):
+    """A held row's matcher consumes its token once the next pass has started (Engine._consume_held),
+    so a grammar completed by that token ends its job while the next pass holds the job's row: the
+    row is thrown away and the slot given back only after that pass. A job waiting for a slot
+    then takes it; every reply is the one of an engine that never starts ahead."""
+    reference = make_engine(slots=4, start_ahead=False)
+    SHORT = r"(yes|no)\. (yes|no)\."  # completed by a token of a decode pass, not the prompt's
+    ended_ahead: list[Job] = []
+    end_job = Engine._end_job
+
+    def spy(self, job, reason, events, ahead):
+        end_job(self, job, reason, events, ahead)
+        if job in self._ended_ahead:
+            ended_ahead.append(job)
+
+    def jobs(e):
+        short = job(e, "regex", SHORT, f"{WORDS[0]} Answer:", n=40)
+        rest = [job(e, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
+        waiting = job(e, "regex", r"(yes|no), because [a-z ]{1,30}\.", f"{WORDS[4]} Answer:", n=40)
+        return [short, *rest, waiting]
+
+    try:
+        want = run_until_done(reference, jobs(reference))
+        monkeypatch.setattr(Engine, "_end_job", spy)
+        got = run_until_done(engine, jobs(engine))
+        assert got[0] in ended_ahead  # the short grammar's job: its row in the next pass thrown away
+        assert got[0].stop_reason == "stop" and re.fullmatch(SHORT, got[0].text)
+        for a, b in zip(want, got):
+            assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)
+        check(*CONSTRAINTS[2], got[4].text) if got[4].stop_reason == "stop" else None
     finally:
         reference.model.close()

@@ -137,7 +137,8 @@ class Job:
     mask: np.ndarray | None = None  # the constraint's bitmask for the row of the pass in flight
     mask_ids: np.ndarray | None = None  # the ids that mask allows, when it is sparse (grammar.sparse_ids)
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
-    # the token of the pass just taken, already chosen and consumed by the constraint (_held_best)
+    # the token of the pass just taken, chosen before the next pass started (_hold_rows) and
+    # consumed by the constraint (_consume_held)
     held: int | None = None
     # greedy, no penalty, no logprobs: a row's token is its argmax (under its grammar's mask)
     greedy: bool = attrs.field(init=False, default=False)
@@ -252,6 +253,8 @@ class Engine:
         self._chainable = False  # ... and none of them held to a grammar (_chain)
         # (chunks, owners, wait) of a pass started ahead by _start_next
         self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
+        # jobs that ended while the pass started ahead holds their rows: their slots go back once it is done
+        self._ended_ahead: list[Job] = []
         # A pass chained on the device to the one running (decode_chained): the rows it extends, its wait.
         self._chained: tuple[list[SeqChunk], Callable[[], np.ndarray]] | None = None
         self.started_ahead = 0  # passes started before the last one's tokens were taken
@@ -488,7 +491,7 @@ class Engine:
         The pass may already be running: the previous step started it (see _start_next)."""
         events: list[_Event] = []
         running, self._running = self._running, None
-        ended: list[Job] = []
+        ended, self._ended_ahead = self._ended_ahead, []
         with self._cond:
             # Leave: cancelled jobs free their slot before anything runs (or once the pass
             # already running, which holds their row, is done; the row is thrown away).
@@ -597,12 +600,16 @@ class Engine:
         some_plain = any(plain)
         best = self._best(logits, plain, chunks) if some_plain else [-1] * len(logits)  # read by plain rows only
         if self._steady:
-            # Every row one greedy token: those held to a grammar are chosen (and consumed) now,
-            # so that the next pass can start before the rest of the bookkeeping.
-            self._hold_rows(owners, logits, best)
+            # Every row one greedy token: those held to a grammar are chosen now, so that the
+            # next pass can start before the rest of the bookkeeping; their matchers consume
+            # the tokens once it runs.
+            chosen = self._hold_rows(owners, logits, best)
             self._start_next(chunks, owners, best)
+            self._consume_held(owners, chosen)
         else:
             self._drop_chained()
+        # A job that ends here while the next pass holds its row keeps its slot until that pass is done.
+        ahead = self._running is not None
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -629,7 +636,7 @@ class Engine:
             for i in range(chunk.outputs):
                 if is_plain:
                     token = best[r + i]
-                elif job.held is not None:  # chosen and consumed before the next pass started
+                elif job.held is not None:  # chosen before the next pass started, and consumed
                     token, job.held = job.held, None
                 else:
                     try:
@@ -639,7 +646,7 @@ class Engine:
                         job.error = errors.KinferError(
                             errors.INVALID_PARAMS, f"sampling failed with these options: {exc}"
                         )
-                        self._finish(job, None, events)
+                        self._end_job(job, None, events, ahead)
                         break
                 produced += 1
                 taken += 1
@@ -650,13 +657,20 @@ class Engine:
                 if job.constraint is not None and job.constraint.is_stopped():
                     # The grammar is complete: nothing but the end of generation may follow.
                     self._text(job, events)
-                    self._finish(job, "stop", events)
+                    self._end_job(job, "stop", events, ahead)
                     break
                 if i >= len(job.drafts) or token != job.drafts[i]:
                     break
             if job.drafts:
                 self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
+
+    def _end_job(self, job: Job, reason: str | None, events: list[_Event], ahead: bool) -> None:
+        """_finish, its slot given back after the pass started ahead when one holds its row."""
+        held = ahead and self._running is not None and job in self._running[1]
+        self._finish(job, reason, events, release=not held)
+        if held:
+            self._ended_ahead.append(job)
 
     def _sample(self, job: Job, row: np.ndarray, first: bool) -> int:
         """Pick a row's token for a job that is not plain: its logprobs from the raw row when
@@ -684,18 +698,19 @@ class Engine:
             job.logprobs.append(logprob(row, token, job.options.logprobs))
         return token
 
-    def _hold_rows(self, owners: list[Job], logits: np.ndarray, best: list[int]) -> None:
-        """In a pass of greedy rows (one a job), choose the tokens of the rows held to a grammar
-        and have their matchers consume them, all at once on llguidance's threads: `best` gets
-        them, job.held keeps them for _take (-1 and None where choosing failed: the row is then
-        sampled in its turn, which fails the job with the grammar's error)."""
+    def _hold_rows(self, owners: list[Job], logits: np.ndarray, best: list[int]) -> list[tuple[int, int]]:
+        """In a pass of greedy rows (one a job), choose the tokens of the rows held to a grammar,
+        all at once: `best` and job.held get them (-1 and None where choosing failed: the row is
+        then sampled in its turn, which fails the job with the grammar's error). Returns the
+        (row, token) pairs whose matchers have yet to consume them (_consume_held); a row that
+        took sampling's own way (no mask, or NaNs in the row) has consumed its token already."""
         rows = [r for r, job in enumerate(owners) if job.constraint is not None and job.stop_reason is None]
         picks = [(r, m, owners[r].mask_ids) for r in rows if (m := owners[r].mask) is not None]
         tokens = dict(zip((r for r, _, _ in picks), self._masks.choose(logits, picks))) if self._masks else {}
         chosen: list[tuple[int, int]] = []
         for r in rows:
             job = owners[r]
-            best[r] = -1  # until chosen and consumed
+            best[r] = -1  # until chosen
             token = tokens.get(r)
             job.mask = job.mask_ids = None
             if token is None:  # (no mask computed, or NaNs in the row: sampling's own way)
@@ -703,15 +718,24 @@ class Engine:
                     token = self._sample(job, logits[r], first=True)
                 except Exception:
                     continue
-                job.held = best[r] = token
             else:
                 chosen.append((r, token))
-        if chosen:
-            assert self._masks is not None, "masks were computed for these rows"
-            consumed = self._masks.consume([(owners[r].constraint, token) for r, token in chosen])
-            for (r, token), ok in zip(chosen, consumed):
-                if ok:
-                    owners[r].held = best[r] = token
+            job.held = best[r] = token
+        return chosen
+
+    def _consume_held(self, owners: list[Job], chosen: list[tuple[int, int]]) -> None:
+        """The matchers of _hold_rows's rows consume their tokens, on llguidance's threads, while
+        the next pass runs: each token is one its mask allowed, so this only moves the grammar
+        on. Where that fails the row is sampled in its turn, which ends the job with the
+        grammar's error; a grammar that is complete ends its job in _take. Either way the row
+        the next pass gave that job is thrown away, as a stop string's is."""
+        if not chosen:
+            return
+        assert self._masks is not None, "masks were computed for these rows"
+        consumed = self._masks.consume([(owners[r].constraint, token) for r, token in chosen])
+        for (r, _), ok in zip(chosen, consumed):
+            if not ok:
+                owners[r].held = None
 
     def _prepare_masks(self, chunks: list[SeqChunk], owners: list[Job]) -> None:
         """The grammar masks of the rows of the pass in flight, computed while the device runs it.

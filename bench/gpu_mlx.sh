@@ -91,13 +91,13 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
       timeout 240 python3 bench/drafts_bench.py $P --backend mlx --drafts ${DRAFTS:-4,13} --draft-model $P-draft \
           --max-tokens 256 | tee "$OUT/mlx_pair.md" || true ;;
     moe)  # a mixture of experts of Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48 layers), 4-bit, beside
-      # mlx-lm in the same form: decode at NPL at once, then one long prompt
+      # mlx-lm in the same form: decode at NPL at once (every kinfer step in the JSON), then one long prompt
       MOE=/tmp/moe30
       [ -f $MOE/config.json ] || python3 tests/modelgen/make_mlx_moe_model.py $MOE --shape 30b-a3b \
           --layers ${MOE_LAYERS:-16} --bits 4 --group 64 --tokenizer-gguf /tmp/c/tok.gguf
       for W in ${MOE_FORMS:-quantized}; do
         timeout 300 python3 bench/mlx_bench.py $MOE --out "$OUT/mlx_moe_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
-            --ntg ${NTG:-128} --weights $W | tee "$OUT/mlx_moe_$W.md" || true
+            --ntg ${NTG:-128} --weights $W --trace | tee "$OUT/mlx_moe_$W.md" || true
       done
       timeout 200 python3 bench/mlx_bench.py $MOE --out "$OUT/mlx_moe_prompt.json" --npl 1 --npp 7700 --ntg 16 \
           --weights quantized | tee "$OUT/mlx_moe_prompt.md" || true ;;

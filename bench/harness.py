@@ -140,9 +140,12 @@ class PhaseTimer:
 
     def __init__(self, engine: Any) -> None:
         self.rows: list[tuple[float, ...]] = []  # (start, *PARTS)
+        # per step, each pass it launched: its one-token rows, prompt chunks and their tokens
+        self.launched: list[list[tuple[int, int, int]]] = []
         model, step = engine.model, engine.step
         current: dict[str, float] = {}
         waited = [0.0]  # when the last wait ended
+        launched: list[tuple[int, int, int]] = []  # by the step running now (self.launched)
 
         def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any) -> Any:
@@ -161,6 +164,11 @@ class PhaseTimer:
             # decode(chunks), and decode_next(tokens) where the backend has it
             def call(arg: Any) -> Any:
                 t = time.perf_counter()
+                if arg and isinstance(arg[0], int):  # decode_next's tokens
+                    launched.append((len(arg), 0, 0))
+                else:
+                    long = [len(c.tokens) for c in arg if len(c.tokens) > 1]
+                    launched.append((len(arg) - len(long), len(long), sum(long)))
                 if waited[0]:
                     current["gap"] = t - waited[0]
                 wait = inner(arg)
@@ -179,18 +187,35 @@ class PhaseTimer:
 
         def timed_step() -> Any:
             current.clear()
+            launched.clear()
             t = time.perf_counter()
             busy = step()
             current["step"] = time.perf_counter() - t
             if "wait" not in current:  # idle: no gap to the next pass
                 waited[0] = 0.0
             self.rows.append((t, *(current.get(k, 0.0) for k in self.PARTS)))
+            self.launched.append(launched[:])
             return busy
 
         model.decode = launch(model.decode)
         if hasattr(model, "decode_next"):
             model.decode_next = launch(model.decode_next)
         engine.step = timed_step
+
+    def trace(self, after: float = 0.0) -> list[Record]:
+        """Every step started after `after`, the prompt's included: its parts in ms (where one
+        slow step hides) and the passes it launched, each as [one-token rows, prompt chunks,
+        their tokens] (a step waits for the pass it launched, or for the one the step before
+        launched ahead)."""
+        return [
+            {
+                "at_ms": round((r[0] - after) * 1000, 2),
+                **{k: round(r[1 + i] * 1000, 3) for i, k in enumerate(self.PARTS) if r[1 + i]},
+                "launched": passes,
+            }
+            for r, passes in zip(self.rows, self.launched)
+            if r[0] > after
+        ]
 
     def summary(self, after: float = 0.0) -> Record:
         """Mean ms a step of each part, over the steps started after `after` (perf_counter)."""

@@ -49,6 +49,7 @@ prompts_for = distinct_prompts
 
 WEIGHTS = None  # --weights: None (the backend's choice), "quantized" or "dense"
 PHASES = False  # --phases: also where kinfer's steps go (harness.PhaseTimer)
+TRACE = False  # --trace: also every step of kinfer's last measured run (harness.PhaseTimer.trace)
 MLX_LM_AS_STORED = False  # --mlx-lm-as-stored: mlx-lm runs the model as stored, whatever kinfer chose
 
 
@@ -83,6 +84,8 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between
             result, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
             if timer:  # every step of the run, the prompt's included
                 result.update(timer.summary(after=t))
+                if TRACE:
+                    result["steps"] = timer.trace(after=t)
             result["device"] = engine.model.memory()["device"]
             result["weights"] = engine.model.info.weights
             out.append(result)
@@ -271,9 +274,12 @@ def main():
         "side's defaults in one run",
     )
     ap.add_argument("--phases", action="store_true", help="also where kinfer's decode steps go (harness.PhaseTimer)")
+    ap.add_argument(
+        "--trace", action="store_true", help="every step of kinfer's runs in the JSON (with --phases' figures)"
+    )
     a = ap.parse_args()
-    global WEIGHTS, MLX_LM_AS_STORED, PHASES
-    MLX_LM_AS_STORED, PHASES = a.mlx_lm_as_stored, a.phases
+    global WEIGHTS, MLX_LM_AS_STORED, PHASES, TRACE
+    MLX_LM_AS_STORED, PHASES, TRACE = a.mlx_lm_as_stored, a.phases or a.trace, a.trace
     WEIGHTS = None if a.weights == "default" else a.weights
     a.npl = [int(x) for x in a.npl.split(",") if x]
     t = time.perf_counter()

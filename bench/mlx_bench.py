@@ -74,9 +74,12 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between
     engine = start_engine(model, n, npp + ntg + 8)
     try:
         vocab = engine.model.info.n_vocab
-        # Warm up at the measured shape (N rows, these prompt lengths): the compiled step is
-        # traced, and on CUDA its kernels built, once per shape; llama-batched-bench warms up too.
-        run_jobs(engine, prompts_for(n, npp, vocab), 8)
+        # Warm up with the measured run itself: the compiled step is traced, and on CUDA its
+        # kernels built, once per shape (rows in the pass), and the run's passes take every
+        # row count on the way as requests start and finish (a shorter warm-up at 128 rows
+        # left 32 of the run's 41 pass shapes to the measured run); llama-batched-bench warms
+        # up too.
+        run_jobs(engine, prompts_for(n, npp, vocab), ntg)
         timer = PhaseTimer(engine) if PHASES else None
         out = []
         for i in range(rounds):

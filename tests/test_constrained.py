@@ -266,3 +266,28 @@ def test_a_grammar_completed_while_the_next_pass_runs_gives_its_slot_back_after_
         check(*CONSTRAINTS[2], got[4].text) if got[4].stop_reason == "stop" else None
     finally:
         reference.model.close()
+
+
+def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engine):
+    """A client's cancel that arrives after the reply's grammar completed, while the next pass
+    still holds its row (its slot not yet given back), changes nothing: the reply stays as it
+    ended and the engine goes on serving the others."""
+    short = job(engine, "regex", r"(yes|no)\. (yes|no)\.", f"{WORDS[0]} Answer:", n=40)
+    rest = [job(engine, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
+    done: list[Job] = []
+    for j in [short, *rest]:
+        j.on_done = done.append
+        engine.submit(j)
+    cancelled = False
+    for _ in range(500):
+        engine.step()
+        if not cancelled and short in engine._ended_ahead:
+            engine.cancel(short)  # between the step that ended it and the one that frees its slot
+            cancelled = True
+        if len(done) == 4:
+            break
+    assert cancelled, "the grammar did not complete while a pass was started ahead"
+    assert engine.failure is None
+    assert sorted(map(id, done)) == sorted(map(id, [short, *rest]))  # each reported once
+    assert short.stop_reason == "stop" and re.fullmatch(r"(yes|no)\. (yes|no)\.", short.text)
+    assert all(j.error is None and j.stop_reason in ("length", "stop") for j in rest)

@@ -495,7 +495,8 @@ class Engine:
         with self._cond:
             # Leave: cancelled jobs free their slot before anything runs (or once the pass
             # already running, which holds their row, is done; the row is thrown away).
-            for job in [j for j in self._active if j.cancelled]:
+            # (A job that ended while the pass in flight holds its row is done already.)
+            for job in [j for j in self._active if j.cancelled and j.state is not JobState.DONE]:
                 self._finish(job, "cancelled", events, release=running is None)
                 if running is not None:
                     ended.append(job)

@@ -40,6 +40,7 @@ CONSTRAINTS = [
     ("grammar", 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/\n'),
 ]
 PROMPT = "Describe a person called Ada as JSON. Answer:"
+SHORT = r"(yes|no)\. (yes|no)\."  # a grammar completed by a token of a decode pass, not the prompt's
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +241,6 @@ def test_a_grammar_completed_while_the_next_pass_runs_gives_its_slot_back_after_
     row is thrown away and the slot given back only after that pass. A job waiting for a slot
     then takes it; every reply is the one of an engine that never starts ahead."""
     reference = make_engine(slots=4, start_ahead=False)
-    SHORT = r"(yes|no)\. (yes|no)\."  # completed by a token of a decode pass, not the prompt's
     ended_ahead: list[Job] = []
     end_job = Engine._end_job
 
@@ -252,7 +252,7 @@ def test_a_grammar_completed_while_the_next_pass_runs_gives_its_slot_back_after_
     def jobs(e):
         short = job(e, "regex", SHORT, f"{WORDS[0]} Answer:", n=40)
         rest = [job(e, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
-        waiting = job(e, "regex", r"(yes|no), because [a-z ]{1,30}\.", f"{WORDS[4]} Answer:", n=40)
+        waiting = job(e, *CONSTRAINTS[2], f"{WORDS[4]} Answer:", n=40)
         return [short, *rest, waiting]
 
     try:
@@ -272,7 +272,7 @@ def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engi
     """A client's cancel that arrives after the reply's grammar completed, while the next pass
     still holds its row (its slot not yet given back), changes nothing: the reply stays as it
     ended and the engine goes on serving the others."""
-    short = job(engine, "regex", r"(yes|no)\. (yes|no)\.", f"{WORDS[0]} Answer:", n=40)
+    short = job(engine, "regex", SHORT, f"{WORDS[0]} Answer:", n=40)
     rest = [job(engine, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
     done: list[Job] = []
     for j in [short, *rest]:
@@ -289,5 +289,5 @@ def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engi
     assert cancelled, "the grammar did not complete while a pass was started ahead"
     assert engine.failure is None
     assert sorted(map(id, done)) == sorted(map(id, [short, *rest]))  # each reported once
-    assert short.stop_reason == "stop" and re.fullmatch(r"(yes|no)\. (yes|no)\.", short.text)
+    assert short.stop_reason == "stop" and re.fullmatch(SHORT, short.text)
     assert all(j.error is None and j.stop_reason in ("length", "stop") for j in rest)

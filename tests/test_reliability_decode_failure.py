@@ -58,9 +58,8 @@ def test_a_failed_decode_answers_in_flight_requests_and_unloads_the_model() -> N
             await both.wait()
         for job in done:
             assert isinstance(job.error, RuntimeError) and OOM in str(job.error)
-        with anyio.fail_after(10):
-            while entry.name in runtime.loaded:
-                await anyio.sleep(0.01)
+        # By the time the answers are out, the model has left: a client that asks at once sees it.
+        assert entry.name not in runtime.loaded
         status = (await handlers.model_status(None))["models"]
         assert status == [{"model": entry.name, "backend": "llama", "state": "failed", "error": OOM}]
 

@@ -412,10 +412,10 @@ class Engine:
             log.exception("engine step failed")
             with self._cond:
                 self.failure = exc  # before the jobs are failed: submit() refuses from now on
+            if self._on_failed:  # posted before the answers: whoever reads one sees the model failed
+                self._post(functools.partial(self._on_failed, exc))
             self._end_running()
             self._fail_all(exc)
-            if self._on_failed:
-                self._post(functools.partial(self._on_failed, exc))
         finally:
             self._end_running()
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))

@@ -88,6 +88,33 @@ def mask_words(keep: np.ndarray) -> np.ndarray:
 
 @settings(max_examples=300, deadline=None)
 @given(
+    allowed_bits=st.lists(st.booleans(), min_size=1, max_size=300),
+    density=st.sampled_from([0.0, 0.02, 0.3, 0.6, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_masks_allowed_ids_and_count_are_its_set_bits(allowed_bits, density, seed):
+    """Both ways of listing the allowed ids (a few non-zero words, or many) give the set bits in
+    order, and the count and sparse_ids agree with them."""
+    from kinfer_rpc.engine import grammar
+
+    keep = np.array(allowed_bits, dtype=bool)
+    keep &= np.random.default_rng(seed).random(len(keep)) < density  # sparse masks as well as open ones
+    bits = mask_words(keep)
+    want = np.flatnonzero(keep)
+    assert grammar.allowed_ids(bits, len(keep)).tolist() == want.tolist()
+    assert grammar.allowed_count(bits) == len(want)
+    popcount, grammar._bitwise_count = grammar._bitwise_count, None  # numpy 1's way
+    try:
+        assert grammar.allowed_count(bits) == len(want)
+    finally:
+        grammar._bitwise_count = popcount
+    ids = grammar.sparse_ids(bits, len(keep))
+    assert (ids is None) == (len(want) * 2 > len(keep))
+    assert ids is None or ids.tolist() == want.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
     values=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, float("-inf")]), min_size=1, max_size=70),
     allowed_bits=st.lists(st.booleans(), min_size=70, max_size=70),
 )

@@ -213,13 +213,25 @@ def allowed(bits: np.ndarray, n_vocab: int) -> np.ndarray | None:
 
 
 def allowed_ids(bits: np.ndarray, n_vocab: int) -> np.ndarray:
-    """The ids a mask allows, in order: only its non-zero words are unpacked (a mask is mostly
-    sparse: a few allowed tokens)."""
+    """The ids a mask allows, in order. A sparse mask (a few allowed tokens) unpacks only its
+    non-zero words; one with many non-zero words is unpacked whole, which is faster there."""
     words = np.flatnonzero(bits)
+    if len(words) * 8 > len(bits):
+        return np.flatnonzero(np.unpackbits(bits.view(np.uint8), count=n_vocab, bitorder="little").view(bool))
     sub = np.unpackbits(bits[words].view(np.uint8), bitorder="little").view(bool).reshape(len(words), 32)
     w, b = np.nonzero(sub)
     ids = words[w] * 32 + b
     return ids[ids < n_vocab]
+
+
+def allowed_count(bits: np.ndarray) -> int:
+    """How many tokens a mask allows (bits past the vocabulary are never set)."""
+    if _bitwise_count is not None:
+        return int(_bitwise_count(bits.view(np.uint32)).sum())
+    return int(np.count_nonzero(np.unpackbits(bits.view(np.uint8))))
+
+
+_bitwise_count = getattr(np, "bitwise_count", None)  # numpy 2: a popcount a word
 
 
 def _allows(bits: np.ndarray, token: int) -> bool:
@@ -227,10 +239,10 @@ def _allows(bits: np.ndarray, token: int) -> bool:
 
 
 def sparse_ids(bits: np.ndarray, n_vocab: int) -> np.ndarray | None:
-    """The ids a sparse mask allows (most of its words allow nothing), listed ahead of the
-    choice while the device runs the pass; None for a dense one (best_allowed tries the row's
+    """The ids of a mask that allows at most half the vocabulary, listed ahead of the choice
+    while the device runs the pass; None for one that allows more (best_allowed tries the row's
     next best tokens there)."""
-    if np.count_nonzero(bits) * 2 > len(bits):
+    if allowed_count(bits) * 2 > n_vocab:
         return None
     return allowed_ids(bits, n_vocab)
 
@@ -245,17 +257,17 @@ def best_allowed(
 
     Otherwise, under a mask that allows most of the vocabulary (inside a JSON string, say), the
     next best tokens are tried on a copy of the row with each forbidden best put at -inf (an
-    argmax of the rest gives the same first-highest token as one of the masked row); listing
-    tens of thousands of allowed ids would take 50 times longer. A sparse mask, or a row still
-    unsettled after `rounds` tries, takes the best of its allowed ids (`ids`: those of a sparse
-    mask, listed beforehand by sparse_ids; `best`: the row's argmax, when known)."""
+    argmax of the rest gives the same first-highest token as one of the masked row): each try
+    settles it more often than not. A mask that allows at most half the vocabulary, or a row
+    still unsettled after `rounds` tries, takes the best of its allowed ids (`ids`: those
+    listed beforehand by sparse_ids; `best`: the row's argmax, when known)."""
     if best is None:
         best = int(row.argmax())
     if row[best] != row[best]:
         return None
     if _allows(bits, best):
         return best
-    if ids is None and np.count_nonzero(bits) * 2 > len(bits):  # dense: most words allow something
+    if ids is None and allowed_count(bits) * 2 > len(row):  # most tokens allowed: a few tries settle it
         work = row.copy()
         t = best
         for _ in range(rounds):

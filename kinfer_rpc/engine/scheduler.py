@@ -135,7 +135,8 @@ class Job:
     # every token taken so far; None: unconstrained.
     constraint: Any = None
     mask: np.ndarray | None = None  # the constraint's bitmask for the row of the pass in flight
-    mask_ids: np.ndarray | None = None  # the ids that mask allows, when it is sparse (grammar.sparse_ids)
+    # the ids that mask allows, when it allows at most half the vocabulary (grammar.sparse_ids)
+    mask_ids: np.ndarray | None = None
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
     # the token of the pass just taken, chosen before the next pass started (_hold_rows) and
     # consumed by the constraint (_consume_held)

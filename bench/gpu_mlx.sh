@@ -68,9 +68,11 @@ for job in ${JOBS:-kernels probe curve compare defaults invariance}; do
         timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_$W.json" --npl ${NPL:-1,8,32,128} --npp 64 \
             --ntg ${NTG:-128} --weights $W --phases --rounds ${ROUNDS:-3} | tee "$OUT/mlx_compare_$W.md" || true
       done ;;
-    defaults)  # each side's defaults in one run: kinfer's choice of weights, mlx-lm on the model as stored
+    defaults)  # each side's defaults in one run: kinfer's choice of weights (WEIGHTS=dense|quantized
+      # sets it instead), mlx-lm on the model as stored
       timeout 300 python3 bench/mlx_bench.py $M --out "$OUT/mlx_compare_defaults.json" --npl ${NPL:-1,8,32,128} \
-          --npp 64 --ntg 128 --mlx-lm-as-stored --rounds ${ROUNDS:-3} | tee "$OUT/mlx_compare_defaults.md" ;;
+          --npp 64 --ntg 128 --mlx-lm-as-stored ${WEIGHTS:+--weights $WEIGHTS} --rounds ${ROUNDS:-3} \
+          | tee "$OUT/mlx_compare_defaults.md" ;;
     e2e)  # kinfer-rpc as a client spawns it: the model on the GPU, 1/32/128 streamed, some cancelled,
       # unloaded, shut down (bench/gpu_e2e.py); again with a small draft model of the same vocabulary
       draft_model

@@ -141,7 +141,7 @@ def _json_file(path: str) -> Any:
 
 
 def _format_arg(value: str) -> str | dict[str, Any]:
-    """--format: the word json (any JSON value), or a file holding a JSON schema."""
+    """--format: the word json (any JSON object), or a file holding a JSON schema."""
     if value == "json":
         return value
     schema = _json_file(value)
@@ -1464,7 +1464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_format_arg,
         default=None,
         metavar="FILE|json",
-        help="hold the reply to the JSON schema in FILE, or to any JSON value (json)",
+        help="hold the reply to the JSON schema in FILE, or to any JSON object (json)",
     )
     talking.add_argument(
         "--tool",

@@ -291,3 +291,17 @@ def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engi
     assert sorted(map(id, done)) == sorted(map(id, [short, *rest]))  # each reported once
     assert short.stop_reason == "stop" and re.fullmatch(SHORT, short.text)
     assert all(j.error is None and j.stop_reason in ("length", "stop") for j in rest)
+
+
+def test_format_json_takes_any_json_object_and_nothing_else(engine):
+    """`format: "json"` holds a reply to a JSON object, as Ollama's JSON mode does: any object is a
+    complete reply; an array, a string, a number or a literal is refused from its first token."""
+    for text in ['{"ok": true}', '{"a": [1, {"b": null}], "c": "d"}', "{}"]:
+        matcher = Grammars().matcher(engine.model, "format", "json")
+        for token in engine.model.tokenize(text, False, False):
+            assert matcher.consume_token(token), (text, matcher.get_error())
+        assert matcher.is_accepting(), text
+    for text in ["[1, 2]", '"yes"', "42", "null"]:
+        matcher = Grammars().matcher(engine.model, "format", "json")
+        first = engine.model.tokenize(text, False, False)[0]
+        assert not matcher.consume_token(first), text

@@ -45,7 +45,7 @@ export interface GenerateOptions {
   drafts?: number;
   draftPolicy?: string;
   ignoreEos?: boolean;
-  /** Hold the reply to a JSON schema, or to any JSON value ('json'); named as Ollama names it. */
+  /** Hold the reply to a JSON schema, or to any JSON object ('json'); named as Ollama names it. */
   format?: Record<string, unknown> | 'json';
   /** Hold the reply to a grammar in llguidance's Lark-like syntax. */
   grammar?: string;

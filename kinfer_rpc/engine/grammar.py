@@ -122,7 +122,9 @@ def source_grammar(kind: str, source: Any) -> str:
     """The llguidance grammar of a request's `format`, `grammar` or `regex` option."""
     try:
         if kind == "format":
-            schema = {"type": "object"} if source == "json" else source  # as Ollama: any object
+            # "json" is any JSON object, as Ollama's JSON mode: a bare number at the top level has
+            # nothing that ends it, and a small model writes digits until maxTokens.
+            schema = {"type": "object"} if source == "json" else source
             text = schema if isinstance(schema, str) else json.dumps(schema)  # a schema, or its JSON text
             return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
         if kind == "regex":

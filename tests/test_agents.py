@@ -252,6 +252,20 @@ def test_tools_need_a_template_that_takes_them(loaded):
     assert info.value.code == -32602 and "does not support tools" in info.value.message
 
 
+def test_a_forced_call_whose_schema_does_not_compile_is_invalid_params(tooled):
+    """The grammar of forced calls is built from the tools' schemas: one llguidance cannot compile
+    is -32602 naming `tools`, with llguidance's message; the server goes on."""
+    bad = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 7}}}},
+    }
+    with pytest.raises(RpcError) as info:
+        tool_chat(tooled, ASK, [bad], "required")
+    assert info.value.code == -32602 and info.value.message.startswith("tools does not compile")
+    assert info.value.data["field"] == "tools" and info.value.data["error"]
+    assert tool_chat(tooled, ASK, [WEATHER], "required")["toolCalls"]
+
+
 def test_a_forced_call_cannot_also_take_a_format(tooled):
     with pytest.raises(RpcError) as info:
         tool_chat(tooled, ASK, [WEATHER], "required", format="json")

@@ -305,3 +305,30 @@ def test_format_json_takes_any_json_object_and_nothing_else(engine):
         matcher = Grammars().matcher(engine.model, "format", "json")
         first = engine.model.tokenize(text, False, False)[0]
         assert not matcher.consume_token(first), text
+
+
+def test_a_vocabulary_that_cannot_be_read_refuses_constraints_clearly(engine):
+    """A model whose backend cannot give its tokens' bytes (a plugin's gap) cannot be masked:
+    every constrained request is -32602 naming its option and why, once the first found it;
+    the vocabulary is not walked again for each request."""
+    from kinfer_rpc import errors
+
+    class NoBytes:
+        def __init__(self, model):
+            self._model, self.calls = model, 0
+
+        def __getattr__(self, name):
+            return getattr(self._model, name)
+
+        def token_bytes(self, token):
+            self.calls += 1
+            raise NotImplementedError("this backend keeps its vocabulary to itself")
+
+    model, grammars = NoBytes(engine.model), Grammars()
+    cases = (("format", PERSON, "options.format"), ("regex", "a+", "options.regex"), ("tools", 'start: "x"', "tools"))
+    for kind, source, field in cases:
+        with pytest.raises(errors.KinferError) as refused:
+            grammars.matcher(model, kind, source)
+        assert refused.value.code == errors.INVALID_PARAMS and refused.value.data["field"] == field
+        assert "cannot apply to this model" in refused.value.message and "keeps its vocabulary" in refused.value.message
+    assert model.calls == 1

@@ -14,6 +14,7 @@ any other: alone or among others, drafting on or off.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -26,7 +27,9 @@ import numpy as np
 from kinfer_rpc import errors
 from kinfer_rpc.types import LoadedModel
 
-_THREADS = max(1, min(32, os.cpu_count() or 1))
+# The cores this process may run on (a container or taskset may allow fewer than the machine has).
+_THREADS = max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+log = logging.getLogger(__name__)
 
 
 class _Vocab:
@@ -90,6 +93,7 @@ class Grammars:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._unusable: str | None = None  # why the model's vocabulary cannot be masked, once found
 
     def tokenizer(self, model: LoadedModel) -> llguidance.LLTokenizer:
         with self._lock:
@@ -103,9 +107,21 @@ class Grammars:
 
     def matcher(self, model: LoadedModel, kind: str, source: Any) -> llguidance.LLMatcher:
         """A fresh matcher for one request; -32602 with llguidance's message when the schema,
-        grammar or regex does not compile."""
+        grammar or regex does not compile, or when the model's vocabulary cannot be read for
+        masking (a plugin backend whose token_bytes or tokenize fails)."""
         grammar = source_grammar(kind, source)
-        tokenizer = self.tokenizer(model)
+        if self._unusable is None:
+            try:
+                tokenizer = self.tokenizer(model)
+            except Exception as exc:  # the backend's vocabulary, not the request: say so, every time
+                log.exception("building the grammar tokenizer failed")
+                self._unusable = f"{type(exc).__name__}: {exc}"
+        if self._unusable is not None:
+            field = "tools" if kind == "tools" else f"options.{kind}"
+            raise errors.invalid_params(
+                f"{field} cannot apply to this model: its vocabulary cannot be read for masking ({self._unusable})",
+                {"field": field, "error": self._unusable},
+            )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise compile_error(kind, matcher.get_error())

@@ -48,7 +48,7 @@ from kinfer_rpc.types import (
     contract_problems,
 )
 
-_CPUS = os.cpu_count() or 1
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # usable cores
 _ARGMAX_PARTS = 4  # at most: the engine's thread and 3 of the pool (see Engine._argmax)
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from kinfer_rpc.types import LoadOptions, SeqChunk  # noqa: E402
 pytestmark = pytest.mark.model  # every test here loads a real model
 
 CTX = 128
-ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen2moe")
+ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral")  # mixtral: a llama GGUF with experts
 # each architecture in one of the quantized types, every type mx.load reads covered; one with the
 # output head tied to the token embedding (no output.weight), as the small Qwen3 models have it
 ROUNDED = [
@@ -38,6 +38,7 @@ ROUNDED = [
     ("qwen3", "Q4_1", False),
     ("qwen3moe", "Q4_0", False),
     ("qwen2moe", "Q8_0", False),
+    ("mixtral", "Q4_0", False),
     ("qwen3", "F16", True),
     ("qwen3moe", "BF16", False),
 ]
@@ -151,7 +152,7 @@ def test_unmapped_architecture_is_refused(root):
         _mlx(str(path))
 
 
-@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_0"), ("qwen2moe", "F32")])
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_0"), ("qwen2moe", "F32"), ("mixtral", "Q8_0")])
 def test_moe_gguf_replies_alone_equal_among_others(root, arch, qtype):
     """A MoE GGUF on the engine (its experts quantized as stored, or float): each greedy reply to
     prompts of mixed lengths is the same alone and among the others, all at once or arriving

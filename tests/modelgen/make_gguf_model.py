@@ -4,8 +4,10 @@ llama.cpp's converter lays it out, for tests that load the same file on both bac
     python tests/modelgen/make_gguf_model.py OUT.gguf --arch qwen3moe [--type Q8_0]
 
 Architectures (ARCHS): qwen2 (attention Q/K/V biases), qwen3 (per-head Q/K norms), qwen3moe
-(experts stacked in ffn_*_exps, router ffn_gate_inp) and qwen2moe (the same plus a shared expert
-behind a sigmoid gate). Two layers of hidden size 64; the MoE ones have 8 experts, 2 a token.
+(experts stacked in ffn_*_exps, router ffn_gate_inp), qwen2moe (the same plus a shared expert
+behind a sigmoid gate) and mixtral (written as llama.cpp's converter writes Mixtral: architecture
+llama, its feed_forward_length the experts', with stacked experts and a router). Two layers of
+hidden size 64; the MoE ones have 8 experts, 2 a token.
 Weights are F32, or quantized to `--type` (any type gguf-py quantizes: Q4_0, Q4_1, Q8_0, Q5_0,
 ...; K-quant types are written as random blocks, enough for a file that only has to be refused);
 norms and biases stay F32 as llama.cpp's converter keeps them. `types` (write()) overrides the
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen2moe")
+ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral")
 SHAPE = dict(n_embd=64, n_layer=2, n_head=4, n_kv=2, head_dim=16, n_ff=256, n_expert=8, n_used=2, n_ff_exp=32)
 _K_BLOCK = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes a 256-weight block
 
@@ -68,14 +70,14 @@ def write(
     e, hd, nx, ff = s["n_embd"], s["head_dim"], s["n_expert"], s["n_ff_exp"]
     vocab = 49152
     rng = np.random.default_rng(seed)
-    moe = arch.endswith("moe")
+    moe = arch.endswith("moe") or arch == "mixtral"
 
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), "llama" if arch == "mixtral" else arch)
     w.add_name(f"synthetic-{arch}")
     w.add_context_length(4096)
     w.add_embedding_length(e)
     w.add_block_count(s["n_layer"])
-    w.add_feed_forward_length(s["n_ff"])
+    w.add_feed_forward_length(ff if arch == "mixtral" else s["n_ff"])
     w.add_head_count(s["n_head"])
     w.add_head_count_kv(s["n_kv"])
     w.add_key_length(hd)
@@ -85,7 +87,8 @@ def write(
     if moe:
         w.add_expert_count(nx)
         w.add_expert_used_count(s["n_used"])
-        w.add_expert_feed_forward_length(ff)
+        if arch != "mixtral":  # (Mixtral's converter writes the experts' width as feed_forward_length)
+            w.add_expert_feed_forward_length(ff)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(2 * ff)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -124,7 +127,7 @@ def write(
             vector(p + "attn_q.bias", s["n_head"] * hd)
             vector(p + "attn_k.bias", s["n_kv"] * hd)
             vector(p + "attn_v.bias", s["n_kv"] * hd)
-        else:
+        elif arch != "mixtral":
             vector(p + "attn_q_norm.weight", hd, 1.0)
             vector(p + "attn_k_norm.weight", hd, 1.0)
         vector(p + "ffn_norm.weight", e, 1.0)

@@ -1,14 +1,15 @@
 """Reading models into mlx-lm's model code, for the mlx backend.
 
 Reads MLX model folders (config.json + safetensors, as mlx-lm writes them), Ollama's safetensors
-models (their manifest) and GGUF files of the llama, qwen2, qwen3, qwen3moe and qwen2moe
-architectures: `mx.load` reads F32/F16/BF16 tensors and keeps Q4_0/Q4_1/Q8_0 ones quantized (group
-32); a tensor of any other type (the K-quants, IQ types...) is refused before any weight is read,
-by name and type. The tensors' names are mapped onto mlx-lm's model of the architecture (a
-mixture of experts' stacked ffn_*_exps onto its SwitchGLU), and the tokenizer is rebuilt from
-the GGUF's own vocabulary and merges (vocab.py). For llama, llama.cpp's converter stores Q and K
-rows in the interleaved order its rope reads, so llama GGUFs run with the traditional
-(interleaved) rope layout instead of un-permuting; the qwen families are stored unpermuted.
+models (their manifest) and GGUF files of the llama (Mixtral's too: llama with experts), qwen2,
+qwen3, qwen3moe and qwen2moe architectures: `mx.load` reads F32/F16/BF16 tensors and keeps
+Q4_0/Q4_1/Q8_0 ones quantized (group 32); a tensor of any other type (the K-quants, IQ types...)
+is refused before any weight is read, by name and type. The tensors' names are mapped onto
+mlx-lm's model of the architecture (a mixture of experts' stacked ffn_*_exps onto its SwitchGLU), and
+the tokenizer is rebuilt from the GGUF's own vocabulary and merges (vocab.py). For llama,
+llama.cpp's converter stores Q and K rows in the interleaved order its rope reads, so llama GGUFs
+run with the traditional (interleaved) rope layout instead of un-permuting; the qwen families are
+stored unpermuted.
 
 Weights (LoadOptions.weights): "quantized" runs them as stored; "dense" expands them at load
 (float16 on a GPU, float32 on the CPU). Default: dense when that takes at most half the device's
@@ -61,7 +62,15 @@ _GGUF_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# GGUF architectures -> mlx-lm model types. llama.cpp's converter permutes Q/K rows into the
+# Mixtral's router and experts live under block_sparse_moe in mlx-lm's model.
+_MIXTRAL_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.switch_mlp.gate_proj",
+    "ffn_up_exps": "block_sparse_moe.switch_mlp.up_proj",
+    "ffn_down_exps": "block_sparse_moe.switch_mlp.down_proj",
+}
+# GGUF architectures -> mlx-lm model types (a llama file with experts is Mixtral: llama.cpp's
+# converter writes Mixtral as llama). llama.cpp's converter permutes Q/K rows into the
 # interleaved rope layout for llama only; the qwen families keep the halves (NeoX) layout that
 # mlx-lm's own models use.
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
@@ -210,16 +219,21 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
         v = meta.get(f"{arch}.{key}")
         return default if v is None else np.asarray(v).item()
 
+    mixtral = arch == "llama" and int(num("expert_count", 0)) > 0
+    if mixtral:
+        model_type = "mixtral"
+    names = _GGUF_NAMES | _MIXTRAL_NAMES if mixtral else _GGUF_NAMES
+
     heads = int(num("attention.head_count"))
     hidden = int(num("embedding_length"))
     mapped: dict[str, mx.array] = {}
     for name, w in weights.items():
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
-            base = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+            base = f"model.layers.{parts[1]}.{names[parts[2]]}"
             suffix = parts[3]
-        elif parts[0] in _GGUF_NAMES and len(parts) == 2:
-            base, suffix = _GGUF_NAMES[parts[0]], parts[1]
+        elif parts[0] in names and len(parts) == 2:
+            base, suffix = names[parts[0]], parts[1]
         elif parts[0] == "rope_freqs":
             continue  # computed by mlx-lm's rope
         else:
@@ -253,6 +267,12 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "norm_topk_prob": arch == "qwen3moe",
+        }
+    if mixtral:  # routing as llama.cpp runs it: softmax, the top experts, their weights renormalized
+        config |= {
+            "num_local_experts": int(num("expert_count")),
+            "num_experts_per_tok": int(num("expert_used_count")),
+            "intermediate_size": int(num("expert_feed_forward_length", num("feed_forward_length"))),
         }
     if arch == "qwen2moe":
         config["shared_expert_intermediate_size"] = int(num("expert_shared_feed_forward_length"))

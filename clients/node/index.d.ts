@@ -76,7 +76,8 @@ export interface InferenceResult {
   /** 'stop' | 'length' | 'toolCalls' (the model called tools) | 'cancelled' (in a -32800's data) */
   stopReason: string;
   seed: number;
-  usage: { promptTokens: number; completionTokens: number };
+  /** draftTokens / draftAccepted: drafted tokens and those kept; cachedTokens: prompt tokens whose cells came from the prefix pool. */
+  usage: { promptTokens: number; completionTokens: number; draftTokens: number; draftAccepted: number; cachedTokens: number };
   timings: { queueMs: number; promptMs: number; generateMs: number; tokensPerSecond: number };
   /** With options.logprobs: one entry per token. */
   logprobs?: TokenLogprob[];

@@ -16,6 +16,7 @@ from engine_helpers import WORDS, RepeatLast, _options, make_engine, run_until_d
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kinfer_rpc.engine import grammar
 from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.sampling import logprob
 from kinfer_rpc.engine.scheduler import Engine, Job
@@ -332,3 +333,22 @@ def test_a_vocabulary_that_cannot_be_read_refuses_constraints_clearly(engine):
         assert refused.value.code == errors.INVALID_PARAMS and refused.value.data["field"] == field
         assert "cannot apply to this model" in refused.value.message and "keeps its vocabulary" in refused.value.message
     assert model.calls == 1
+
+
+def test_masks_are_computed_while_the_pass_runs_and_skipped_where_all_is_allowed(engine, monkeypatch):
+    """Every mask of a pass's rows is computed between the pass's launch and its wait (the test
+    engine's model runs a pass only at its wait, as a GPU would finish it then), and a mask that
+    allows every token is not applied: sampling sees the row as it is."""
+    compute = grammar.Masks.compute
+    in_flight: list[bool] = []
+
+    def spy(self, matchers):
+        in_flight.append(engine.model._queued)  # Queued: True from decode() until the wait
+        return compute(self, matchers)
+
+    monkeypatch.setattr(grammar.Masks, "compute", spy)
+    held = [job(engine, *CONSTRAINTS[0], f"{w} Answer:", n=30) for w in WORDS[:2]]
+    run_until_done(engine, [*held, job(engine, None, None, f"{WORDS[2]} Answer:", n=30)])
+    assert len(in_flight) >= 30 and all(in_flight)
+    everything = np.full(2, -1, dtype=np.int32)  # 64 tokens, every bit set
+    assert grammar.allowed(everything, 64) is None and grammar.masked(np.arange(64.0), None).tolist() == list(range(64))

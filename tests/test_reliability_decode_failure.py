@@ -68,8 +68,10 @@ def test_a_failed_decode_answers_in_flight_requests_and_unloads_the_model() -> N
             entry.engine.submit(Job(list(ids), options))
         assert refused.value.code == errors.INTERNAL_ERROR and "failed and was unloaded" in refused.value.message
 
-        # The next request loads the model again: recovered, and status says ready.
+        # The next request loads the model again, once the failed engine has closed its model
+        # (its memory is free before the new one places): recovered, and status says ready.
         again = await runtime.model_for(entry.name)
+        assert not entry.engine._thread.is_alive() and entry.engine.model is None
         assert again is not entry and again.engine.model is not None
         assert [m["state"] for m in (await handlers.model_status(None))["models"]] == ["ready"]
         finished = anyio.Event()

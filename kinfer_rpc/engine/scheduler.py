@@ -414,7 +414,10 @@ class Engine:
             with self._cond:
                 self.failure = exc  # before the jobs are failed: submit() refuses from now on
             if self._on_failed:  # posted before the answers: whoever reads one sees the model failed
-                self._post(functools.partial(self._on_failed, exc))
+                try:
+                    self._post(functools.partial(self._on_failed, exc))
+                except RuntimeError:  # the event loop has closed: nobody is left to tell
+                    log.warning("the model failed after the event loop closed")
             self._end_running()
             self._fail_all(exc)
         finally:
@@ -751,7 +754,10 @@ class Engine:
         n_vocab = self._masks.n_vocab
         for job, bits in zip(jobs, self._masks.compute([job.constraint for job in jobs])):
             job.mask = bits
-            job.mask_ids = grammar.sparse_ids(bits, n_vocab)
+            # Only a greedy row chooses by its allowed ids (best_allowed); a sampled one masks its row.
+            opts = job.options.sampling
+            greedy = opts.temperature <= 0 and opts.repeat_penalty == 1.0
+            job.mask_ids = grammar.sparse_ids(bits, n_vocab) if greedy else None
 
     def _settle_drafts(self, job: Job, base: int, taken: int) -> None:
         """After verifying a job's drafts: count them, back off if they keep losing, and drop the

@@ -6,6 +6,7 @@ jobs on them. Each loaded model is one Engine (one worker thread). The protocol'
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypedDict
@@ -250,6 +251,8 @@ class Runtime:
         self.store = store or ModelStore()
         self.loaded: dict[str, Loaded] = {}
         self.failed: dict[str, tuple[str, str]] = {}  # name -> (backend, error): see _failed
+        # name -> the engine of a failed load, still closing its model (see _failed, _settle)
+        self._closing: dict[str, Engine] = {}
         self._last: str | None = None
 
     async def load(
@@ -259,6 +262,7 @@ class Runtime:
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
         if existing is None:
+            await self._settle(ref.name)  # a failed load of it frees its memory before this one places
             opts, extra = load_options(options, ref.context_length)
             backend = self._backend_for(ref.format, backend_name)
             # A backend lists the weight forms it can run (`weights`); without the attribute it runs
@@ -514,9 +518,10 @@ class Runtime:
         )
 
     def close(self) -> None:
-        for entry in list(self.loaded.values()):
-            entry.engine.stop(timeout=2.0)
+        for engine in [entry.engine for entry in self.loaded.values()] + list(self._closing.values()):
+            engine.stop(timeout=2.0)
         self.loaded.clear()
+        self._closing.clear()
 
     # -- inference ---------------------------------------------------------------------------
     async def model_for(self, name: str | None) -> Loaded:
@@ -577,12 +582,20 @@ class Runtime:
         if self._last == name:
             self._last = None
         self.failed[name] = (entry.backend, str(exc) or type(exc).__name__)
+        self._closing[name] = entry.engine  # it answers its requests, then closes its model
         log.error("%s failed and was unloaded: %s", name, exc)
+
+    async def _settle(self, name: str) -> None:
+        """Wait until the engine of a failed load of `name`, if any, has closed its model."""
+        engine = self._closing.pop(name, None)
+        if engine is not None:
+            await anyio.to_thread.run_sync(functools.partial(engine.stop, timeout=60.0))
 
     async def unload(self, name: str) -> None:
         """Stop the model of that name (or the one loaded model it is a prefix of)."""
         if name in self.failed and name not in self.loaded:
-            del self.failed[name]  # already closed: forget the failure
+            del self.failed[name]  # forget the failure, once its model is closed
+            await self._settle(name)
             return
         entry = self.loaded.get(name)
         if entry is None:

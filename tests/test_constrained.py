@@ -335,10 +335,9 @@ def test_a_vocabulary_that_cannot_be_read_refuses_constraints_clearly(engine):
     assert model.calls == 1
 
 
-def test_masks_are_computed_while_the_pass_runs_and_skipped_where_all_is_allowed(engine, monkeypatch):
+def test_masks_are_computed_while_the_pass_runs(engine, monkeypatch):
     """Every mask of a pass's rows is computed between the pass's launch and its wait (the test
-    engine's model runs a pass only at its wait, as a GPU would finish it then), and a mask that
-    allows every token is not applied: sampling sees the row as it is."""
+    engine's model runs a pass only at its wait, as a GPU would finish it then)."""
     compute = grammar.Masks.compute
     in_flight: list[bool] = []
 
@@ -350,5 +349,28 @@ def test_masks_are_computed_while_the_pass_runs_and_skipped_where_all_is_allowed
     held = [job(engine, *CONSTRAINTS[0], f"{w} Answer:", n=30) for w in WORDS[:2]]
     run_until_done(engine, [*held, job(engine, None, None, f"{WORDS[2]} Answer:", n=30)])
     assert len(in_flight) >= 30 and all(in_flight)
-    everything = np.full(2, -1, dtype=np.int32)  # 64 tokens, every bit set
-    assert grammar.allowed(everything, 64) is None and grammar.masked(np.arange(64.0), None).tolist() == list(range(64))
+
+
+def test_a_mask_that_allows_every_token_is_not_applied(engine, monkeypatch):
+    """Where the grammar allows every token the row is sampled as it is, unmasked: a sampled reply
+    under such masks is the unconstrained reply of the same seed."""
+    compute, masked = grammar.Masks.compute, grammar.masked
+    unmasked: list[bool] = []
+
+    def open_masks(self, matchers):
+        bits = compute(self, matchers)
+        bits[:] = -1  # as a grammar that allows every token gives them
+        return bits
+
+    def spy(row, keep):
+        unmasked.append(keep is None)
+        return masked(row, keep)
+
+    plain = job(engine, None, None, f"{WORDS[3]} Answer:", n=12, temperature=0.8, seed=11)
+    run_until_done(engine, [plain])
+    monkeypatch.setattr(grammar.Masks, "compute", open_masks)
+    monkeypatch.setattr(grammar, "masked", spy)
+    held = job(engine, "regex", r"[\s\S]*", f"{WORDS[3]} Answer:", n=12, temperature=0.8, seed=11)
+    run_until_done(engine, [held])
+    assert held.error is None and held.generated == plain.generated
+    assert len(unmasked) >= 10 and all(unmasked)

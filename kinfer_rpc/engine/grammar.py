@@ -85,6 +85,10 @@ def _is_special(model: LoadedModel, token: int, piece: bytes) -> bool:
     return model.tokenize(text, False, False) != [token] and model.tokenize(text, False, True) == [token]
 
 
+class Unmaskable(Exception):
+    """The model's vocabulary cannot be read for masking (the backend's error, as text)."""
+
+
 class Grammars:
     """The constraint compiler of one loaded model. Building its llguidance tokenizer walks the
     whole vocabulary (tens of milliseconds to a second), so it is built at the first constrained
@@ -96,13 +100,24 @@ class Grammars:
         self._unusable: str | None = None  # why the model's vocabulary cannot be masked, once found
 
     def tokenizer(self, model: LoadedModel) -> llguidance.LLTokenizer:
+        """The model's llguidance tokenizer, built once; Unmaskable when its vocabulary cannot be
+        read (the first failure is kept: the vocabulary is not walked again for each request)."""
         with self._lock:
+            if self._unusable is not None:
+                raise Unmaskable(self._unusable)
             if self._tokenizer is None:
-                vocab = _Vocab(model)
-                eos = [t for t in vocab.special_token_ids if t in model.eog_tokens()] or [vocab.eos_token_id]
-                self._tokenizer = llguidance.LLTokenizer(
-                    llguidance.TokenizerWrapper(vocab), n_vocab=model.info.n_vocab, eos_token=eos
-                )
+                try:
+                    vocab = _Vocab(model)
+                    eos = [t for t in vocab.special_token_ids if t in model.eog_tokens()] or [vocab.eos_token_id]
+                    self._tokenizer = llguidance.LLTokenizer(
+                        llguidance.TokenizerWrapper(vocab), n_vocab=model.info.n_vocab, eos_token=eos
+                    )
+                except MemoryError:
+                    raise  # the machine's state, not the vocabulary's: the next request tries again
+                except Exception as exc:
+                    log.exception("building the grammar tokenizer failed")
+                    self._unusable = f"{type(exc).__name__}: {exc}"
+                    raise Unmaskable(self._unusable) from exc
             return self._tokenizer
 
     def matcher(self, model: LoadedModel, kind: str, source: Any) -> llguidance.LLMatcher:
@@ -110,18 +125,14 @@ class Grammars:
         grammar or regex does not compile, or when the model's vocabulary cannot be read for
         masking (a plugin backend whose token_bytes or tokenize fails)."""
         grammar = source_grammar(kind, source)
-        if self._unusable is None:
-            try:
-                tokenizer = self.tokenizer(model)
-            except Exception as exc:  # the backend's vocabulary, not the request: say so, every time
-                log.exception("building the grammar tokenizer failed")
-                self._unusable = f"{type(exc).__name__}: {exc}"
-        if self._unusable is not None:
+        try:
+            tokenizer = self.tokenizer(model)
+        except Unmaskable as exc:
             field = "tools" if kind == "tools" else f"options.{kind}"
             raise errors.invalid_params(
-                f"{field} cannot apply to this model: its vocabulary cannot be read for masking ({self._unusable})",
-                {"field": field, "error": self._unusable},
-            )
+                f"{field} cannot apply to this model: its vocabulary cannot be read for masking ({exc})",
+                {"field": field, "error": str(exc)},
+            ) from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise compile_error(kind, matcher.get_error())

@@ -152,6 +152,17 @@ def test_unmapped_architecture_is_refused(root):
         _mlx(str(path))
 
 
+def test_a_llama_gguf_with_experts_not_laid_out_as_mixtral_is_refused(root, monkeypatch):
+    """A llama file with experts whose heads are not hidden / heads wide (which llama.cpp runs, and
+    mlx-lm's mixtral cannot) is refused by a sentence that names the llama backend, not a shape error."""
+    import make_gguf_model
+
+    monkeypatch.setitem(make_gguf_model.SHAPE, "head_dim", 8)  # 4 heads of 8 in a hidden size of 64
+    path = make_gguf_model.write(root / "mixtral-narrow.gguf", "mixtral")
+    with pytest.raises(ValueError, match="not laid out as Mixtral.*llama backend"):
+        _mlx(str(path))
+
+
 @pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_0"), ("qwen2moe", "F32"), ("mixtral", "Q8_0")])
 def test_moe_gguf_replies_alone_equal_among_others(root, arch, qtype):
     """A MoE GGUF on the engine (its experts quantized as stored, or float): each greedy reply to

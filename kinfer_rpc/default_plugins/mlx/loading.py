@@ -222,6 +222,13 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
     mixtral = arch == "llama" and int(num("expert_count", 0)) > 0
     if mixtral:
         model_type = "mixtral"
+        # mlx-lm's mixtral takes a head's width as hidden / heads and needs the experts a token uses
+        heads, hidden = int(num("attention.head_count")), int(num("embedding_length"))
+        if int(num("attention.key_length", hidden // heads)) * heads != hidden or num("expert_used_count") is None:
+            raise ValueError(
+                "this llama GGUF with experts is not laid out as Mixtral (a head's width hidden / heads,"
+                " an expert_used_count); load this model with the llama backend"
+            )
     names = _GGUF_NAMES | _MIXTRAL_NAMES if mixtral else _GGUF_NAMES
 
     heads = int(num("attention.head_count"))
@@ -237,7 +244,10 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
         elif parts[0] == "rope_freqs":
             continue  # computed by mlx-lm's rope
         else:
-            raise ValueError(f"GGUF tensor {name} has no place in mlx-lm's {model_type} model")
+            raise ValueError(
+                f"GGUF tensor {name} has no place in mlx-lm's {model_type} model;"
+                " load this model with the llama backend"
+            )
         if parts[-2] == "ffn_gate_inp_shexp" and w.ndim == 1:
             w = w[None]  # llama.cpp keeps the shared expert's gate as a vector; mlx-lm as a 1-row Linear
         mapped[f"{base}.{suffix}"] = w

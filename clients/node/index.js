@@ -58,7 +58,8 @@ let tokens = 0;
  * @typedef {{ token: number, text: string, logprob: number,
  *             topLogprobs: Array<{ token: number, text: string, logprob: number }> }} TokenLogprob
  * @typedef {{ text: string, tokens: number[], stopReason: string, seed: number,
- *             usage: { promptTokens: number, completionTokens: number },
+ *             usage: { promptTokens: number, completionTokens: number, draftTokens: number,
+ *                      draftAccepted: number, cachedTokens: number },
  *             timings: { queueMs: number, promptMs: number, generateMs: number, tokensPerSecond: number },
  *             model: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[],
  *             dropped?: { prefix: number, suffix: number, extra: number } }} InferenceResult

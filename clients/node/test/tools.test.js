@@ -61,21 +61,21 @@ before(async () => {
   kinfer = await KinferClient.start({ env: { OMP_WAIT_POLICY: 'PASSIVE', ...process.env } });
   const loaded = await kinfer.load(path, { options: { contextLength: 1024, slots: 2, threads: 1 } });
   tooled = loaded.model;
-});
+}, { timeout: 240_000 });
 
 after(async () => {
   if (kinfer) assert.equal(await kinfer.close(), 0);
   if (dir) rmSync(dir, { recursive: true, force: true });
-});
+}, { timeout: 60_000 });
 
-test('a required call comes back parsed, with its arguments an object of its schema', async () => {
+test('a required call comes back parsed, with its arguments an object of its schema', { timeout: 120_000 }, async () => {
   const reply = await kinfer.chat(ask, { model: tooled, tools: [weather, time], toolChoice: 'required', options });
   assert.equal(reply.stopReason, 'toolCalls');
   assert.ok(reply.toolCalls.length > 0);
   reply.toolCalls.forEach(checkCall);
 });
 
-test('a named tool is the one called, and a streamed chat collects the same calls', async () => {
+test('a named tool is the one called, and a streamed chat collects the same calls', { timeout: 120_000 }, async () => {
   const opts = { model: tooled, tools: [weather, time], toolChoice: 'get_weather', options };
   const reply = await kinfer.chat(ask, opts);
   assert.ok(reply.toolCalls.every((c) => c.function.name === 'get_weather'));
@@ -91,7 +91,7 @@ test('a named tool is the one called, and a streamed chat collects the same call
   assert.deepEqual(streamed.toolCalls.map((c) => c.function), reply.toolCalls.map((c) => c.function));
 });
 
-test('a tool result fed back continues the conversation', async () => {
+test('a tool result fed back continues the conversation', { timeout: 120_000 }, async () => {
   const reply = await kinfer.chat(ask, { model: tooled, tools: [weather], toolChoice: 'required', options });
   const [call] = reply.toolCalls;
   const messages = [
@@ -104,7 +104,7 @@ test('a tool result fed back continues the conversation', async () => {
   assert.ok(next.tokens.length > 0);
 });
 
-test('a tool choice naming no offered tool is -32602 listing the tools', async () => {
+test('a tool choice naming no offered tool is -32602 listing the tools', { timeout: 120_000 }, async () => {
   await assert.rejects(
     kinfer.chat(ask, { model: tooled, tools: [weather], toolChoice: 'get_time', options }),
     (err) => err instanceof ResponseError && err.code === -32602 && err.data.available.includes('get_weather'),

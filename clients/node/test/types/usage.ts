@@ -15,7 +15,7 @@ export async function agent(): Promise<number | string | null> {
   const reply: InferenceResult = await kinfer.chat(messages, {
     model: loaded.model,
     tools: [weather],
-    toolChoice: 'required',
+    toolChoice: 'auto', // (required or a name cannot go with a format: the server refuses that)
     options: { maxTokens: 60, temperature: 0, logprobs: true, topLogprobs: 3, format: 'json' },
     onPiece: (text: string, value: PartialResult) => value.toolCalls?.length ?? text.length,
   });

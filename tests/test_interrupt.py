@@ -83,6 +83,9 @@ class Terminal:
         if pid == 0:  # the child: exec at once
             try:
                 os.chdir(cwd)
+                # As a terminal's shell starts a program: Ctrl-C's signal not ignored, whatever
+                # this process inherited (a job started with `&` outside job control ignores it).
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,10 +24,10 @@ import llguidance.numpy
 import numpy as np
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine import CPUS
 from kinfer_rpc.types import LoadedModel
 
-# The cores this process may run on (a container or taskset may allow fewer than the machine has).
-_THREADS = max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+_THREADS = max(1, min(32, CPUS))
 log = logging.getLogger(__name__)
 
 

@@ -127,7 +127,7 @@ class Grammars:
         try:
             tokenizer = self.tokenizer(model)
         except Unmaskable as exc:
-            field = "tools" if kind == "tools" else f"options.{kind}"
+            field = option_field(kind)
             raise errors.invalid_params(
                 f"{field} cannot apply to this model: its vocabulary cannot be read for masking ({exc})",
                 {"field": field, "error": str(exc)},
@@ -160,9 +160,14 @@ def source_grammar(kind: str, source: Any) -> str:
         raise compile_error(kind, str(exc)) from None
 
 
+def option_field(kind: str) -> str:
+    """The request field a constraint came from: "tools" for the grammar of forced tool calls."""
+    return "tools" if kind == "tools" else f"options.{kind}"
+
+
 def compile_error(kind: str, message: str) -> errors.KinferError:
     first = message.strip().splitlines()[0] if message.strip() else "it is not valid"
-    field = "tools" if kind == "tools" else f"options.{kind}"  # "tools": the grammar of forced tool calls
+    field = option_field(kind)
     return errors.invalid_params(f"{field} does not compile: {first}", {"field": field, "error": message})
 
 

@@ -172,6 +172,19 @@ class DeviceGreedy(Protocol):
 
 
 @runtime_checkable
+class DeviceArgmax(Protocol):
+    """Optional LoadedModel capability, with DeviceGreedy: `set_device_argmax(seq, on)` says
+    whether that sequence's output rows get their argmax taken on the device from the next pass
+    on while their logits still come back (False if it cannot); `sampled_tokens()` then gives
+    it for those rows too (-1 for a row without a largest value). The engine asks it for greedy
+    rows that it masks before choosing (replies held to a grammar): the row's best token comes
+    from the device in every pass, so the choice never depends on the pass's other rows.
+    """
+
+    def set_device_argmax(self, seq: int, on: bool) -> bool: ...
+
+
+@runtime_checkable
 class AsyncDecode(Protocol):
     """Optional LoadedModel capability: `decode_async` true when decode() returns before the pass
     is done (it queues the pass on a device). The engine may then start a pass before taking the
@@ -474,7 +487,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "placement": (Placement, ()),
     "model": (
         LoadedModel,
-        (DeviceGreedy, AsyncDecode, DecodeNext, DecodeChained, DeviceTokens, Reproducible, FillInMiddle),
+        (DeviceGreedy, DeviceArgmax, AsyncDecode, DecodeNext, DecodeChained, DeviceTokens, Reproducible, FillInMiddle),
     ),
 }
 

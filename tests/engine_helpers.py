@@ -64,6 +64,10 @@ class Queued:
         assert not self._queued, "a sequence's argmax moved while a pass is in flight"
         return self._model.set_device_greedy(seq, on)
 
+    def set_device_argmax(self, seq, on):
+        assert not self._queued, "a sequence's argmax moved while a pass is in flight"
+        return self._model.set_device_argmax(seq, on)
+
 
 class HostArgmax:
     """The model with every argmax left to the engine (all logits come back): the reference

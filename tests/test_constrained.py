@@ -374,3 +374,36 @@ def test_a_mask_that_allows_every_token_is_not_applied(engine, monkeypatch):
     run_until_done(engine, [held])
     assert held.error is None and held.generated == plain.generated
     assert len(unmasked) >= 10 and all(unmasked)
+
+
+def test_a_held_greedy_rows_best_token_comes_from_the_device(engine, monkeypatch):
+    """With llama.cpp's argmax in the pass (DeviceArgmax), a greedy row held to a grammar tries the
+    device's argmax against its mask instead of one taken here, in passes started ahead and in
+    the others alike; the replies are those of an engine that takes every argmax itself."""
+    reference = make_engine(slots=4, start_ahead=False, device_argmax=False)
+    known: list[int] = []
+    choose, best_allowed = grammar.Masks.choose, grammar.best_allowed
+
+    def spy_choose(self, logits, picks, given=None):
+        known.extend(given or [])
+        return choose(self, logits, picks, given)
+
+    def spy_best(row, bits, rounds=4, ids=None, best=None):
+        known.append(-1 if best is None else best)
+        return best_allowed(row, bits, rounds, ids, best)
+
+    def jobs(e):
+        kinds = [CONSTRAINTS[0], (None, None), CONSTRAINTS[2], CONSTRAINTS[3]]
+        return [job(e, k, s, f"{w} Answer:", n=40) for (k, s), w in zip(kinds, WORDS[4:])]
+
+    try:
+        want = run_until_done(reference, jobs(reference))
+        monkeypatch.setattr(grammar.Masks, "choose", spy_choose)
+        monkeypatch.setattr(grammar, "best_allowed", spy_best)
+        got = run_until_done(engine, jobs(engine))
+        assert engine._masked is not None and any(engine._masked.values())
+        assert len(known) > 60 and all(t >= 0 for t in known), known  # every held row's: from the device
+        for a, b in zip(want, got):
+            assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)
+    finally:
+        reference.model.close()

@@ -190,3 +190,14 @@ def test_a_pass_of_held_rows_gets_each_rows_own_greedy_choice(data, held):
         picks.append((r, bits, grammar.sparse_ids(bits, logits.shape[1])))
     got = grammar.Masks(logits.shape[1]).choose(logits, picks)
     assert got == [grammar.best_allowed(logits[r], bits) for r, bits, _ in picks]
+    # With some rows' best tokens known (taken on the device: any of the largest values, NaNs
+    # skipped), each row gets what best_allowed gives it with that token.
+    known = []
+    for r, _, _ in picks:
+        top = np.flatnonzero(logits[r] == np.nanmax(logits[r])) if not np.isnan(logits[r]).all() else []
+        known.append(int(held.draw(st.sampled_from(list(top)))) if len(top) and held.draw(st.booleans()) else -1)
+    got = grammar.Masks(logits.shape[1]).choose(logits, picks, known)
+    assert got == [
+        grammar.best_allowed(logits[r], bits, ids=ids, best=k if k >= 0 else None)
+        for (r, bits, ids), k in zip(picks, known)
+    ]

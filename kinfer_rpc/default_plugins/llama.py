@@ -263,6 +263,7 @@ class LlamaModel:
         # With the patched llama.cpp the pass takes greedy rows' argmax (set_device_greedy).
         self.device_greedy = _set_output_argmax is not None
         self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
+        self._argmax: set[int] = set()  # sequences whose rows' argmax it takes, their logits copied back too
         self._argmax_mode = 0
         self._next_ok = False  # whether decode_next may repeat the last pass (see decode)
         self._n_out = 0  # the last pass's output rows
@@ -487,7 +488,8 @@ class LlamaModel:
             greedy = self._greedy
             mode = 2 if all(c.seq in greedy for c in chunks if c.outputs) else 1
             # Which rows the pass samples, for a pass that also copies logits back.
-            self._rows_greedy = None if mode == 2 else [c.seq in greedy for c in chunks for _ in range(c.outputs)]
+            taken = greedy | self._argmax
+            self._rows_greedy = None if mode == 2 else [c.seq in taken for c in chunks for _ in range(c.outputs)]
             if mode != self._argmax_mode:
                 assert _set_output_argmax is not None, "an argmax mode is set only through it"
                 _set_output_argmax(self.ctx, mode)
@@ -538,13 +540,28 @@ class LlamaModel:
             return False
         self._next_ok = False
         (self._greedy.add if on else self._greedy.discard)(seq)
+        self._argmax_joins(on)
+        return True
+
+    def set_device_argmax(self, seq: int, on: bool) -> bool:
+        """The DeviceArgmax capability: a mode-1 pass takes every output row's argmax and still
+        copies the logits back, so a row that is masked first (a grammar) reads both."""
+        if _set_output_argmax is None:
+            return False
+        self._next_ok = False
+        (self._argmax.add if on else self._argmax.discard)(seq)
+        self._argmax_joins(on)
+        return True
+
+    def _argmax_joins(self, on: bool) -> None:
         if on and not self._argmax_mode:
+            assert _set_output_argmax is not None, "called only with the patched library"
             _set_output_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
             self._argmax_mode = 1
-        elif not self._greedy and self._argmax_mode:
+        elif not self._greedy and not self._argmax and self._argmax_mode:
+            assert _set_output_argmax is not None, "called only with the patched library"
             _set_output_argmax(self.ctx, 0)  # no sequence greedy: the graph leaves the argmax out
             self._argmax_mode = 0
-        return True
 
     def sampled_tokens(self) -> list[int]:
         """After a pass's wait: each output row's argmax where its sequence is greedy, else -1."""

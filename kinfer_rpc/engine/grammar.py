@@ -199,17 +199,26 @@ class Masks:
         return [bool(ok) for ok in llguidance.numpy.consume_token_par(self._pool(), list(pairs))]
 
     def choose(
-        self, logits: np.ndarray, picks: Sequence[tuple[int, np.ndarray, np.ndarray | None]]
+        self,
+        logits: np.ndarray,
+        picks: Sequence[tuple[int, np.ndarray, np.ndarray | None]],
+        known: Sequence[int] | None = None,
     ) -> list[int | None]:
-        """best_allowed(logits[r], bits, ids=ids) for each (r, bits, ids), the same tokens, for a
-        pass of held rows: the rows' own best tokens come from one argmax over the pass."""
+        """best_allowed(logits[r], bits, ids=ids, best=k) for each (r, bits, ids) and its `known`
+        best token k (the row's argmax where the device took it, -1 where not), the same tokens,
+        for a pass of held rows: the rows' unknown best tokens come from one argmax over them."""
         if not picks:
             return []
         rows = [r for r, _, _ in picks]
-        block = logits if rows == list(range(len(logits))) else logits[rows]
         out: list[int | None] = [None] * len(picks)
         rest: list[int] = []
-        own = block.argmax(axis=1).tolist()
+        own = list(known) if known is not None else [-1] * len(picks)
+        need = [k for k, t in enumerate(own) if t < 0]
+        if need:
+            sub = [rows[k] for k in need]
+            block = logits if sub == list(range(len(logits))) else logits[sub]
+            for k, t in zip(need, block.argmax(axis=1).tolist()):
+                own[k] = t
         for k, ((r, bits, _), t) in enumerate(zip(picks, own)):
             if logits[r, t] != logits[r, t]:
                 continue  # NaNs: sampling's own way (None)

@@ -34,6 +34,7 @@ from kinfer_rpc.types import (
     AsyncDecode,
     DecodeChained,
     DecodeNext,
+    DeviceArgmax,
     DeviceDraftSession,
     DeviceGreedy,
     DeviceTokens,
@@ -220,6 +221,7 @@ class Engine:
         self._sessions: dict[str, DraftSession] = {}
         self._default_policy = draft_policy  # the load's: its session starts with the load
         self._greedy: dict[int, bool] | None = None  # set at load: see _sync_greedy
+        self._masked: dict[int, bool] | None = None  # likewise, for rows masked before their argmax
         self._decode_next = False  # set at load: whether the model has decode_next
         self._decode_chained = False  # set at load: whether the model has decode_chained
         self._feeds_device = False  # set at load: whether passes can be fed drafts on the device
@@ -383,6 +385,8 @@ class Engine:
         self._ahead = ahead
         # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
         self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
+        # slot -> whether the device takes its argmax while its logits come back too (DeviceArgmax)
+        self._masked = {} if self._greedy is not None and isinstance(self.model, DeviceArgmax) else None
         self._decode_next = isinstance(self.model, DecodeNext)
         self._decode_chained = self._greedy is not None and isinstance(self.model, DecodeChained)
         self._feeds_device = isinstance(self.model, DeviceTokens) and self.model.feeds_device_tokens
@@ -607,8 +611,11 @@ class Engine:
         self._read_drafts()
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
-        some_plain = any(plain)
-        best = self._best(logits, plain, chunks) if some_plain else [-1] * len(logits)  # read by plain rows only
+        # Read by plain rows, and by greedy rows held to a grammar where the device took their argmax.
+        if any(plain) or (self._masked and any(self._masked.get(job.slot) for job in owners)):
+            best = self._best(logits, plain, chunks)
+        else:
+            best = [-1] * len(logits)
         if self._steady:
             # Every row one greedy token: those held to a grammar are chosen now, so that the
             # next pass can start before the rest of the bookkeeping; their matchers consume
@@ -650,7 +657,7 @@ class Engine:
                     token, job.held = job.held, None
                 else:
                     try:
-                        token = self._sample(job, logits[r + i], first=i == 0)
+                        token = self._sample(job, logits[r + i], first=i == 0, best=best[r + i])
                     except Exception as exc:  # one request's options must not stop the engine
                         log.exception("sampling failed")
                         job.error = errors.KinferError(
@@ -682,9 +689,10 @@ class Engine:
         if held:
             self._ended_ahead.append(job)
 
-    def _sample(self, job: Job, row: np.ndarray, first: bool) -> int:
+    def _sample(self, job: Job, row: np.ndarray, first: bool, best: int = -1) -> int:
         """Pick a row's token for a job that is not plain: its logprobs from the raw row when
-        asked, its grammar's mask, then sampling; the grammar consumes the token."""
+        asked, its grammar's mask, then sampling; the grammar consumes the token. `best`: the
+        row's argmax where the device took it (a greedy job held to a grammar), else -1."""
         matcher = job.constraint
         if matcher is None:
             history = job.prompt + job.generated
@@ -695,9 +703,10 @@ class Engine:
             bits = job.mask if first and job.mask is not None else grammar.one_mask(matcher, n_vocab)
             job.mask = job.mask_ids = None
             opts = job.options.sampling
-            best = grammar.best_allowed(row, bits, ids=ids) if _picks_best(opts) else None
-            if best is not None:  # greedy: what sampling the masked row gives, found faster
-                token = best
+            picked = best if best >= 0 else None
+            chosen = grammar.best_allowed(row, bits, ids=ids, best=picked) if _picks_best(opts) else None
+            if chosen is not None:  # greedy: what sampling the masked row gives, found faster
+                token = chosen
             else:
                 history = job.prompt + job.generated
                 token = sample(grammar.masked(row, grammar.allowed(bits, n_vocab)), history, len(history), opts)
@@ -715,16 +724,18 @@ class Engine:
         took sampling's own way (no mask, or NaNs in the row) has consumed its token already."""
         rows = [r for r, job in enumerate(owners) if job.constraint is not None and job.stop_reason is None]
         picks = [(r, m, owners[r].mask_ids) for r in rows if (m := owners[r].mask) is not None]
-        tokens = dict(zip((r for r, _, _ in picks), self._masks.choose(logits, picks))) if self._masks else {}
+        # The rows' own best tokens, where the device took them (DeviceArgmax), else -1.
+        known = [best[r] for r, _, _ in picks]
+        tokens = dict(zip((r for r, _, _ in picks), self._masks.choose(logits, picks, known))) if self._masks else {}
         chosen: list[tuple[int, int]] = []
         for r in rows:
             job = owners[r]
-            best[r] = -1  # until chosen
+            own, best[r] = best[r], -1  # until chosen
             token = tokens.get(r)
             job.mask = job.mask_ids = None
             if token is None:  # (no mask computed, or NaNs in the row: sampling's own way)
                 try:
-                    token = self._sample(job, logits[r], first=True)
+                    token = self._sample(job, logits[r], first=True, best=own)
                 except Exception:
                     continue
             else:
@@ -986,8 +997,30 @@ class Engine:
                         if on:
                             model.set_device_greedy(slot, False)
                     self._greedy = None
+                    self._drop_argmax()
                     return
                 greedy[job.slot] = want
+        if self._masked is None:
+            return
+        # A greedy row held to a grammar tries the device's argmax against its mask first.
+        device = cast(DeviceArgmax, self.model)
+        for job in self._active:
+            want = job.greedy and not job.plain
+            if self._masked.get(job.slot) != want:
+                if not device.set_device_argmax(job.slot, want) and want:
+                    log.warning("the backend cannot take a masked row's argmax on its device; taking it here")
+                    self._drop_argmax()
+                    return
+                self._masked[job.slot] = want
+
+    def _drop_argmax(self) -> None:
+        """Take every masked row's argmax here from now on (the backend refused one)."""
+        argmax, self._masked = self._masked, None
+        if argmax:
+            device = cast(DeviceArgmax, self.model)
+            for slot, on in argmax.items():
+                if on:
+                    device.set_device_argmax(slot, False)
 
     def _best(self, logits: np.ndarray, plain: list[bool], chunks: list[SeqChunk]) -> list[int]:
         """Each row's argmax: from the device where it took it, else computed here."""

@@ -92,14 +92,14 @@ class ChoiceClock:
             self.own += token is not None and token == int(row.argmax())
             return token
 
-        def timed_all(masks, logits, picks):
+        def timed_all(masks, logits, picks, *rest):
             if not self.on:
-                return choose_all(masks, logits, picks)
+                return choose_all(masks, logits, picks, *rest)
             own = masks.own_best
             self.inside = True
             t = time.perf_counter()
             try:
-                return choose_all(masks, logits, picks)
+                return choose_all(masks, logits, picks, *rest)
             finally:
                 self.seconds += time.perf_counter() - t
                 self.inside = False

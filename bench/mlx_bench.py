@@ -79,7 +79,11 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between
         # row count on the way as requests start and finish (a shorter warm-up at 128 rows
         # left 32 of the run's 41 pass shapes to the measured run); llama-batched-bench warms
         # up too.
-        run_jobs(engine, prompts_for(n, npp, vocab), ntg)
+        rows: set[int] = set()  # the row counts of the compiled decode passes
+        step = engine.model._compiled_step
+        engine.model._compiled_step = lambda seqs, last: rows.add(len(seqs)) or step(seqs, last)
+        cold, _ = run_jobs(engine, prompts_for(n, npp, vocab), ntg)
+        compiled = len(rows)
         timer = PhaseTimer(engine) if PHASES else None
         out = []
         for i in range(rounds):
@@ -89,6 +93,10 @@ def kinfer_case(model: str, n: int, npp: int, ntg: int, rounds: int = 1, between
                 result.update(timer.summary(after=t))
                 if TRACE:
                     result["steps"] = timer.trace(after=t)
+            # the warm-up as a user's first run meets it (every pass shape new), and the
+            # decode pass shapes it compiled
+            result["cold"] = {k: cold[k] for k in ("prompt_s", "decode_tps", "total_tps")}
+            result["cold"]["row_counts"] = compiled
             result["device"] = engine.model.memory()["device"]
             result["weights"] = engine.model.info.weights
             out.append(result)

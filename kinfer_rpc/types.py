@@ -9,12 +9,19 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
 
 import attrs
+
+
+def kinfer_home() -> Path:
+    """Where kinfer keeps its files ($KINFER_HOME, else ~/.kinfer); a plugin keeps its own under
+    it (the mlx backend: MLX's compiled CUDA kernels in cache/mlx-ptx)."""
+    return Path(os.environ.get("KINFER_HOME") or Path.home() / ".kinfer")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -615,6 +615,21 @@ def test_attention_kernel_contract_in_the_compiled_pass(monkeypatch):
     assert sum(j.accepted for j in drafted) > 0
 
 
+def test_mlx_keeps_its_compiled_cuda_kernels_under_kinfer_home(tmp_path):
+    """MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels it compiles on first use; by default
+    under the temporary directory) is $KINFER_HOME/cache/mlx-ptx once the backend is imported,
+    unless the user named a place."""
+    import subprocess
+    import sys
+
+    code = "import os, kinfer_rpc.default_plugins.mlx; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"} | {"KINFER_HOME": str(tmp_path)}
+    for mine, want in ((None, tmp_path / "cache" / "mlx-ptx"), (str(tmp_path / "mine"), tmp_path / "mine")):
+        run_env = env | ({"MLX_PTX_CACHE_DIR": mine} if mine else {})
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == str(want)
+
+
 def test_a_constrained_reply_with_logprobs_on_mlx():
     """The grammar masks and logprobs work from what every backend offers (token bytes, logits
     rows): on the mlx backend a schema-held greedy reply is valid JSON and the same, with its

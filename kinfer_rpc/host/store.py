@@ -30,6 +30,7 @@ import attrs
 from kinfer_rpc import errors
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import generate_options
+from kinfer_rpc.types import kinfer_home as kinfer_home
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,6 @@ def embedded_default_path() -> str:
 
 def kinfer_dir() -> Path:
     return Path(os.environ.get("KINFER_MODELS") or Path.home() / ".kinfer" / "models")
-
-
-def kinfer_home() -> Path:
-    return Path(os.environ.get("KINFER_HOME") or Path.home() / ".kinfer")
 
 
 def ollama_dir() -> Path:

@@ -18,13 +18,20 @@ and mlx-lm are installed: without them the server runs with the other backends.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from types import ModuleType
 
 import kinfer_rpc
-from kinfer_rpc.types import Backend, LoadOptions
+from kinfer_rpc.types import Backend, LoadOptions, kinfer_home
 
 log = logging.getLogger("kinfer_rpc.mlx")
+
+# MLX compiles its CUDA kernels when a shape first runs (NVRTC: on an H200, minutes for a large
+# mixture of experts' first batch of requests) and keeps them in MLX_PTX_CACHE_DIR, by default
+# under the temporary directory, which a reboot or the system's cleaning empties. Kept with
+# kinfer's files instead, unless the user named a place (MLX reads it at its first compile).
+os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kinfer_home() / "cache" / "mlx-ptx"))
 
 mx: ModuleType | None  # mlx.core, None where MLX is not installed
 _IMPORT_ERROR: str | None  # why the backend is not available

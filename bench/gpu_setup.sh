@@ -3,7 +3,7 @@
 # the checkout (ignored by git), prepared beforehand:
 #   .gpu/llama-cuda.tgz.part-*   llama.cpp's prebuilt CUDA tools and libraries (the llama.cpp that
 #                                llama-cpp-python 0.3.36 vendors), a .tgz cut with `split` (one
-#                                part, part-aa, is fine)
+#                                part, part-aa, is fine), or the same as one .txz (xz: smaller)
 #   .gpu/llama_cpp_python-0.3.36-py.tgz   llama-cpp-python's Python part
 #   .gpu/*.whl                   the wheels kinfer needs beyond the machine's own Python packages
 #                                (jsonrpcserver, jsonschema, ...; py-spy for gpu_bench.sh's profile)
@@ -19,7 +19,8 @@
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/lc /tmp/site "$OUT"
 if [ ! -x /tmp/lc/llama-bench ]; then
-  cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc
+  if [ -f .gpu/llama-cuda.txz ]; then tar xJf .gpu/llama-cuda.txz -C /tmp/lc
+  else cat .gpu/llama-cuda.tgz.part-* | tar xzf - -C /tmp/lc; fi
   tar xzf .gpu/llama_cpp_python-0.3.36-py.tgz -C /tmp/site
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 fi

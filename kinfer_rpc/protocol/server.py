@@ -145,32 +145,51 @@ class Server:
             pass
 
     async def _writer(self) -> None:
+        # Every message queued by the time the last write ended goes out in one write: a step of
+        # many streams queues one notification each, and a write is a trip to a worker thread.
         async for message in self._out_recv:
-            try:
-                frame = encode(message)
-                if len(frame) > self.max_frame and "id" in message and "method" not in message:
-                    # Never a frame over the limit the server advertises: the answer becomes an error.
-                    frame = encode(
-                        {
-                            "jsonrpc": "2.0",
-                            "id": message["id"],
-                            "error": {
-                                "code": errors.RESPONSE_TOO_LARGE,
-                                "message": f"the answer would be a frame of {len(frame)} bytes, over the "
-                                f"limit of {self.max_frame} (maxFrameBytes): ask for less",
-                                "data": None,
-                            },
-                        }
-                    )
-            except Exception:  # a message we cannot encode is dropped, never the server
-                log.exception("could not encode a message; dropped it")
+            frames = [frame] if (frame := self._frame(message)) else []
+            while True:
+                try:
+                    message = self._out_recv.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if frame := self._frame(message):
+                    frames.append(frame)
+            if not frames:
                 continue
             try:
-                await self._write.send(frame)
+                await self._write.send(b"".join(frames))
             except Exception:
                 log.error("stdout is gone; stopping")
                 self._stop.set()
                 return
+
+    def _frame(self, message: dict[str, Any]) -> bytes | None:
+        """One message's frame; an answer over the frame limit becomes an error, and a message
+        that cannot be encoded is dropped (None), never the server."""
+        try:
+            frame = encode(message)
+            if len(frame) > self.max_frame and "id" in message and "method" not in message:
+                # Never a frame over the limit the server advertises: the answer becomes an error.
+                frame = encode(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": message["id"],
+                        "error": {
+                            "code": errors.RESPONSE_TOO_LARGE,
+                            "message": f"the answer would be a frame of {len(frame)} bytes, over the "
+                            f"limit of {self.max_frame} (maxFrameBytes): ask for less",
+                            "data": None,
+                        },
+                    }
+                )
+        except Exception:
+            log.exception("could not encode a message; dropped it")
+            return None
+        return frame
 
     # -- lifecycle ---------------------------------------------------------------------------
     def gate(self, method: str, is_request: bool) -> errors.KinferError | None:

@@ -44,6 +44,28 @@ def _penalise(logits: np.ndarray, history: Sequence[int], opts: SamplingOptions)
     return logits
 
 
+_STRIDE = 16  # top()'s sample: every 16th logit
+
+
+def top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best tokens of a row, best first (by logit, then by token id, so the order is a
+    pure function of the row), and their logits as float64. Tokens at -inf (a grammar's
+    forbidden ones) and NaN are never among them: they could never be drawn.
+
+    Exact, and cheaper than partitioning the whole row: the k-th best of every 16th logit is a
+    logit that at least k of the row reach, so only the logits at or above it are sorted."""
+    n = logits.shape[0]
+    if k < n and n >= 4 * _STRIDE * k:
+        sampled = logits[::_STRIDE]
+        cut = np.partition(sampled, len(sampled) - k)[len(sampled) - k]
+        live = np.flatnonzero(logits >= cut) if cut > -np.inf else np.flatnonzero(logits > -np.inf)
+    else:
+        live = np.flatnonzero(logits > -np.inf)
+    vals = logits[live].astype(np.float64)
+    order = np.lexsort((live, -vals))[:k]
+    return live[order], vals[order]
+
+
 def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: SamplingOptions) -> int:
     """Pick the token at `position` from one row of logits.
 
@@ -55,14 +77,7 @@ def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: Samp
         return int(np.nanargmax(logits)) if np.isfinite(logits).any() else int(np.argmax(logits))
     n = logits.shape[0]
     k = opts.top_k if 0 < opts.top_k < n else n
-    if k < n:
-        idx = np.argpartition(-logits, k - 1)[:k]
-    else:
-        idx = np.arange(n)
-    # A stable order (by logit, then token id) so the draw is a pure function of the logits.
-    vals = logits[idx].astype(np.float64)
-    order = np.lexsort((idx, -vals))
-    idx, vals = idx[order], vals[order]
+    idx, vals = top(logits, k)
     vals = (vals - vals[0]) / opts.temperature
     probs = np.exp(vals)
     total = probs.sum()

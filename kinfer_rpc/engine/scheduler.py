@@ -27,6 +27,7 @@ import numpy as np
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine import CPUS, grammar
+from kinfer_rpc.engine import trace as tracing
 from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob, logprob, sample
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
@@ -267,6 +268,7 @@ class Engine:
         self._chained: tuple[list[SeqChunk], Callable[[], np.ndarray]] | None = None
         self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
+        self._trace: tracing.Trace | None = None  # KINFER_TRACE: where a round's time goes
 
     # -- host side (any thread) -------------------------------------------------------------
     def start(self) -> None:
@@ -376,6 +378,9 @@ class Engine:
             model, self.model = self.model, None
             model.close()
             raise TypeError(f"the loaded model {type(model).__name__} {'; '.join(problems)}")
+        self._trace = tracing.current()
+        if self._trace is not None:
+            self._trace.attach(self.model)
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
         self._eog = frozenset(self.model.eog_tokens())
@@ -1102,6 +1107,18 @@ class Engine:
                     if job.on_piece:
                         events.append((job.on_piece, rest, []))
         job.t_end = time.perf_counter()
+        if self._trace is not None:
+            self._trace.write(
+                "job",
+                submit=job.t_submit,
+                start=job.t_start,
+                first=job.t_first,
+                end=job.t_end,
+                prompt=len(job.prompt),
+                cached=job.cached,
+                generated=len(job.generated),
+                reason=job.stop_reason,
+            )
         if release:
             self._release(job)
         if job.on_done:

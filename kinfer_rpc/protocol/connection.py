@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, cast
 
@@ -34,6 +35,7 @@ class RequestContext:
     partial_result_token: Any = None
     work_done_token: Any = None
     partial: Callable[[], Any] | None = None  # set by a handler: its partial result so far
+    received: float = attrs.field(factory=time.perf_counter)  # when it arrived (traces)
 
     async def report_partial(self, value: Any) -> None:
         if self.partial_result_token is not None:

@@ -1,0 +1,427 @@
+"""The product against its engine: whole-run tok/s through `kinfer-rpc` as clients run it, beside
+kinfer's engine alone and llama-server on the same prompts, in one run.
+
+    python bench/product_bench.py MODEL.gguf [--npl 32,128] [--ntg 64,256] [--npp 128]
+        [--gpu-layers 999] [--clients python,raw] [--engine] [--llama-server PATH]
+        [--temperature 0] [--trace DIR] [--rounds 1]
+
+For each N in --npl and M in --ntg: N requests at once, each a distinct prompt of --npp tokens
+(given as token ids, so every side reads exactly the same), M tokens each, end of generation
+ignored, greedy unless --temperature says otherwise (seeded, one seed a request). Each side is
+timed from its first request sent to its last reply, and `tps` is every generated token over
+that time (the whole run: prompts, decoding, streaming every token to the client):
+
+- `python`: kinfer's Python AsyncClient, streaming (a $/progress notification a step a request);
+- `raw`: a minimal client on asyncio that writes frames and reads them back (JSON parsed, tokens
+  counted), so the figure is the server's own;
+- `engine`: kinfer's engine on its worker thread in this process, without the protocol
+  (bench/harness.py's Run), loaded with the options the server loads with;
+- `llama-server`: llama.cpp's server with `-np N` (the same model, context per slot and flash
+  attention), streamed through the same minimal client over HTTP (`/completion`, the same token
+  ids, `cache_prompt` off).
+
+With --trace DIR the server runs with KINFER_TRACE, and each round of a kinfer client gets a
+summary of where its time went (bench/trace_summary.py): time to first token, the prompt passes
+and their sizes, queueing, the passes and the host work between them, and the client's own time.
+One JSON line a case (bench/harness.py's format), then `ratio` lines: each side over the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from harness import distinct_prompts, emit, start_engine
+from trace_summary import summarize
+
+from kinfer_rpc.engine.sampling import SamplingOptions
+from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+
+
+def kinfer_rpc_argv() -> list[str]:
+    """The server as clients find it: $KINFER_RPC (a command line), the kinfer-rpc beside this
+    Python, else `python -m kinfer_rpc`."""
+    if os.environ.get("KINFER_RPC"):
+        return shlex.split(os.environ["KINFER_RPC"])
+    found = shutil.which("kinfer-rpc", path=os.path.dirname(sys.executable))
+    return [found] if found else [sys.executable, "-m", "kinfer_rpc"]
+
+
+def options(ntg: int, temperature: float, i: int) -> dict[str, Any]:
+    return {"maxTokens": ntg, "ignoreEos": True, "temperature": temperature, "seed": 1000 + i}
+
+
+# -- a minimal JSON-RPC client over a pipe -----------------------------------------------------
+class RawRpc:
+    """Frames out, frames in, no more: what any client must at least do."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self.next_id = 0
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.progress: dict[str, int] = {}  # token -> tokens streamed
+        self.first: dict[str, float] = {}  # token -> when its first piece came
+        self.reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def spawn(cls, argv: list[str], env: dict[str, str]) -> RawRpc:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, limit=1 << 24
+        )
+        return cls(proc)
+
+    def send(self, message: dict[str, Any]) -> None:
+        body = json.dumps(message).encode()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.next_id += 1
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[self.next_id] = future
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        return await future
+
+    async def _read(self) -> None:
+        out = self.proc.stdout
+        assert out is not None
+        while True:
+            length = -1
+            while True:
+                line = await out.readline()
+                if not line:
+                    return
+                if line in (b"\r\n", b"\n"):
+                    break
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            message = json.loads(await out.readexactly(length))
+            if "id" in message and "method" not in message:
+                future = self.waiting.pop(message["id"], None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif message.get("method") == "$/progress":
+                params = message["params"]
+                token = params["token"]
+                self.progress[token] = self.progress.get(token, 0) + len(params["value"].get("tokens", ()))
+                self.first.setdefault(token, time.perf_counter())
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.request("shutdown", {}), 30)
+            self.send({"jsonrpc": "2.0", "method": "exit"})
+            await asyncio.wait_for(self.proc.wait(), 30)
+        except (TimeoutError, ConnectionError):
+            self.proc.kill()
+        self.reader.cancel()
+
+
+async def raw_round(rpc: RawRpc, model: str, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
+    async def one(i: int, ids: list[int]) -> int:
+        token = f"r{time.perf_counter_ns()}-{i}"
+        params = {"model": model, "tokens": ids, "options": options(ntg, temperature, i), "partialResultToken": token}
+        answer = await rpc.request("inference/generate", params)
+        if "error" in answer:
+            raise RuntimeError(f"request {i}: {answer['error']}")
+        streamed = rpc.progress.pop(token, 0)
+        rpc.first.pop(token, None)
+        got = answer["result"]["usage"]["completionTokens"]
+        if streamed != got:
+            raise RuntimeError(f"request {i}: streamed {streamed} tokens of {got}")
+        return int(got)
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
+
+
+async def python_round(
+    client: Any, model: str, prompts: list[list[int]], ntg: int, temperature: float
+) -> dict[str, Any]:
+    from kinfer_rpc.client import AsyncStream
+
+    async def one(i: int, ids: list[int]) -> int:
+        stream = AsyncStream(
+            client, "inference/generate", {"model": model, "tokens": ids, "options": options(ntg, temperature, i)}
+        )
+        async for _ in stream:
+            pass
+        result = stream.result
+        assert result is not None
+        return int(result.usage.completion_tokens)
+
+    import anyio
+
+    counts: list[int] = []
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i, p in enumerate(prompts):
+
+            async def run(i: int = i, p: list[int] = p) -> None:
+                counts.append(await one(i, p))
+
+            tg.start_soon(run)
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "tokens": sum(counts)}
+
+
+# -- llama-server through the same minimal client ------------------------------------------------
+async def http_stream(port: int, body: dict[str, Any]) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+    data = json.dumps(body).encode()
+    writer.write(
+        b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data) + data
+    )
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"llama-server answered {status!r}: {(await reader.read(2000))!r}")
+    tokens = 0
+    while line := await reader.readline():
+        if line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            tokens += len(event.get("tokens") or ()) or (1 if event.get("content") else 0)
+            if event.get("stop"):
+                tokens = event.get("tokens_predicted", tokens)
+                break
+    writer.close()
+    return tokens
+
+
+async def llama_server_round(port: int, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
+    def body(i: int, ids: list[int]) -> dict[str, Any]:
+        return {
+            "prompt": ids,
+            "n_predict": ntg,
+            "ignore_eos": True,
+            "temperature": temperature,
+            "seed": 1000 + i,
+            "stream": True,
+            "cache_prompt": False,
+            "return_tokens": True,
+        }
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(http_stream(port, body(i, p)) for i, p in enumerate(prompts)))
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def start_llama_server(path: str, model: str, npl: int, ctx: int, gpu_layers: int) -> tuple[Any, int]:
+    port = free_port()
+    argv = [path, "-m", model, "-np", str(npl), "-c", str(ctx * npl), "-ngl", str(gpu_layers), "-fa", "on"]
+    argv += ["--port", str(port), "--host", "127.0.0.1", "-b", "2048", "-ub", "512"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(argv)}")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            if b" 200 " in status:
+                return proc, port
+        except OSError:
+            pass
+        await asyncio.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def stop(proc: Any) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        proc.kill()
+
+
+# -- the engine alone ----------------------------------------------------------------------------
+def engine_round(model: str, prompts: list[list[int]], ntg: int, temperature: float, args: Any) -> dict[str, Any]:
+    from kinfer_rpc.default_plugins.llama import LlamaBackend
+    from kinfer_rpc.protocol.options import load_request
+
+    npl = len(prompts)
+    load, extra = load_request(load_params(args, npl)).resolve()
+    engine = start_engine(
+        lambda progress: LlamaBackend().load(model, load, progress),
+        batch=load.batch,
+        prefix=extra.prefix if extra.prefix is not None else load.slots * load.context_length,
+    )
+    import threading
+
+    def run(ps: list[list[int]]) -> tuple[float, float, int]:
+        finished = threading.Semaphore(0)
+        jobs = [
+            Job(
+                list(p),
+                GenerateOptions(
+                    max_tokens=ntg,
+                    ignore_eos=True,
+                    sampling=SamplingOptions(temperature=temperature, seed=1000 + i),
+                ),
+                on_done=lambda j: finished.release(),
+                on_piece=lambda text, toks: None,  # text is made for every token, as for a stream
+            )
+            for i, p in enumerate(ps)
+        ]
+        t0 = time.perf_counter()
+        for job in jobs:
+            engine.submit(job)
+        for _ in jobs:
+            finished.acquire()
+        return t0, time.perf_counter(), sum(len(j.generated) for j in jobs)
+
+    run([prompts[0][:8]])  # warm-up, as the server's first round
+    t0, t1, tokens = run(prompts)
+    engine.stop()
+    return {"t0": t0, "t1": t1, "tokens": tokens}
+
+
+def load_params(args: Any, npl: int) -> dict[str, Any]:
+    return {"gpuLayers": args.gpu_layers, "slots": npl, "contextLength": args.npp + max(args.ntg) + 16}
+
+
+# -- the run -------------------------------------------------------------------------------------
+def figures(side: str, npl: int, ntg: int, r: dict[str, Any], args: Any) -> dict[str, Any]:
+    wall = r["t1"] - r["t0"]
+    out = {"side": side, "npl": npl, "npp": args.npp, "ntg": ntg, "temperature": args.temperature}
+    out.update(tokens=r["tokens"], seconds=round(wall, 4), tps=round(r["tokens"] / wall, 1))
+    return out
+
+
+async def kinfer_rounds(args: Any, prompts_of: dict[int, list[list[int]]], results: list[dict[str, Any]]) -> None:
+    env = dict(os.environ)
+    trace_file = None
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        trace_file = os.path.join(args.trace, "kinfer-trace.jsonl")
+        if os.path.exists(trace_file):
+            os.unlink(trace_file)
+        env["KINFER_TRACE"] = trace_file
+    for npl in args.npl:
+        prompts = prompts_of[npl]
+        for side in args.clients:
+            rounds: list[dict[str, Any]] = []
+            if side == "raw":
+                rpc = await RawRpc.spawn(kinfer_rpc_argv(), env)
+                await rpc.request("initialize", {"processId": os.getpid(), "capabilities": {}})
+                rpc.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
+                loaded = await rpc.request("model/load", {"model": args.model, "options": load_params(args, npl)})
+                name = loaded["result"]["model"]
+                await raw_round(rpc, name, [prompts[0][:8]], 4, 0.0)  # warm-up
+                for ntg in args.ntg:
+                    for _ in range(args.rounds):
+                        rounds.append((ntg, await raw_round(rpc, name, prompts, ntg, args.temperature)))
+                await rpc.close()
+            else:
+                from kinfer_rpc.client import AsyncClient
+
+                async with AsyncClient(kinfer_rpc_argv(), env=env) as client:
+                    loaded = await client.load(args.model, **load_params(args, npl))
+                    await python_round(client, loaded.model, [prompts[0][:8]], 4, 0.0)  # warm-up
+                    for ntg in args.ntg:
+                        for _ in range(args.rounds):
+                            rounds.append(
+                                (ntg, await python_round(client, loaded.model, prompts, ntg, args.temperature))
+                            )
+            for ntg, r in rounds:
+                rec = figures(side, npl, ntg, r, args)
+                if trace_file:
+                    rec["trace"] = summarize(trace_file, r["t0"], r["t1"])
+                results.append(emit(f"{side}-{npl}x{ntg}", rec))
+
+
+async def main_async(args: Any) -> None:
+    from kinfer_rpc.host import gguf
+
+    vocab = gguf.read(args.model).n_vocab or 32000
+    prompts_of = {npl: distinct_prompts(npl, args.npp, vocab) for npl in args.npl}
+    results: list[dict[str, Any]] = []
+    if args.engine:
+        for npl in args.npl:
+            for ntg in args.ntg:
+                for _ in range(args.rounds):
+                    r = engine_round(args.model, prompts_of[npl], ntg, args.temperature, args)
+                    results.append(emit(f"engine-{npl}x{ntg}", figures("engine", npl, ntg, r, args)))
+    await kinfer_rounds(args, prompts_of, results)
+    if args.llama_server:
+        for npl in args.npl:
+            try:
+                proc, port = await start_llama_server(
+                    args.llama_server, args.model, npl, args.npp + max(args.ntg) + 16, args.gpu_layers
+                )
+            except Exception as exc:  # the anchor failed: kinfer's figures still stand
+                emit(f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": str(exc)})
+                continue
+            try:
+                await llama_server_round(port, [prompts_of[npl][0][:8]], 4, 0.0)  # warm-up
+                for ntg in args.ntg:
+                    for _ in range(args.rounds):
+                        r = await llama_server_round(port, prompts_of[npl], ntg, args.temperature)
+                        results.append(emit(f"llama-server-{npl}x{ntg}", figures("llama-server", npl, ntg, r, args)))
+            except Exception as exc:
+                emit(
+                    f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": f"{type(exc).__name__}: {exc}"}
+                )
+            finally:
+                stop(proc)
+    # each side over the engine (medians over rounds), and kinfer's clients over llama-server
+    by: dict[tuple[str, int, int], list[float]] = {}
+    for rec in results:
+        by.setdefault((rec["side"], rec["npl"], rec["ntg"]), []).append(rec["tps"])
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    for (side, npl, ntg), tps in sorted(med.items()):
+        ratio: dict[str, Any] = {"side": side, "npl": npl, "ntg": ntg, "tps": tps}
+        if side != "engine" and ("engine", npl, ntg) in med:
+            ratio["over_engine"] = round(tps / med[("engine", npl, ntg)], 3)
+        if side in ("python", "raw") and ("llama-server", npl, ntg) in med:
+            ratio["over_llama_server"] = round(tps / med[("llama-server", npl, ntg)], 3)
+        if len(ratio) > 4:
+            emit("ratio", ratio)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--npl", default="32,128", help="requests at once, comma-separated")
+    ap.add_argument("--ntg", default="64,256", help="tokens a request, comma-separated")
+    ap.add_argument("--npp", type=int, default=128, help="prompt tokens a request")
+    ap.add_argument("--gpu-layers", type=int, default=-1)
+    ap.add_argument("--clients", default="python,raw", help="kinfer's clients: python, raw (comma-separated)")
+    ap.add_argument("--engine", action="store_true", help="also kinfer's engine alone")
+    ap.add_argument("--llama-server", default=None, help="also this llama-server binary with -np N")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--trace", default=None, help="a folder: the server's trace, summarized per round")
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    args.npl = [int(x) for x in args.npl.split(",") if x]
+    args.ntg = [int(x) for x in args.ntg.split(",") if x]
+    args.clients = [c for c in args.clients.split(",") if c]
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

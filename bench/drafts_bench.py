@@ -26,7 +26,8 @@ from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.host import templates as chat
-from kinfer_rpc.protocol.results import job_result
+from kinfer_rpc.host.requests import reply_of
+from kinfer_rpc.protocol.results import reply_json
 from kinfer_rpc.types import Backend, LoadOptions, SeqChunk
 
 CODE = '''import math
@@ -137,7 +138,7 @@ def workloads(args):
         warm = min(args.max_tokens, 32)
         run(engine, prompt, attrs.evolve(base, max_tokens=warm))
         plain = run(engine, prompt, base)
-        plain_tps = job_result(plain)["timings"]["tokensPerSecond"]
+        plain_tps = reply_json(reply_of(plain))["timings"]["tokensPerSecond"]
         emit(
             "workload",
             {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps},
@@ -146,7 +147,7 @@ def workloads(args):
             options = attrs.evolve(base, drafts=k, draft_policy=policy)
             run(engine, prompt, attrs.evolve(options, max_tokens=warm))
             job = run(engine, prompt, options)
-            r = job_result(job)
+            r = reply_json(reply_of(job))
             u = r["usage"]
             emit(
                 "workload",

@@ -1,6 +1,6 @@
 """Typing replayed into `kinfer-rpc` as an editor's LSP client does it: one completion per keystroke.
 
-    python bench/lsp_replay.py --model FIM.gguf [--file kinfer_rpc/host/options.py]
+    python bench/lsp_replay.py --model FIM.gguf [--file bench/replay/options.py]
         [--function generate_options] [--lines 30] [--interval-ms 0] [--max-tokens 32] [--threads N]
         [--spm] [--keys N]
 
@@ -248,7 +248,9 @@ async def replay(args: argparse.Namespace, load_options: dict[str, Any], case: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", required=True, help="a model with fill-in-the-middle tokens (name or GGUF path)")
-    ap.add_argument("--file", default="kinfer_rpc/host/options.py", help="the source file typed into")
+    ap.add_argument(
+        "--file", default="bench/replay/options.py", help="the source file typed into (a fixed copy of real code)"
+    )
     ap.add_argument("--function", default="generate_options", help="the function whose lines are typed")
     ap.add_argument("--lines", type=int, default=30)
     ap.add_argument("--interval-ms", type=float, default=0.0, help="0: await each completion before the next key")

@@ -723,6 +723,7 @@ def _model_facts(name: str) -> dict[str, Any]:
     names; nothing is loaded. KinferError for a name that names no model, or several."""
     from kinfer_rpc.host import gguf as gguf_meta
     from kinfer_rpc.host.store import ModelStore
+    from kinfer_rpc.protocol.options import request_options_json
 
     store = ModelStore()
     ref = store.resolve(name)
@@ -739,7 +740,9 @@ def _model_facts(name: str) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - describe() has said what is wrong with the file
             pass
     facts["system"] = ref.system
-    facts["defaults"] = dict(ref.defaults) | ({"contextLength": ref.context_length} if ref.context_length else {})
+    facts["defaults"] = request_options_json(ref.defaults) | (
+        {"contextLength": ref.context_length} if ref.context_length else {}
+    )
     facts["ignoredParameters"] = [{"name": n, "reason": r} for n, r in ref.ignored]
     facts["ollamaTemplate"] = ref.template
     facts["license"] = ref.license or gguf_license  # the manifest's license layers, else the file's

@@ -110,7 +110,7 @@ def test_ngram_drafts_are_accepted_when_text_repeats():
         job = Job(list(prompt), attrs.evolve(_options(40, 0.0, 0), drafts=4, draft_policy=NgramPolicy()))
         run_until_done(engine, [job])
         assert (tuple(job.generated), job.text, job.stop_reason) == want
-        usage = job_result(job)["usage"]
+        usage = reply_json(reply_of(job))["usage"]
         assert usage["draftTokens"] > 0 and usage["draftAccepted"] > usage["draftTokens"] // 2
         assert engine.steps < len(job.generated)  # fewer passes than tokens: drafts paid off
         status = engine_status(engine.stats())
@@ -134,7 +134,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from kinfer_rpc.default_plugins.drafts import DraftModelPolicy  # noqa: E402
-from kinfer_rpc.protocol.results import engine_status, job_result  # noqa: E402
+from kinfer_rpc.host.requests import reply_of  # noqa: E402
+from kinfer_rpc.protocol.results import engine_status, reply_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -209,7 +210,7 @@ def test_the_model_drafting_for_itself_is_always_right():
             job = Job(list(prompt), attrs.evolve(_options(24, 0.0, 0), drafts=4, draft_policy=policy))
             run_until_done(engine, [job])
             assert (tuple(job.generated), job.text, job.stop_reason) == want
-            usage = job_result(job)["usage"]
+            usage = reply_json(reply_of(job))["usage"]
             assert usage["draftTokens"] > 0 and usage["draftAccepted"] == usage["draftTokens"]
             assert engine.steps and engine_status(engine.stats())["draftAcceptance"] == 1.0
     finally:

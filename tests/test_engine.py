@@ -29,8 +29,9 @@ from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
-from kinfer_rpc.protocol.results import engine_status, job_result
+from kinfer_rpc.protocol.results import engine_status, reply_json
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +147,7 @@ def test_max_tokens_and_length_reason(engine4):
     job = Job(list(tokenize("Count: one two three")), _options(5, 0.0, 0))
     run_until_done(engine4, [job])
     assert job.stop_reason == "length" and len(job.generated) == 5
-    usage = job_result(job)["usage"]
+    usage = reply_json(reply_of(job))["usage"]
     assert (usage["promptTokens"], usage["completionTokens"]) == (len(job.prompt), 5)
 
 
@@ -250,7 +251,7 @@ def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
         second = Job(list(second_prompt), _options(6, 0.0, 0))
         run_until_done(engine, [second])
         assert second.cached > 10  # the system prompt's cells were kept and reused
-        assert job_result(second)["usage"]["cachedTokens"] == second.cached
+        assert reply_json(reply_of(second))["usage"]["cachedTokens"] == second.cached
         assert engine_status(engine.stats())["prefixHits"] >= 1
         assert (tuple(second.generated), second.text, second.stop_reason) == alone(second_prompt, 6, 0.0, 0)
     finally:

@@ -3,8 +3,9 @@
     protocol -> host -> engine -> contract <- default_plugins
 
 The contract is what a plugin may use: `kinfer_rpc` itself (hookimpl, the version),
-`kinfer_rpc.types`, `kinfer_rpc.hookspecs` and `kinfer_rpc.errors`. A layer may import the layers
-below it and the contract, never one above; the built-in plugins import only the contract and each
+`kinfer_rpc.types`, `kinfer_rpc.hookspecs` and `kinfer_rpc.errors`. A layer may import the layer
+right below it and the contract, never one above and never past the next (the protocol reaches
+the engine only through the host, which owns the requests); the built-in plugins import only the contract and each
 other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
 the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI, a tool
 on top of everything, may import any of it.
@@ -70,7 +71,7 @@ def _allowed(importer: str, imported: str) -> bool:
         return True
     if src in CONTRACT or src in ("kinfer_rpc.client", "kinfer_rpc.default_plugins"):
         return False
-    return src in RANK and dst in RANK and RANK[dst] < RANK[src]
+    return src in RANK and dst in RANK and RANK[dst] == RANK[src] - 1
 
 
 def test_every_import_points_down_the_layers():
@@ -88,6 +89,7 @@ def test_the_check_catches_an_import_against_the_direction():
     assert not _allowed("kinfer_rpc.host.store", "kinfer_rpc.protocol.params")
     assert not _allowed("kinfer_rpc.default_plugins.llama", "kinfer_rpc.engine.scheduler")
     assert not _allowed("kinfer_rpc.types", "kinfer_rpc.engine.slots")
+    assert not _allowed("kinfer_rpc.protocol.handlers", "kinfer_rpc.engine.scheduler")
     assert not _allowed("kinfer_rpc.client", "kinfer_rpc.host.runtime")
     assert not _allowed("kinfer_rpc.client", "kinfer_rpc.protocol.server")
     assert _allowed("kinfer_rpc.client", "kinfer_rpc.protocol.framing")

@@ -21,8 +21,9 @@ from engine_helpers import run_until_done
 from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
-from kinfer_rpc.protocol.results import engine_status, job_result
+from kinfer_rpc.protocol.results import engine_status, reply_json
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk
 
 pytestmark = pytest.mark.model  # every test here loads a real model
@@ -149,7 +150,7 @@ def test_the_aligned_model_accepts_every_draft(models):
         jobs = [Job(prompt(10 + i), options(41, policy=policy)) for i in range(2)]
         run_until_done(engine, jobs)
         for job in jobs:
-            usage = job_result(job)["usage"]
+            usage = reply_json(reply_of(job))["usage"]
             assert job.generated == [300] * 41
             assert usage["draftTokens"] == usage["draftAccepted"] > 0
         assert engine.steps <= 1 + 40 // (DRAFTS + 1)  # every verifying pass kept all its drafts

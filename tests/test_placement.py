@@ -472,11 +472,11 @@ def test_gpu_and_experts_host_placements_split_too(dense18):
 
 # -- the split through the runtime: the user's options win -----------------------------------------
 def _split(plan, **options):
-    from kinfer_rpc.host.options import load_options
     from kinfer_rpc.host.runtime import split_of
+    from kinfer_rpc.protocol.options import load_request
 
-    opts, extra = load_options(options)
-    return split_of(plan, opts, extra["given"])
+    opts, extra = load_request(options).resolve()
+    return split_of(plan, opts, extra.given)
 
 
 def test_the_plans_split_applies_unless_the_options_set_one():
@@ -500,12 +500,12 @@ def test_the_plans_split_applies_unless_the_options_set_one():
 
 def test_split_options_are_checked_against_the_machine():
     from kinfer_rpc import errors
-    from kinfer_rpc.host.options import load_options
     from kinfer_rpc.host.runtime import check_split
+    from kinfer_rpc.protocol.options import load_request
 
     def check(machine, **options):
-        opts, extra = load_options(options)
-        check_split(opts, extra["given"], machine)
+        opts, extra = load_request(options).resolve()
+        check_split(opts, extra.given, machine)
 
     check(gpus(8, 8), mainGpu=1, tensorSplit=[1, 1])
     check(MachineInfo(gpu_free_bytes=8 * GiB, has_gpu=True), mainGpu=5)  # GPUs not listed: not checked
@@ -531,20 +531,20 @@ def test_split_options_are_checked_against_the_machine():
 )
 def test_bad_split_options_are_32602(options, words):
     from kinfer_rpc import errors
-    from kinfer_rpc.host.options import load_options
+    from kinfer_rpc.protocol.options import load_request
 
     with pytest.raises(errors.KinferError) as e:
-        load_options(options)
+        load_request(options)
     assert e.value.code == errors.INVALID_PARAMS and words in e.value.message
 
 
 def test_split_options_parse():
-    from kinfer_rpc.host.options import load_options
+    from kinfer_rpc.protocol.options import load_request
 
-    opts, extra = load_options({"splitMode": "row", "mainGpu": 3, "tensorSplit": [2, 1]})
+    opts, extra = load_request({"splitMode": "row", "mainGpu": 3, "tensorSplit": [2, 1]}).resolve()
     assert (opts.split_mode, opts.main_gpu, opts.tensor_split) == ("row", 3, (2.0, 1.0))
-    assert {"splitMode", "mainGpu", "tensorSplit"} <= extra["given"]
-    opts, _ = load_options({})
+    assert {"splitMode", "mainGpu", "tensorSplit"} <= extra.given
+    opts, _ = load_request({}).resolve()
     assert (opts.split_mode, opts.main_gpu, opts.tensor_split) == (None, None, ())
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from kinfer_rpc.cli import main as kinfer_main
 from kinfer_rpc.host import pull as pullmod
+from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.store import ModelStore, embedded_default_path
 
 BIN = os.path.dirname(sys.executable)
@@ -230,7 +231,7 @@ def test_pull_by_name_then_chat(server, gguf, capsys):
     assert blob.stat().st_size == gguf[2] and not partials()
     ref = ModelStore().resolve("smollm2:135m")
     assert (ref.source, ref.path, ref.digest) == ("kinfer", str(blob), gguf[1])
-    assert ref.defaults == {"temperature": 0.25} and ref.context_length == 1024  # the params layer
+    assert ref.defaults == RequestOptions(temperature=0.25) and ref.context_length == 1024  # the params layer
     assert ModelStore().resolve("registry.ollama.ai/library/smollm2:135m") == ref
     # the real server loads it by its name and answers
     proc = subprocess.run(

@@ -12,22 +12,23 @@ import pytest
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.sampling import SamplingOptions, _penalise
-from kinfer_rpc.host.options import MAX_STOP_CHARS, MAX_STOPS, generate_options
+from kinfer_rpc.host.options import MAX_STOP_CHARS, MAX_STOPS
 from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
+from kinfer_rpc.protocol.options import request_options
 
 ECHO = 1024  # the most of one string an error repeats (spec: Errors)
 
 
 def _refused(options: dict) -> errors.KinferError:
     with pytest.raises(errors.KinferError) as info:
-        generate_options(options, 1)
+        request_options(options).resolve(1)
     assert info.value.code == errors.INVALID_PARAMS
     return info.value
 
 
 @pytest.mark.parametrize("penalty", [0.001, 1e-9, 5e-324, 1.0, 100.0])
 def test_repeat_penalty_takes_the_spec_range(penalty: float) -> None:
-    assert generate_options({"repeatPenalty": penalty}, 1).sampling.repeat_penalty == penalty
+    assert request_options({"repeatPenalty": penalty}).resolve(1).sampling.repeat_penalty == penalty
     # even a penalty next to 0 leaves finite logits
     out = _penalise(np.array([30.0, -2.0, 1.0], dtype=np.float32), [0, 1], SamplingOptions(repeat_penalty=penalty))
     assert np.isfinite(out).all()
@@ -39,8 +40,8 @@ def test_repeat_penalty_outside_the_range_is_refused(penalty: float) -> None:
 
 
 def test_stop_strings_are_capped() -> None:
-    assert len(generate_options({"stop": ["x"] * MAX_STOPS}, 1).stop) == MAX_STOPS
-    assert len(generate_options({"stop": ["y" * MAX_STOP_CHARS]}, 1).stop[0]) == MAX_STOP_CHARS
+    assert len(request_options({"stop": ["x"] * MAX_STOPS}).resolve(1).stop) == MAX_STOPS
+    assert len(request_options({"stop": ["y" * MAX_STOP_CHARS]}).resolve(1).stop[0]) == MAX_STOP_CHARS
     err = _refused({"stop": [str(i) for i in range(60_000)]})
     assert err.data == {"stops": 60_000, "longest": 5} and str(MAX_STOPS) in err.message
     assert "characters" in _refused({"stop": "z" * (MAX_STOP_CHARS + 1)}).message

@@ -22,6 +22,7 @@ import pytest
 
 from kinfer_rpc import errors
 from kinfer_rpc.host import gguf as gguf_meta
+from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
 
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
@@ -157,9 +158,9 @@ def test_ollama_layers_become_defaults(store):
     assert ref.template == TEMPLATE  # kept, never executed
     # Ollama's names mapped to kinfer's; num_ctx is the load's default; unknown (mirostat) and
     # invalid (top_p 7.5) parameters are dropped rather than failing every request.
-    assert ref.defaults == {"maxTokens": 3, "seed": 42, "topK": 20, "temperature": 0, "stop": ["<|im_end|>"]}
+    assert ref.defaults == RequestOptions(max_tokens=3, seed=42, top_k=20, temperature=0, stop=["<|im_end|>"])
     assert ref.context_length == 1024
-    assert store.resolve("smollm2:q4").defaults == {} and store.resolve("smollm2:q4").system is None
+    assert store.resolve("smollm2:q4").defaults == RequestOptions() and store.resolve("smollm2:q4").system is None
     # ... and the load result says which were left out, and why
     assert dict(ref.ignored).keys() == {"mirostat", "top_p"}
     assert "no equivalent" in dict(ref.ignored)["mirostat"] and "topP" in dict(ref.ignored)["top_p"]

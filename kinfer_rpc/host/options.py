@@ -1,16 +1,18 @@
-"""Option objects (a load's, a request's) turned into checked values, so the inside never re-checks.
+"""The options a request and a load carry, as values that check themselves when they are made, so
+the inside never re-checks: every face (the protocol's params, a model's Ollama defaults, an HTTP
+API's fields) builds these, and a value out of range is -32602 naming the option as the protocol
+spells it (`options.topK`), whoever built it.
 
-Every error names the field and what was wrong; unknown fields are errors (a misspelt option
-silently ignored is the bug users hate most). The protocol layer reads its params with the same
-Fields; the store checks a model's own default options (Ollama's params) with generate_options.
+A value of None means "not given": a request's options lie over the model's defaults
+(`RequestOptions.over`), and what neither gives takes the engine's default (`resolve`).
 """
 
 from __future__ import annotations
 
-import builtins
-import json
-from collections.abc import Collection
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.sampling import SamplingOptions
@@ -20,154 +22,6 @@ from kinfer_rpc.types import LoadOptions
 DEFAULT_SLOTS = 4
 DEFAULT_CONTEXT = 4096
 INT_MAX = 2**31 - 1
-
-
-class Fields:
-    """Reads fields out of one params object, recording which were used."""
-
-    # The methods int, float, bool and str shadow the builtins in this class's scope: its
-    # annotations name the builtins through `builtins`.
-
-    def __init__(self, obj: object, where: builtins.str):
-        if obj is None:
-            obj = {}
-        if not isinstance(obj, dict):
-            raise errors.invalid_params(f"{where} must be an object")
-        self.obj: dict[builtins.str, Any] = obj
-        self.where = where
-        self.used: set[builtins.str] = set()
-
-    def _get(self, name: builtins.str) -> Any:
-        self.used.add(name)
-        return self.obj.get(name)
-
-    def _bad(self, name: builtins.str, what: builtins.str) -> errors.KinferError:
-        return errors.invalid_params(f"{self.where}.{name} must be {what}", {"field": f"{self.where}.{name}"})
-
-    @overload
-    def int(
-        self,
-        name: builtins.str,
-        default: None = None,
-        lo: builtins.int | None = None,
-        hi: builtins.int | None = INT_MAX,
-    ) -> builtins.int | None: ...
-
-    @overload
-    def int(
-        self,
-        name: builtins.str,
-        default: builtins.int,
-        lo: builtins.int | None = None,
-        hi: builtins.int | None = INT_MAX,
-    ) -> builtins.int: ...
-
-    def int(
-        self,
-        name: builtins.str,
-        default: builtins.int | None = None,
-        lo: builtins.int | None = None,
-        hi: builtins.int | None = INT_MAX,
-    ) -> builtins.int | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self._bad(name, "an integer")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise self._bad(name, f"between {lo} and {hi}")
-        return v
-
-    @overload
-    def float(
-        self,
-        name: builtins.str,
-        default: None = None,
-        lo: builtins.float | None = None,
-        hi: builtins.float | None = None,
-    ) -> builtins.float | None: ...
-
-    @overload
-    def float(
-        self,
-        name: builtins.str,
-        default: builtins.float,
-        lo: builtins.float | None = None,
-        hi: builtins.float | None = None,
-    ) -> builtins.float: ...
-
-    def float(
-        self,
-        name: builtins.str,
-        default: builtins.float | None = None,
-        lo: builtins.float | None = None,
-        hi: builtins.float | None = None,
-    ) -> builtins.float | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-            raise self._bad(name, "a number")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise self._bad(name, f"between {lo} and {hi}")
-        return float(v)
-
-    @overload
-    def bool(self, name: builtins.str, default: None = None) -> builtins.bool | None: ...
-
-    @overload
-    def bool(self, name: builtins.str, default: builtins.bool) -> builtins.bool: ...
-
-    def bool(self, name: builtins.str, default: builtins.bool | None = None) -> builtins.bool | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise self._bad(name, "true or false")
-        return v
-
-    @overload
-    def str(
-        self, name: builtins.str, default: None = None, choices: Collection[builtins.str] | None = None
-    ) -> builtins.str | None: ...
-
-    @overload
-    def str(
-        self, name: builtins.str, default: builtins.str, choices: Collection[builtins.str] | None = None
-    ) -> builtins.str: ...
-
-    def str(
-        self, name: builtins.str, default: builtins.str | None = None, choices: Collection[builtins.str] | None = None
-    ) -> builtins.str | None:
-        v = self._get(name)
-        if v is None:
-            return default
-        if not isinstance(v, str):
-            raise self._bad(name, "a string")
-        check_text(v, f"{self.where}.{name}")
-        if choices is not None and v not in choices:
-            raise self._bad(name, "one of " + ", ".join(sorted(choices)))
-        return v
-
-    def raw(self, name: builtins.str) -> Any:
-        return self._get(name)
-
-    def done(self) -> None:
-        extra = sorted(set(self.obj) - self.used)
-        if extra:
-            raise errors.invalid_params(
-                f"unknown field{'s' if len(extra) > 1 else ''} in {self.where}: {', '.join(extra)}",
-                {"unknown": extra},
-            )
-
-
-def check_text(value: str, where: str) -> None:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
-
-
 # Seeds are integers below 2^53, which every JSON parser (JavaScript's included) reads exactly: a
 # seed handed back must give the same reply.
 SEED_BITS = 53
@@ -175,80 +29,196 @@ CONSTRAINTS = ("format", "grammar", "regex")  # request options that hold a repl
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 64  # stop strings a request may give, each at most MAX_STOP_CHARS long
 MAX_STOP_CHARS = 256
-
-
-def generate_options(obj: object, seed_default: int, *, infill: bool = False) -> GenerateOptions:
-    """A request's options; `infill`: inference/infill's, which also take stopAtLine."""
-    f = Fields(obj, "options")
-    stop_at_line = f.bool("stopAtLine", False) if infill else False
-    max_tokens = f.int("maxTokens", None, lo=0)
-    stop = f.raw("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        check_text(stop, "options.stop")
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-        for s in stop:
-            check_text(s, "options.stop")
-    else:
-        raise errors.invalid_params("options.stop must be a string or a list of strings")
-    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise errors.invalid_params(
-            f"options.stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
-            {"stops": len(stop), "longest": max(map(len, stop))},
-        )
-    repeat_penalty = f.float("repeatPenalty", 1.0, lo=0.0, hi=100.0)
-    if repeat_penalty == 0:  # a repeated token's positive logit is divided by it
-        raise errors.invalid_params("options.repeatPenalty must be greater than 0 (1 turns it off)")
-    sampling = SamplingOptions(
-        temperature=f.float("temperature", 0.8, lo=0.0, hi=100.0),
-        top_k=f.int("topK", 40, lo=0),
-        top_p=f.float("topP", 0.95, lo=0.0, hi=1.0),
-        min_p=f.float("minP", 0.05, lo=0.0, hi=1.0),
-        repeat_penalty=repeat_penalty,
-        repeat_last_n=f.int("repeatLastN", 64, lo=-1),
-        seed=f.int("seed", seed_default, lo=0, hi=2**SEED_BITS - 1),
-    )
-    ignore_eos = f.bool("ignoreEos", False)
-    drafts = f.int("drafts", None, lo=0, hi=64)
-    policy = f.str("draftPolicy", None)
-    constraint = _constraint(f)
-    logprobs = f.bool("logprobs", False)
-    top = f.int("topLogprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top and not logprobs:
-        raise errors.invalid_params(
-            "options.topLogprobs needs options.logprobs: true", {"field": "options.topLogprobs"}
-        )
-    f.done()
-    return GenerateOptions(
-        max_tokens=max_tokens,
-        stop=stop,
-        ignore_eos=ignore_eos,
-        sampling=sampling,
-        # None: the load's count (Runtime.drafting). GenerateOptions.drafts is declared int in
-        # engine/scheduler.py; once it says int | None, mypy reports this ignore as unused.
-        drafts=drafts,
-        draft_policy=policy,
-        constraint=constraint,
-        logprobs=top if logprobs else None,
-        stop_at_line=stop_at_line,
-    )
-
-
 MAX_DEVICES = 16  # llama.cpp's llama_max_devices()
 # How a model's layers are spread over several GPUs (llama.cpp's split modes): one GPU, a range of
 # layers each, every weight matrix cut by rows, every matrix and the KV cache cut (tensor parallelism)
 SPLIT_MODES = ("none", "layer", "row", "tensor")
 
+T = TypeVar("T")
 
-def _rpc_servers(value: object) -> tuple[str, ...]:
+
+def check_text(value: str, where: str) -> None:
+    """-32602 for a string that is not valid Unicode (JSON lets a lone surrogate through)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.invalid_params(f"{where} is not valid Unicode (a lone surrogate?)") from None
+
+
+def bad(where: str, what: str) -> errors.KinferError:
+    return errors.invalid_params(f"{where} must be {what}", {"field": where})
+
+
+# -- checks: each checks one option's value (None: not given) and returns it as kept ----------
+def _int(where: str, lo: int | None = None, hi: int | None = INT_MAX) -> Callable[[Any], int | None]:
+    def convert(v: Any) -> int | None:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad(where, "an integer")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad(where, f"between {lo} and {hi}")
+        return v
+
+    return convert
+
+
+def _float(where: str, lo: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
+    def convert(v: Any) -> float | None:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise bad(where, "a number")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad(where, f"between {lo} and {hi}")
+        return float(v)
+
+    return convert
+
+
+def _bool(where: str) -> Callable[[Any], bool | None]:
+    def convert(v: Any) -> bool | None:
+        if v is not None and not isinstance(v, bool):
+            raise bad(where, "true or false")
+        return v
+
+    return convert
+
+
+def _str(where: str, choices: tuple[str, ...] | None = None) -> Callable[[Any], str | None]:
+    def convert(v: Any) -> str | None:
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise bad(where, "a string")
+        check_text(v, where)
+        if choices is not None and v not in choices:
+            raise bad(where, "one of " + ", ".join(sorted(choices)))
+        return v
+
+    return convert
+
+
+def _stop(v: Any) -> tuple[str, ...] | None:
+    where = "options.stop"
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+        raise errors.invalid_params(f"{where} must be a string or a list of strings")
+    for s in v:
+        check_text(s, where)
+    if len(v) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in v):
+        raise errors.invalid_params(
+            f"{where}: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
+            {"stops": len(v), "longest": max(map(len, v))},
+        )
+    return tuple(v)
+
+
+def _repeat_penalty(value: Any) -> float | None:
+    v = _float("options.repeatPenalty", 0.0, 100.0)(value)
+    if v == 0:  # a repeated token's positive logit is divided by it
+        raise errors.invalid_params("options.repeatPenalty must be greater than 0 (1 turns it off)")
+    return v
+
+
+def _constraint(v: Any) -> tuple[str, str] | None:
+    if v is None:
+        return None
+    kind, source = v
+    if kind not in (*CONSTRAINTS, "tools") or not isinstance(source, str) or not source:
+        raise errors.invalid_params(f"options.{kind} must be a non-empty string", {"field": f"options.{kind}"})
+    check_text(source, f"options.{kind}")
+    return (kind, source)
+
+
+def _meta(check: Callable[[Any], Any], wire: str | None = None) -> dict[str, Any]:
+    """A field's check (run as the value is made, its result kept) and its name in the protocol."""
+    return {"check": check, "wire": wire}
+
+
+def _check(value: Any) -> None:
+    """Run every field's check, keeping what it returns (a float for an int, a tuple for a list)."""
+    for a in attrs.fields(type(value)):
+        check = a.metadata.get("check")
+        if check is not None:
+            object.__setattr__(value, a.name, check(getattr(value, a.name)))
+
+
+@attrs.frozen
+class RequestOptions:
+    """An inference request's options as given (None: not given). Checked as made."""
+
+    stop_at_line: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.stopAtLine")))
+    max_tokens: int | None = attrs.field(default=None, metadata=_meta(_int("options.maxTokens", lo=0)))
+    stop: tuple[str, ...] | None = attrs.field(default=None, metadata=_meta(_stop))
+    repeat_penalty: float | None = attrs.field(default=None, metadata=_meta(_repeat_penalty))
+    temperature: float | None = attrs.field(default=None, metadata=_meta(_float("options.temperature", 0.0, 100.0)))
+    top_k: int | None = attrs.field(default=None, metadata=_meta(_int("options.topK", lo=0)))
+    top_p: float | None = attrs.field(default=None, metadata=_meta(_float("options.topP", 0.0, 1.0)))
+    min_p: float | None = attrs.field(default=None, metadata=_meta(_float("options.minP", 0.0, 1.0)))
+    repeat_last_n: int | None = attrs.field(default=None, metadata=_meta(_int("options.repeatLastN", lo=-1)))
+    seed: int | None = attrs.field(default=None, metadata=_meta(_int("options.seed", lo=0, hi=2**SEED_BITS - 1)))
+    ignore_eos: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.ignoreEos")))
+    drafts: int | None = attrs.field(default=None, metadata=_meta(_int("options.drafts", lo=0, hi=64)))
+    draft_policy: str | None = attrs.field(default=None, metadata=_meta(_str("options.draftPolicy")))
+    # ("format" | "grammar" | "regex" | "tools", source): a JSON schema as JSON text, "json", a
+    # Lark grammar or a regex; whether it compiles is found out against the model's vocabulary
+    constraint: tuple[str, str] | None = attrs.field(default=None, metadata=_meta(_constraint))
+    logprobs: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.logprobs")))
+    top_logprobs: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.topLogprobs", lo=0, hi=MAX_TOP_LOGPROBS))
+    )
+    # infill's: whether the prompt puts the suffix before the prefix (models trained that way)
+    spm: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.spm")))
+
+    def __attrs_post_init__(self) -> None:
+        _check(self)
+        if self.top_logprobs and not self.logprobs:
+            raise errors.invalid_params(
+                "options.topLogprobs needs options.logprobs: true", {"field": "options.topLogprobs"}
+            )
+
+    def over(self, defaults: RequestOptions) -> RequestOptions:
+        """These options over a model's defaults: each given here wins."""
+        given = {a.name: v for a in attrs.fields(RequestOptions) if (v := getattr(self, a.name)) is not None}
+        return attrs.evolve(defaults, **given) if given else defaults
+
+    def resolve(self, seed_default: int) -> GenerateOptions:
+        """What the engine runs: the engine's defaults where nothing was given."""
+        return GenerateOptions(
+            max_tokens=self.max_tokens,
+            stop=self.stop or (),
+            ignore_eos=bool(self.ignore_eos),
+            sampling=SamplingOptions(
+                temperature=_or(self.temperature, 0.8),
+                top_k=_or(self.top_k, 40),
+                top_p=_or(self.top_p, 0.95),
+                min_p=_or(self.min_p, 0.05),
+                repeat_penalty=_or(self.repeat_penalty, 1.0),
+                repeat_last_n=_or(self.repeat_last_n, 64),
+                seed=_or(self.seed, seed_default),
+            ),
+            drafts=self.drafts,  # None: the load's count (Runtime.drafting)
+            draft_policy=self.draft_policy,
+            constraint=self.constraint,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            stop_at_line=bool(self.stop_at_line),
+        )
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _rpc_servers(value: Any) -> tuple[str, ...] | None:
     """options.rpcServers: "host:port" strings, at most MAX_DEVICES, no repeats."""
     if value is None:
-        return ()
+        return None
     where = "options.rpcServers"
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise errors.invalid_params(f'{where} must be a list of "host:port" strings', {"field": where})
     if len(value) > MAX_DEVICES or len(set(value)) != len(value):
         raise errors.invalid_params(f"{where}: at most {MAX_DEVICES} servers, each once", {"field": where})
@@ -259,13 +229,13 @@ def _rpc_servers(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _tensor_split(value: object) -> tuple[float, ...]:
+def _tensor_split(value: Any) -> tuple[float, ...] | None:
     """options.tensorSplit: each device's share of the offloaded layers (numbers >= 0, not all 0)."""
     if value is None:
-        return ()
+        return None
     where = "options.tensorSplit"
     if (
-        not isinstance(value, list)
+        not isinstance(value, (list, tuple))
         or not 0 < len(value) <= MAX_DEVICES
         or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)
         or not sum(value) > 0
@@ -276,91 +246,109 @@ def _tensor_split(value: object) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
-def infill_options(obj: object, seed_default: int) -> tuple[GenerateOptions, bool]:
-    """inference/infill's options: inference/generate's, `stopAtLine`, and `spm` (whether the
-    prompt puts the suffix before the prefix, for models trained that way)."""
-    spm = None
-    if isinstance(obj, dict) and "spm" in obj:
-        obj = dict(obj)
-        spm = obj.pop("spm")
-        if spm is not None and not isinstance(spm, bool):
-            raise errors.invalid_params("options.spm must be true or false", {"field": "options.spm"})
-    return generate_options(obj, seed_default, infill=True), bool(spm)
+@attrs.frozen
+class LoadExtras:
+    """What a load asks beyond the backend's LoadOptions: the engine's queue and prefix pool, the
+    draft policy, the placement, whether to verify the file, and which options the user set."""
+
+    max_queue: int = 4096
+    verify: bool | None = None
+    draft_policy: str | None = None
+    draft_model: str | None = None
+    drafts: int | None = None
+    # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
+    # kept contiguous by compaction. None: whatever the free slots hold.
+    prefix: int | None = None
+    placement: str | None = None
+    # The options a user set (as the protocol spells them): they win over what the placement decides.
+    given: frozenset[str] = frozenset()
 
 
-def _constraint(f: Fields) -> tuple[str, str] | None:
-    """The reply's constraint as (option, source): a JSON schema (as JSON text), "json", a
-    grammar or a regex. Whether it compiles is found out against the model's vocabulary."""
-    given = [(k, f.raw(k)) for k in CONSTRAINTS]
-    given = [(k, v) for k, v in given if v is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        names = ", ".join(f"options.{k}" for k, _ in given)
-        raise errors.invalid_params(f"give at most one of options.format, grammar and regex (got {names})")
-    kind, value = given[0]
-    if kind == "format":
-        if value == "json":
-            return kind, value
-        if not isinstance(value, dict):
-            raise errors.invalid_params(
-                'options.format must be a JSON schema (an object) or "json"', {"field": "options.format"}
-            )
-        return kind, json.dumps(value)
-    if not isinstance(value, str) or not value:
-        raise errors.invalid_params(f"options.{kind} must be a non-empty string", {"field": f"options.{kind}"})
-    check_text(value, f"options.{kind}")
-    return kind, value
+@attrs.frozen
+class LoadRequest:
+    """A load's options as given (None: not given). Checked as made; `resolve` fills the rest."""
 
-
-def with_defaults(defaults: dict[str, Any], options: Any) -> Any:
-    """A model's default options under the request's (a null option counts as absent)."""
-    if not defaults or not isinstance(options, (dict, type(None))):
-        return options
-    return {**defaults, **{k: v for k, v in (options or {}).items() if v is not None}}
-
-
-def load_options(obj: object, context_default: int | None = None) -> tuple[LoadOptions, dict[str, Any]]:
-    f = Fields(obj, "options")
-    slots = f.int("slots", DEFAULT_SLOTS, lo=1, hi=1024)
-    batch = f.int("batch", 2048, lo=1, hi=1 << 20)
-    opts = LoadOptions(
-        context_length=f.int("contextLength", context_default or DEFAULT_CONTEXT, lo=16, hi=1 << 24),
-        slots=slots,
-        batch=batch,
-        ubatch=f.int("ubatch", min(512, batch), lo=1, hi=1 << 20),
-        threads=f.int("threads", None, lo=1, hi=1024),
-        gpu_layers=f.int("gpuLayers", -1, lo=-1, hi=100000),
-        flash_attention=f.bool("flashAttention", True),
-        kv_type=f.str("kvType", None, choices={"f16", "q8_0"}),
-        weights=f.str("weights", None, choices={"quantized", "dense"}),
-        reproducible=f.bool("reproducible", None),
-        rpc_servers=_rpc_servers(f.raw("rpcServers")),
-        tensor_split=_tensor_split(f.raw("tensorSplit")),
-        split_mode=f.str("splitMode", None, choices=SPLIT_MODES),
-        main_gpu=f.int("mainGpu", None, lo=0, hi=MAX_DEVICES - 1),
+    slots: int | None = attrs.field(default=None, metadata=_meta(_int("options.slots", lo=1, hi=1024), "slots"))
+    batch: int | None = attrs.field(default=None, metadata=_meta(_int("options.batch", lo=1, hi=1 << 20), "batch"))
+    context_length: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.contextLength", lo=16, hi=1 << 24), "contextLength")
     )
-    extra = {
-        "maxQueue": f.int("maxQueue", 4096, lo=1, hi=1 << 20),
-        "verify": f.bool("verify", None),
-        "draftPolicy": f.str("draftPolicy", None),
-        "draftModel": f.str("draftModel", None),
-        "drafts": f.int("drafts", None, lo=0, hi=64),
-        # Tokens of finished conversations the prefix pool keeps; -1: no pool, per-slot streams
-        # kept contiguous by compaction. Default: whatever the free slots hold.
-        "prefix": f.int("prefix", None, lo=-1, hi=1 << 30),
-        "placement": f.str("placement", None),
-        # The options a user set: they win over what the placement decides.
-        "given": frozenset(k for k, v in (obj or {}).items() if v is not None)
-        if isinstance(obj, dict)
-        else frozenset(),
-    }
-    f.done()
-    if opts.slots > opts.batch:
-        raise errors.invalid_params(f"options.slots ({opts.slots}) must not exceed options.batch ({opts.batch})")
-    if opts.split_mode == "tensor" and not opts.flash_attention:
-        raise errors.invalid_params(
-            "options.splitMode tensor needs flash attention (options.flashAttention true)",
-            {"field": "options.splitMode"},
+    ubatch: int | None = attrs.field(default=None, metadata=_meta(_int("options.ubatch", lo=1, hi=1 << 20), "ubatch"))
+    threads: int | None = attrs.field(default=None, metadata=_meta(_int("options.threads", lo=1, hi=1024), "threads"))
+    gpu_layers: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.gpuLayers", lo=-1, hi=100000), "gpuLayers")
+    )
+    flash_attention: bool | None = attrs.field(
+        default=None, metadata=_meta(_bool("options.flashAttention"), "flashAttention")
+    )
+    kv_type: str | None = attrs.field(default=None, metadata=_meta(_str("options.kvType", ("f16", "q8_0")), "kvType"))
+    weights: str | None = attrs.field(
+        default=None, metadata=_meta(_str("options.weights", ("quantized", "dense")), "weights")
+    )
+    reproducible: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.reproducible"), "reproducible"))
+    rpc_servers: tuple[str, ...] | None = attrs.field(default=None, metadata=_meta(_rpc_servers, "rpcServers"))
+    tensor_split: tuple[float, ...] | None = attrs.field(default=None, metadata=_meta(_tensor_split, "tensorSplit"))
+    split_mode: str | None = attrs.field(
+        default=None, metadata=_meta(_str("options.splitMode", SPLIT_MODES), "splitMode")
+    )
+    main_gpu: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.mainGpu", lo=0, hi=MAX_DEVICES - 1), "mainGpu")
+    )
+    max_queue: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.maxQueue", lo=1, hi=1 << 20), "maxQueue")
+    )
+    verify: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.verify"), "verify"))
+    draft_policy: str | None = attrs.field(default=None, metadata=_meta(_str("options.draftPolicy"), "draftPolicy"))
+    draft_model: str | None = attrs.field(default=None, metadata=_meta(_str("options.draftModel"), "draftModel"))
+    drafts: int | None = attrs.field(default=None, metadata=_meta(_int("options.drafts", lo=0, hi=64), "drafts"))
+    prefix: int | None = attrs.field(default=None, metadata=_meta(_int("options.prefix", lo=-1, hi=1 << 30), "prefix"))
+    placement: str | None = attrs.field(default=None, metadata=_meta(_str("options.placement"), "placement"))
+
+    def __attrs_post_init__(self) -> None:
+        _check(self)
+        slots = _or(self.slots, DEFAULT_SLOTS)
+        batch = _or(self.batch, 2048)
+        if slots > batch:
+            raise errors.invalid_params(f"options.slots ({slots}) must not exceed options.batch ({batch})")
+        if self.split_mode == "tensor" and self.flash_attention is False:
+            raise errors.invalid_params(
+                "options.splitMode tensor needs flash attention (options.flashAttention true)",
+                {"field": "options.splitMode"},
+            )
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The options set, as the protocol spells them."""
+        return frozenset(a.metadata["wire"] for a in attrs.fields(LoadRequest) if getattr(self, a.name) is not None)
+
+    def resolve(self, context_default: int | None = None) -> tuple[LoadOptions, LoadExtras]:
+        """The backend's options (defaults where nothing was given; the context a model's own
+        default, e.g. Ollama's num_ctx, else 4096) and the rest of the load's."""
+        batch = _or(self.batch, 2048)
+        opts = LoadOptions(
+            context_length=_or(self.context_length, context_default or DEFAULT_CONTEXT),
+            slots=_or(self.slots, DEFAULT_SLOTS),
+            batch=batch,
+            ubatch=_or(self.ubatch, min(512, batch)),
+            threads=self.threads,
+            gpu_layers=_or(self.gpu_layers, -1),
+            flash_attention=_or(self.flash_attention, True),
+            kv_type=self.kv_type,
+            weights=self.weights,
+            reproducible=self.reproducible,
+            rpc_servers=self.rpc_servers or (),
+            tensor_split=self.tensor_split or (),
+            split_mode=self.split_mode,
+            main_gpu=self.main_gpu,
         )
-    return opts, extra
+        extras = LoadExtras(
+            max_queue=_or(self.max_queue, 4096),
+            verify=self.verify,
+            draft_policy=self.draft_policy,
+            draft_model=self.draft_model,
+            drafts=self.drafts,
+            prefix=self.prefix,
+            placement=self.placement,
+            given=self.given,
+        )
+        return opts, extras

@@ -17,9 +17,10 @@ import attrs
 from kinfer_rpc import errors
 from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import EngineStats as EngineStats  # what model/status reports
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host import infill
-from kinfer_rpc.host.options import load_options
+from kinfer_rpc.host.options import LoadRequest, RequestOptions
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
 from kinfer_rpc.types import (
@@ -54,7 +55,7 @@ class Loaded:
     draft_policy: str | None = None
     placement: str | None = None  # the placement that decided, or None when the backend places its own
     placement_reason: str = ""
-    defaults: dict[str, Any] = attrs.field(factory=dict)  # the model's default generate options (Ollama params)
+    defaults: RequestOptions = RequestOptions()  # the model's default generate options (Ollama params)
     system: str | None = None  # the model's default system message (Ollama system layer)
     ignored: tuple[tuple[str, str], ...] = ()  # Ollama parameters left out, and why
     go_template: bool = False  # the model came with Ollama's Go template (never run)
@@ -256,14 +257,18 @@ class Runtime:
         self._last: str | None = None
 
     async def load(
-        self, name: str | None, backend_name: str | None, options: object, progress: LoadProgress | None = None
+        self,
+        name: str | None,
+        backend_name: str | None = None,
+        request: LoadRequest | None = None,
+        progress: LoadProgress | None = None,
     ) -> Loaded:
-        """Load (or join the load of) a model by name with raw load options; returns once ready."""
+        """Load (or join the load of) a model by name with the load's options; returns once ready."""
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
         if existing is None:
             await self._settle(ref.name)  # a failed load of it frees its memory before this one places
-            opts, extra = load_options(options, ref.context_length)
+            opts, extra = (request or LoadRequest()).resolve(ref.context_length)
             backend = self._backend_for(ref.format, backend_name)
             # A backend lists the weight forms it can run (`weights`); without the attribute it runs
             # them as stored (llama: llama.cpp computes with the GGUF's own types).
@@ -274,7 +279,7 @@ class Runtime:
                     f"the {backend.name} backend runs the weights as the model stores them; weights "
                     f"{opts.weights!r} needs a backend that can expand them at load (mlx)",
                 )
-            policy: str | None = extra["draftPolicy"]
+            policy = extra.draft_policy
             if policy is not None and policy != "none" and policy not in self.plugins.draft_policies:
                 raise errors.invalid_params(
                     f"unknown draft policy {policy!r}; available: "
@@ -282,24 +287,22 @@ class Runtime:
                 )
             # None lets the backend choose from what a pass over k+1 positions costs on its
             # device; the count is fixed for the life of the load either way.
-            draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra["draftModel"], backend)
-            opts = attrs.evolve(opts, drafts=extra["drafts"], mtp=policy == "mtp", draft_model=draft_model)
-            placement: str | None = extra["placement"]
+            draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra.draft_model, backend)
+            opts = attrs.evolve(opts, drafts=extra.drafts, mtp=policy == "mtp", draft_model=draft_model)
+            placement = extra.placement
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
                     f"unknown placement {placement!r}; "
                     f"available: {', '.join(sorted(self.plugins.placements)) or 'none'}"
                 )
             # The digest and the GGUF header, off the loop (hashing takes a while), before any engine.
-            await anyio.to_thread.run_sync(self.store.prepare, ref, extra["verify"])
+            await anyio.to_thread.run_sync(self.store.prepare, ref, extra.verify)
             if backend.name == "llama":  # llama.cpp aborts the process on some bad hparams: refuse them first
                 for path in (ref.path, draft_model) if draft_model else (ref.path,):
                     await anyio.to_thread.run_sync(gguf_meta.check_llama, path)
-            opts, placed = await anyio.to_thread.run_sync(self._place, ref, backend, opts, placement, extra["given"])
+            opts, placed = await anyio.to_thread.run_sync(self._place, ref, backend, opts, placement, extra.given)
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
-            if options is not None:
-                load_options(options)  # still refuse bad options
             await existing.ready.wait()
             if existing.error is not None:
                 raise existing.error
@@ -335,8 +338,8 @@ class Runtime:
             lambda progress: _load_reproducible(backend, ref.path, opts, progress),
             loop.call_soon_threadsafe,
             batch=opts.batch,
-            max_queue=extra["maxQueue"],
-            prefix=extra["prefix"] if extra["prefix"] is not None else opts.slots * opts.context_length,
+            max_queue=extra.max_queue,
+            prefix=extra.prefix if extra.prefix is not None else opts.slots * opts.context_length,
             on_progress=on_progress,
             on_ready=on_ready,
             on_failed=lambda exc: self._failed(ref.name, entry, exc),
@@ -350,7 +353,7 @@ class Runtime:
             engine,
             ready,
             source=ref.source,
-            defaults=dict(ref.defaults),
+            defaults=ref.defaults,
             system=ref.system,
             ignored=ref.ignored,
             go_template=ref.template is not None,

@@ -29,7 +29,7 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.host import gguf as gguf_meta
-from kinfer_rpc.host.options import generate_options
+from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.types import kinfer_home as kinfer_home
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class ModelRef:
     aliases: tuple[str, ...] = ()  # other exact names (Ollama's long forms)
     digest: str | None = None  # "sha256:<hex>" of the model blob, when the store knows it
     system: str | None = None  # the default system message (Ollama's system layer)
-    defaults: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)  # default generate options, kinfer names
+    defaults: RequestOptions = attrs.field(factory=RequestOptions, eq=False, hash=False)  # default generate options
     context_length: int | None = None  # the default contextLength of a load (Ollama's num_ctx)
     template: str | None = None  # Ollama's Go template: kept for information, never executed
     license: str | None = None  # the manifest's license layers' text (several: a blank line between)
@@ -144,30 +144,28 @@ def _ollama_display(host: str, namespace: str, model: str, tag: str) -> str:
     return f"{model}:{tag}" if namespace == OLLAMA_NAMESPACE else f"{namespace}/{model}:{tag}"
 
 
-_OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's generate option
+_OLLAMA_PARAMS = {  # Ollama's parameter -> kinfer's request option
     "temperature": "temperature",
-    "top_k": "topK",
-    "top_p": "topP",
-    "min_p": "minP",
-    "repeat_penalty": "repeatPenalty",
-    "repeat_last_n": "repeatLastN",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
     "seed": "seed",
     "stop": "stop",
-    "num_predict": "maxTokens",
+    "num_predict": "max_tokens",
 }
 
 
-def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | None, list[tuple[str, str]]]:
-    """Ollama's params layer as kinfer's generate options (each checked as a request's would be),
+def _ollama_defaults(raw: object, where: str) -> tuple[RequestOptions, int | None, list[tuple[str, str]]]:
+    """Ollama's params layer as kinfer's request options (each checked as a request's would be),
     with the parameters left out and why (a model's load result reports them)."""
-
-    defaults: dict[str, Any]
-    num_ctx: int | None
-    defaults, num_ctx = {}, None
+    defaults: dict[str, Any] = {}
+    num_ctx: int | None = None
     ignored: list[tuple[str, str]] = []
     if not isinstance(raw, dict):
         log.warning("%s: the params layer is not a JSON object; ignored", where)
-        return defaults, num_ctx, [("params", "the params layer is not a JSON object")]
+        return RequestOptions(), num_ctx, [("params", "the params layer is not a JSON object")]
     for key, value in raw.items():
         if key == "num_ctx":
             if isinstance(value, int) and not isinstance(value, bool) and value >= 16:
@@ -185,13 +183,13 @@ def _ollama_defaults(raw: object, where: str) -> tuple[dict[str, Any], int | Non
             continue  # Ollama's "unlimited" and "random"
         option = {_OLLAMA_PARAMS[key]: value}
         try:
-            generate_options(option, 0)
+            RequestOptions(**option)
         except errors.KinferError as exc:
             log.warning("%s: Ollama parameter %s=%r ignored: %s", where, key, value, exc.message)
             ignored.append((key, exc.message))
             continue
         defaults.update(option)
-    return defaults, num_ctx, ignored
+    return RequestOptions(**defaults), num_ctx, ignored
 
 
 def _exists(name: str) -> bool:

@@ -29,8 +29,9 @@ import anyio
 import attrs
 
 from kinfer_rpc import errors
-from kinfer_rpc.host.options import Fields, infill_options, load_options
 from kinfer_rpc.protocol.connection import RequestContext
+from kinfer_rpc.protocol.fields import Fields
+from kinfer_rpc.protocol.options import load_request, request_options
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class Settings:
 def _check_options(options: dict[str, Any], where: str) -> None:
     """The inference options a completion will send, checked now (as inference/infill will)."""
     try:
-        infill_options(options, 0)
+        request_options(options, infill=True)
     except errors.KinferError as exc:
         raise errors.KinferError(exc.code, exc.message.replace("options", where, 1), exc.data) from None
 
@@ -180,7 +181,7 @@ def parse_settings(value: object, where: str) -> Settings:
         raise errors.invalid_params(f"{where}.loadOptions must be an object", {"field": f"{where}.loadOptions"})
     if loads is not None:
         try:
-            load_options(loads)
+            load_request(loads)
         except errors.KinferError as exc:
             raise errors.KinferError(
                 exc.code, exc.message.replace("options", f"{where}.loadOptions", 1), exc.data

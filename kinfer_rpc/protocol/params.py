@@ -1,5 +1,5 @@
-"""The protocol's own params: a chat's messages and tools, a prompt's token ids. Option objects are read by
-kinfer_rpc.host.options (Fields), which every handler uses for its params too."""
+"""The protocol's own params: a chat's messages and tools, a prompt's token ids, an infill's extra
+files. Option objects are read by kinfer_rpc.protocol.options."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import re
 from typing import Any
 
 from kinfer_rpc import errors
-from kinfer_rpc.host.options import Fields, check_text
+from kinfer_rpc.host.options import check_text
 from kinfer_rpc.host.tools import ToolChoice
+from kinfer_rpc.protocol.fields import Fields
 
 
 def messages(value: object) -> list[dict[str, Any]]:
@@ -213,13 +214,11 @@ def tool_choice(value: object, tools: list[dict[str, Any]]) -> ToolChoice:
     return ToolChoice("function", name)
 
 
-def tokens(value: Any, n_vocab: int) -> list[int]:
+def tokens(value: Any) -> tuple[int, ...]:
+    """A prompt's token ids (whether the model has them, the host checks)."""
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise errors.invalid_params("tokens must be a list of integers")
-    bad = [t for t in value if not 0 <= t < n_vocab]
-    if bad:
-        raise errors.invalid_params(f"token ids out of the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
-    return list(value)
+    return tuple(value)
 
 
 MAX_EXTRA = 1024  # files an infill's extra context may name

@@ -1,60 +1,69 @@
-"""The engine's values as the protocol's results: a reply (also the partial result of a cancel)
-and a model's status. The engine keeps numbers; the JSON shapes live here."""
+"""The host's values as the protocol's results: a reply (also the partial result of a cancel), a
+streamed piece of one, and a model's status. The host keeps typed values; the JSON shapes live here."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
-from kinfer_rpc.engine.sampling import TokenLogprob
-from kinfer_rpc.engine.scheduler import EngineStats, Job
+from kinfer_rpc.host.requests import Logprob, Piece, Reply
+from kinfer_rpc.host.runtime import EngineStats
 
 
-def token_logprobs(entries: Sequence[TokenLogprob], text_of: Callable[[int], str]) -> list[dict[str, Any]]:
+def logprobs_json(entries: tuple[Logprob, ...]) -> list[dict[str, Any]]:
     """Reply tokens' logprobs, each with its text and its best alternatives."""
     return [
         {
             "token": e.token,
-            "text": text_of(e.token),
+            "text": e.text,
             "logprob": e.logprob,
-            "topLogprobs": [{"token": t, "text": text_of(t), "logprob": lp} for t, lp in e.top],
+            "topLogprobs": [{"token": t, "text": text, "logprob": lp} for t, text, lp in e.top],
         }
         for e in entries
     ]
 
 
-def job_result(job: Job, text_of: Callable[[int], str] | None = None) -> dict[str, Any]:
-    """A reply: text, tokens, why it stopped, its seed, usage and timings; its tokens' logprobs
-    when the request asked for them (`text_of` gives a token's text)."""
-    t_end = job.t_end or time.perf_counter()
-    prompt_s = (job.t_first - job.t_start) if job.t_first else 0.0
-    gen_s = (t_end - job.t_first) if job.t_first else 0.0
-    n = len(job.generated)
-    return {
-        "text": job.text,
-        "tokens": list(job.generated),
-        "stopReason": job.stop_reason or "cancelled",
-        "seed": job.options.sampling.seed,
-        "usage": {
-            "promptTokens": len(job.prompt),
-            "completionTokens": n,
-            "cachedTokens": job.cached,
-            "draftTokens": job.drafted,
-            "draftAccepted": job.accepted,
+def reply_json(reply: Reply, *, model: bool = True) -> dict[str, Any]:
+    """A reply: (its model,) text, tokens, why it stopped, its seed, usage and timings; its
+    tokens' logprobs when the request asked for them; a chat's tool calls; what an infill left
+    out of its context."""
+    u, t = reply.usage, reply.timings
+    out: dict[str, Any] = {"model": reply.model} if model else {}
+    out.update(
+        text=reply.text,
+        tokens=list(reply.tokens),
+        stopReason=reply.stop_reason,
+        seed=reply.seed,
+        usage={
+            "promptTokens": u.prompt_tokens,
+            "completionTokens": u.completion_tokens,
+            "cachedTokens": u.cached_tokens,
+            "draftTokens": u.draft_tokens,
+            "draftAccepted": u.draft_accepted,
         },
-        "timings": {
-            "queueMs": round(max(0.0, (job.t_start or t_end) - job.t_submit) * 1000, 3),
-            "promptMs": round(prompt_s * 1000, 3),
-            "generateMs": round(gen_s * 1000, 3),
-            "tokensPerSecond": round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
+        timings={
+            "queueMs": t.queue_ms,
+            "promptMs": t.prompt_ms,
+            "generateMs": t.generate_ms,
+            "tokensPerSecond": t.tokens_per_second,
         },
-        **(
-            {"logprobs": token_logprobs(job.logprobs[:n], text_of)}
-            if job.options.logprobs is not None and text_of is not None
-            else {}
-        ),
-    }
+    )
+    if reply.logprobs is not None:
+        out["logprobs"] = logprobs_json(reply.logprobs)
+    if reply.tool_calls is not None:
+        out["toolCalls"] = list(reply.tool_calls)
+    if reply.dropped is not None:
+        out["dropped"] = reply.dropped
+    return out
+
+
+def piece_json(piece: Piece) -> dict[str, Any]:
+    """A streamed piece: its text and tokens, their logprobs when asked, the tool calls it completed."""
+    out: dict[str, Any] = {"text": piece.text, "tokens": list(piece.tokens)}
+    if piece.logprobs is not None:
+        out["logprobs"] = logprobs_json(piece.logprobs)
+    if piece.tool_calls:
+        out["toolCalls"] = list(piece.tool_calls)
+    return out
 
 
 def engine_status(stats: EngineStats) -> dict[str, Any]:

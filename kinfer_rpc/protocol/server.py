@@ -30,6 +30,7 @@ from kinfer_rpc.host.status import INTERVAL as STATUS_INTERVAL
 from kinfer_rpc.host.status import StatusFile
 from kinfer_rpc.host.status import models as status_models
 from kinfer_rpc.protocol.connection import Connection, RequestContext
+from kinfer_rpc.protocol.fields import Fields
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, ByteSource, FrameReader, encode
 from kinfer_rpc.protocol.handlers import Handlers
 from kinfer_rpc.protocol.lsp import METHODS as LSP_COMPLETIONS
@@ -210,8 +211,6 @@ class Server:
             if method == "initialize":
                 self._initialize(_named(params))
             elif method == "shutdown":
-                from kinfer_rpc.host.options import Fields
-
                 Fields(_named(params), "params").done()
                 self.state = "shutdown"
             elif method in LSP_COMPLETIONS:
@@ -221,8 +220,6 @@ class Server:
         return None
 
     def _initialize(self, p: dict[str, Any]) -> None:
-        from kinfer_rpc.host.options import Fields
-
         f = Fields(p, "params")
         pid = f.int("processId", None, lo=0)
         for name in LSP_INITIALIZE_FIELDS:  # a stock LSP client's: accepted and ignored

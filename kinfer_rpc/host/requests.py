@@ -1,0 +1,388 @@
+"""The inference requests, from a typed request to a typed reply: which model, its defaults under
+the request's options, the prompt (a chat's template rendered, a fill-in-the-middle prompt built,
+text tokenized), the constraint compiled, the job run and streamed. Every face (the stdio and
+socket protocol, the HTTP APIs, the LSP mode) turns its own params into these requests and the
+replies into its own results; none of this knows JSON.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import anyio
+import attrs
+
+from kinfer_rpc import errors
+from kinfer_rpc.engine import trace as tracing
+from kinfer_rpc.engine.sampling import TokenLogprob
+from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host import infill as fill
+from kinfer_rpc.host import tools
+from kinfer_rpc.host.options import SEED_BITS, RequestOptions
+from kinfer_rpc.host.render import Renderer
+from kinfer_rpc.host.runtime import Loaded, Runtime
+from kinfer_rpc.host.tools import ToolChoice
+
+
+# -- requests --------------------------------------------------------------------------------
+@attrs.frozen
+class Generate:
+    """A completion of a prompt given as text (tokenized with the model's BOS unless
+    `add_special` says) or as token ids."""
+
+    model: str | None = None
+    prompt: str | None = None
+    tokens: tuple[int, ...] | None = None
+    add_special: bool | None = None
+    options: RequestOptions = RequestOptions()
+
+
+@attrs.frozen
+class Infill:
+    """Fill the gap between `prefix` and `suffix` with the model's fill-in-the-middle tokens;
+    `extra`: other files' (name, text) as context. `stop_tokens` false: Ollama's generate with a
+    suffix, which takes no infill-only options."""
+
+    prefix: str
+    suffix: str = ""
+    model: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+    options: RequestOptions = RequestOptions()
+
+
+@attrs.frozen
+class Chat:
+    """A conversation (messages shaped for chat templates), maybe with tools to call."""
+
+    messages: tuple[dict[str, Any], ...]
+    model: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: ToolChoice = ToolChoice("auto")
+    options: RequestOptions = RequestOptions()
+
+
+@attrs.frozen
+class Tokenize:
+    text: str
+    model: str | None = None
+    add_special: bool | None = None
+    parse_special: bool = True
+
+
+# -- replies ---------------------------------------------------------------------------------
+@attrs.frozen
+class Logprob:
+    """A reply token's log-probability with its text, and its position's best alternatives
+    (token, text, logprob), best first."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+
+
+@attrs.frozen
+class Timings:
+    queue_ms: float
+    prompt_ms: float
+    generate_ms: float
+    tokens_per_second: float
+
+
+@attrs.frozen
+class Reply:
+    """A reply, or what a cancelled one had (stop_reason "cancelled")."""
+
+    model: str
+    text: str
+    tokens: tuple[int, ...]
+    stop_reason: str
+    seed: int
+    usage: Usage
+    timings: Timings
+    logprobs: tuple[Logprob, ...] | None = None  # when the request asked for them
+    tool_calls: tuple[dict[str, Any], ...] | None = None  # the calls a chat's reply made
+    dropped: dict[str, int] | None = None  # an infill's context left out to fit (host.infill.Prompt)
+
+
+@attrs.frozen
+class Piece:
+    """What a streamed reply sends as it goes: new text and tokens (and their logprobs when
+    asked), and the tool calls completed with them."""
+
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+
+
+@attrs.frozen
+class Tokens:
+    tokens: tuple[int, ...]
+    pieces: tuple[str, ...]
+
+
+class Sink(Protocol):
+    """Where a reply goes as it runs (a face's progress notifications, an HTTP stream): told
+    when it starts; its pieces when `streaming`."""
+
+    streaming: bool
+
+    def started(self, partial: Callable[[], Reply]) -> None:
+        """The job runs: `partial()` is the reply so far (a cancelled request's answer)."""
+
+    async def piece(self, piece: Piece) -> None: ...
+
+
+def reply_of(job: Job, model: str = "", text_of: Callable[[int], str] | None = None) -> Reply:
+    """A job's reply so far (the whole of it once it is done); `text_of` gives a token's text
+    for its logprobs."""
+    t_end = job.t_end or time.perf_counter()
+    prompt_s = (job.t_first - job.t_start) if job.t_first else 0.0
+    gen_s = (t_end - job.t_first) if job.t_first else 0.0
+    n = len(job.generated)
+    return Reply(
+        model=model,
+        text=job.text,
+        tokens=tuple(job.generated),
+        stop_reason=job.stop_reason or "cancelled",
+        seed=job.options.sampling.seed,
+        usage=Usage(len(job.prompt), n, job.cached, job.drafted, job.accepted),
+        timings=Timings(
+            queue_ms=round(max(0.0, (job.t_start or t_end) - job.t_submit) * 1000, 3),
+            prompt_ms=round(prompt_s * 1000, 3),
+            generate_ms=round(gen_s * 1000, 3),
+            tokens_per_second=round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
+        ),
+        logprobs=_logprobs(job.logprobs[:n], text_of)
+        if job.options.logprobs is not None and text_of is not None
+        else None,
+    )
+
+
+def _logprobs(entries: list[TokenLogprob], text_of: Callable[[int], str]) -> tuple[Logprob, ...]:
+    return tuple(
+        Logprob(e.token, text_of(e.token), e.logprob, tuple((t, text_of(t), lp) for t, lp in e.top)) for e in entries
+    )
+
+
+def _special_markers(entry: Loaded) -> dict[str, int]:
+    """The tool-call markers that the model's vocabulary has as one special token (a grammar must
+    name those by id: their text's bytes do not spell them)."""
+    with entry.engine.hold() as model:
+        out = {}
+        for marker in tools.MARKERS:
+            ids = model.tokenize(marker, False, True)
+            if len(ids) == 1 and model.tokenize(marker, False, False) != ids:
+                out[marker] = ids[0]
+        return out
+
+
+class Requests:
+    """The inference requests over one Runtime (and the workers that render chat templates)."""
+
+    def __init__(self, runtime: Runtime, renderer: Renderer | None = None):
+        self.runtime = runtime
+        self.renderer = renderer or Renderer()
+
+    async def _options(self, name: str | None, given: RequestOptions) -> tuple[Loaded, GenerateOptions]:
+        """The request's model and its options over the model's defaults, resolved once."""
+        seed = random.getrandbits(SEED_BITS)
+        entry = await self.runtime.model_for(name)
+        return entry, given.over(entry.defaults).resolve(seed)
+
+    async def generate(self, req: Generate, sink: Sink | None = None, received: float | None = None) -> Reply:
+        if (req.prompt is None) == (req.tokens is None):
+            raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
+        entry, opts = await self._options(req.model, req.options)
+        model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
+        if req.tokens is not None:
+            n_vocab = model.info.n_vocab
+            if bad := [t for t in req.tokens if not 0 <= t < n_vocab]:
+                raise errors.invalid_params(f"token ids out of the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
+            ids = list(req.tokens)
+        else:
+            assert req.prompt is not None  # exactly one of prompt and tokens was given
+            add = model.info.add_bos if req.add_special is None else req.add_special
+            context = model.info.context_length
+            ids = await anyio.to_thread.run_sync(
+                entry.tokenize, req.prompt, add, True, context, limiter=entry.tokenizer
+            )
+        return await self._run(entry, ids, opts, sink, received=received)
+
+    async def infill(self, req: Infill, sink: Sink | None = None, received: float | None = None) -> Reply:
+        """Fill the gap between prefix and suffix (kinfer_rpc.host.infill): the model's FIM
+        prompt, ended by its pad and file separator tokens too; a reply that repeats the suffix
+        loses the repeat."""
+        entry, opts = await self._options(req.model, req.options)
+        fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
+        if lacking := fill.missing(fim):
+            raise errors.invalid_params(
+                f"model {entry.name!r} cannot fill in the middle: its vocabulary has no "
+                + "/".join(f"fim_{k}" for k in lacking)
+                + " token",
+                {"field": "model", "fimTokens": fim},
+            )
+        n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
+        spm = bool(req.options.over(entry.defaults).spm)
+        prompt = await anyio.to_thread.run_sync(
+            entry.infill_prompt, req.prefix, req.suffix, list(req.extra), n_predict, spm, limiter=entry.tokenizer
+        )
+        stops = tuple(fim[k] for k in fill.STOPS if k in fim)
+        reply = await self._run(entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops), sink, received=received)
+        return attrs.evolve(reply, text=fill.trim_repeated_suffix(reply.text, req.suffix), dropped=prompt.dropped)
+
+    async def chat(self, req: Chat, sink: Sink | None = None, received: float | None = None) -> Reply:
+        entry, opts = await self._options(req.model, req.options)
+        messages = list(req.messages)
+        if entry.system and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": entry.system}, *messages]
+        model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
+        tool_list = list(req.tools)
+        choice = req.tool_choice
+        calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
+        fmt = ""
+        if calling:
+            template = entry.engine.template
+            if not tools.template_supports_tools(template):
+                raise errors.invalid_params(
+                    f"the chat template of {entry.name!r} does not support tools (it never mentions them)",
+                    {"field": "tools"},
+                )
+            fmt = tools.call_format(template)
+            if choice.mode in ("required", "function"):
+                if opts.constraint is not None:
+                    raise errors.invalid_params(
+                        f"toolChoice {choice.mode!r} holds the reply to tool calls: it cannot also take "
+                        f"options.{opts.constraint[0]}",
+                        {"field": "toolChoice"},
+                    )
+                special = await anyio.to_thread.run_sync(_special_markers, entry, limiter=entry.tokenizer)
+                grammar = tools.call_grammar(tool_list, choice, fmt, special=special)
+                opts = attrs.evolve(opts, constraint=("tools", grammar))
+        # In a worker process: a model file's template is untrusted and may be slow or huge; the
+        # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
+        text = await self.renderer.render(
+            entry,
+            entry.engine.template,
+            messages,
+            bos=model.info.bos_text,
+            eos=model.info.eos_text,
+            tools=tool_list if calling else None,
+        )
+        if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
+            raise errors.KinferError(
+                errors.REQUEST_CANCELLED, "the model was unloaded during its chat template's render"
+            )
+        add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
+        ids = await anyio.to_thread.run_sync(
+            entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
+        )
+        if not calling:
+            return await self._run(entry, ids, opts, sink, received=received)
+        names = [t["function"]["name"] for t in tool_list]
+        reply = await self._run(entry, ids, opts, sink, tools.CallStream(fmt, names), received=received)
+        content, calls = tools.parse_calls(reply.text, fmt, names)
+        if calls:
+            return attrs.evolve(reply, text=content, tool_calls=tuple(calls), stop_reason="toolCalls")
+        return reply
+
+    async def tokenize(self, req: Tokenize) -> Tokens:
+        entry = await self.runtime.model_for(req.model)
+        model = entry.engine.model
+        assert model is not None  # a loaded entry's engine holds its model
+        add = model.info.add_bos if req.add_special is None else req.add_special
+
+        def run() -> Tokens:  # one hold for the tokens and their pieces
+            with entry.engine.hold() as held:
+                ids = held.tokenize(req.text, add, req.parse_special)
+                return Tokens(tuple(ids), tuple(held.token_bytes(t).decode("utf-8", "replace") for t in ids))
+
+        return await anyio.to_thread.run_sync(run, limiter=entry.tokenizer)
+
+    async def _run(
+        self,
+        entry: Loaded,
+        ids: list[int],
+        opts: GenerateOptions,
+        sink: Sink | None,
+        calls: tools.CallStream | None = None,
+        *,
+        received: float | None = None,
+    ) -> Reply:
+        """Run a job, sending its pieces to `sink` as they come (with the tool calls each
+        completed, when `calls` reads them). `received`: when the request arrived (traces)."""
+        constraint = await anyio.to_thread.run_sync(entry.constrain, opts, limiter=entry.tokenizer)
+        model = entry.engine.model
+        if model is None:  # unloaded (model/unload, shutdown) while the constraint compiled
+            raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+
+        def text_of(token: int) -> str:
+            return model.token_bytes(token).decode("utf-8", "replace")
+
+        logprobs = opts.logprobs is not None
+        sent = 0  # tokens whose logprobs went out in pieces
+        done = anyio.Event()
+        pieces: list[tuple[str, list[int]]] = []
+        wake = anyio.Event()
+
+        def on_piece(text: str, toks: list[int]) -> None:
+            pieces.append((text, toks))
+            wake.set()
+
+        def on_done(_job: Job) -> None:
+            done.set()
+            wake.set()
+
+        streaming = sink is not None and sink.streaming
+        job = self.runtime.start(
+            entry, ids, opts, on_piece=on_piece if streaming else None, on_done=on_done, constraint=constraint
+        )
+        if sink is not None:
+            sink.started(lambda: reply_of(job, entry.name, text_of))
+        try:
+            while not done.is_set() or pieces:
+                if pieces:
+                    batch = pieces[:]
+                    pieces.clear()
+                    assert sink is not None  # pieces come only through on_piece, set only with a sink
+                    text = "".join(t for t, _ in batch)
+                    toks = tuple(x for _, ts in batch for x in ts)
+                    lps = None
+                    if logprobs:  # (a token's logprob is in job.logprobs before its piece is sent)
+                        lps = _logprobs(job.logprobs[sent : sent + len(toks)], text_of)
+                        sent += len(toks)
+                    completed = tuple(calls.feed(text)) if calls is not None else ()
+                    await sink.piece(Piece(text, toks, lps, completed))
+                    continue
+                await wake.wait()
+                wake = anyio.Event()
+            if calls is not None and sink is not None and streaming:
+                if completed := tuple(calls.finish()):  # calls only the whole reply shows (a bare JSON one)
+                    await sink.piece(Piece("", (), None, completed))
+        except BaseException:
+            entry.engine.cancel(job)
+            raise
+        if (trace := tracing.current()) is not None:
+            arrived = received if received is not None else job.t_submit
+            trace.write("request", received=arrived, submit=job.t_submit, answered=time.perf_counter())
+        if job.error is not None:
+            if isinstance(job.error, errors.KinferError):
+                raise job.error
+            # the engine failed (a decode, a device, an RPC server): -32603 with what failed
+            raise errors.KinferError(errors.INTERNAL_ERROR, str(job.error) or type(job.error).__name__)
+        return reply_of(job, entry.name, text_of)

@@ -1,5 +1,5 @@
-"""kinfer_rpc.protocol.text (a document's text with its line index) against a plain string
-edited the naive way: random texts and
+"""kinfer_rpc.protocol.text (a document's text with its line index) and the edits of
+kinfer_rpc.protocol.documents, against a plain string edited the naive way: random texts and
 edit sequences (hypothesis), with tiny chunks and blocks so that every edge is crossed often, and
 at the real sizes with long lines; then the time one edit takes in a 50 MB text."""
 
@@ -11,10 +11,13 @@ import re
 import time
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kinfer_rpc import errors
 from kinfer_rpc.protocol import text as text_module
+from kinfer_rpc.protocol.documents import apply_edits, parse_edits
 from kinfer_rpc.protocol.text import Sums, Text
 
 PROPERTY = settings(deadline=None, max_examples=200, suppress_health_check=list(HealthCheck))
@@ -67,6 +70,18 @@ def naive_locate(text: str, line: int, character: int) -> tuple[int, int, int]:
             return i, line, units
         units += 2 if ord(text[i]) > 0xFFFF else 1
     return end, line, units
+
+
+def naive_apply(text: str, edits: list) -> str:
+    for rng, new in edits:
+        if rng is None:
+            text = new
+            continue
+        a = naive_locate(text, *rng[0])[0]
+        b = naive_locate(text, *rng[1])[0]
+        a, b = min(a, b), max(a, b)
+        text = text[:a] + new + text[b:]
+    return text
 
 
 def agree(t: Text, s: str, probes: list[tuple[int, int]]) -> None:
@@ -129,6 +144,25 @@ def test_long_lines_over_many_chunks_at_the_real_sizes(start, edits, data):
 
 
 @PROPERTY
+@given(start=texts, changes=st.lists(st.tuples(st.none() | st.tuples(positions, positions), texts), max_size=12))
+def test_a_batch_of_changes_applies_in_order_with_out_of_range_ones_clamped(start, changes):
+    wire = [
+        {"text": new} if rng is None else {"range": {"start": pos(*rng[0]), "end": pos(*rng[1])}, "text": new}
+        for rng, new in changes
+    ]
+    with tiny_chunks():
+        t = Text(start)
+        odd = apply_edits(t, parse_edits(wire))
+        t.check()
+    assert str(t) == naive_apply(start, changes)
+    assert odd >= 0
+
+
+def pos(line, character):
+    return {"line": line, "character": character}
+
+
+@PROPERTY
 @given(
     values=st.lists(st.integers(0, 5), max_size=40), changes=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 5)))
 )
@@ -160,6 +194,39 @@ def test_crlf_is_never_split_between_chunks():
         t.replace(0, 0, "\n" * 9 + "\r")  # a \r before "ab": a line break of its own
         t.replace(10, 12, "\n")  # "ab" goes, a \n comes: the \r and it are one break
         agree(t, "\n" * 9 + "\r\n\r\ncd\r\nef", [(n, 1) for n in range(14)])
+
+
+def test_bad_changes_are_refused_whole_with_the_field_named():
+    for changes, field in [
+        ({"text": "x"}, "params.contentChanges"),
+        ([{"text": 5}], "params.contentChanges[0].text"),
+        ([{"text": "x"}, {"range": [], "text": "x"}], "params.contentChanges[1].range"),
+        ([{"range": {"start": pos(0, 0)}, "text": ""}], "params.contentChanges[0].range.end"),
+        ([{"range": {"start": pos(-1, 0), "end": pos(0, 0)}, "text": ""}], "params.contentChanges[0].range.start.line"),
+        ([{"range": {"start": pos(0, True), "end": pos(0, 0)}, "text": ""}], "range.start.character"),
+        ([{"range": {"start": pos(0, 2**40), "end": pos(0, 0)}, "text": ""}], "range.start.character"),
+        (["x"], "params.contentChanges[0]"),
+    ]:
+        with pytest.raises(errors.KinferError) as raised:
+            parse_edits(changes)
+        assert raised.value.code == errors.INVALID_PARAMS
+        assert field in raised.value.message
+
+
+def test_ranges_past_the_end_or_backwards_are_clamped_and_counted():
+    t = Text("one\ntwo")
+    odd = apply_edits(
+        t,
+        parse_edits(
+            [
+                {"range": {"start": pos(1, 99), "end": pos(1, 99)}, "text": "!"},  # past the line: LSP's rule
+                {"range": {"start": pos(7, 0), "end": pos(9, 9)}, "text": "?"},  # past the document
+                {"range": {"start": pos(0, 3), "end": pos(0, 0)}, "text": "ONE"},  # backwards
+            ]
+        ),
+    )
+    assert str(t) == "ONE\ntwo!?"
+    assert odd == 2
 
 
 def test_one_edit_anywhere_in_a_50_mb_text_takes_well_under_100_ms():

@@ -222,18 +222,23 @@ class Text:
             start = self.line_start(last)
             return self.length, last, self.units_at(self.length) - self.units_at(start)
         start = self.line_start(line)
-        if character == 0:
-            return start, line, 0
-        end = self.line_end(line)
-        if start == end:
+        if character == 0 or start == self.length:
             return start, line, 0
         bi, ci, before = self._seek(CHARS, start)
         block = self._blocks[bi]
-        if end <= before + block.chars[ci]:  # the line lies in one chunk (lines mostly do)
+        chunk = block.chunks[ci]
+        # Where the line ends, looked for in the chunk it starts in (lines mostly end there).
+        if "\r" in chunk:
+            m = _LINE_BREAK.search(chunk, start - before)
+            stop = m.start() if m is not None else -1
+        else:
+            stop = chunk.find("\n", start - before)
+        end = before + stop if stop >= 0 else self.line_end(line)
+        if stop >= 0 or end <= before + block.chars[ci]:  # the line lies in one chunk
             if block.units[ci] == block.chars[ci]:
                 c = min(character, end - start)
                 return start + c, line, c
-            text = block.chunks[ci][start - before : end - before]
+            text = chunk[start - before : end - before]
             width = utf16_len(text)
             if character >= width:
                 return end, line, width

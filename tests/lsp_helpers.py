@@ -4,7 +4,8 @@ The fake server is the real one (framing, connection, lifecycle, LSP layer) with
 `Handlers.inference_infill` and `Handlers.model_load` replaced: infill waits `KINFER_FAKE_DELAY`
 seconds (cancellable) and answers a text made from the prefix and suffix it was given; both write
 one JSON line per event to `KINFER_FAKE_LOG`, so a test can see what the server asked for and
-which calls ran to the end.
+which calls ran to the end. With `KINFER_FAKE_SIZES` the log has the prefix's and suffix's
+lengths and the extra files' names instead of the texts (for documents of many megabytes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kinfer_rpc.protocol import handlers, server
 
 LOG = os.environ["KINFER_FAKE_LOG"]
 DELAY = float(os.environ.get("KINFER_FAKE_DELAY", "0"))
+SIZES = bool(os.environ.get("KINFER_FAKE_SIZES"))
 
 
 def record(event, **fields):
@@ -29,15 +31,21 @@ def record(event, **fields):
 
 
 async def inference_infill(self, ctx, /, **p):
-    doc = p["prefix"].split("\n", 1)[0]
-    record("start", doc=doc, prefix=p["prefix"], suffix=p["suffix"], options=p.get("options"),
-           model=p.get("model"), extra=p.get("extra"))
+    cut = p["prefix"].find("\n")
+    doc = p["prefix"] if cut < 0 else p["prefix"][:cut]  # the first line (split would copy the rest)
+    if SIZES:
+        doc = doc[:100]
+        record("start", doc=doc, prefix=len(p["prefix"]), suffix=len(p["suffix"]),
+               extra=[e["filename"] for e in p.get("extra") or []])
+    else:
+        record("start", doc=doc, prefix=p["prefix"], suffix=p["suffix"], options=p.get("options"),
+               model=p.get("model"), extra=p.get("extra"))
     try:
         await anyio.sleep(DELAY)
     except anyio.get_cancelled_exc_class():
         record("cancelled", doc=doc)
         raise
-    record("done", doc=doc, prefix=p["prefix"])
+    record("done", doc=doc, prefix=len(p["prefix"]) if SIZES else p["prefix"])
     text = os.environ.get("KINFER_FAKE_TEXT") or f"_fake({len(p['prefix'])},{len(p['suffix'])})"
     n = len(p["prefix"]) // 4
     return {"model": p.get("model") or "fake-fim", "text": text, "tokens": [1, 2, 3], "stopReason": "stop",
@@ -55,10 +63,14 @@ sys.exit(server.main(sys.argv[1:]))
 """
 
 
-def fake_server(log: Path, delay: float = 0.0, text: str | None = None) -> tuple[list[str], dict[str, str]]:
+def fake_server(
+    log: Path, delay: float = 0.0, text: str | None = None, sizes: bool = False
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a fake server logging to `log`."""
     env = {k: v for k, v in os.environ.items() if k != "KINFER_RPC_PLUGINS"}
     env.update(KINFER_FAKE_LOG=str(log), KINFER_FAKE_DELAY=str(delay))
+    if sizes:
+        env["KINFER_FAKE_SIZES"] = "1"
     if text is not None:
         env["KINFER_FAKE_TEXT"] = text
     return [sys.executable, "-c", FAKE_SERVER], env
@@ -86,3 +98,39 @@ def fim_model(dst_dir: Path) -> str | None:
         if makers:
             return str(makers[0](dst_dir / "fim.gguf"))
     return None
+
+
+def typing_edits(n: int, lines: int, width: int, seed: int = 0) -> tuple[list[dict], int]:
+    """`n` incremental edits at random places of a document of `lines` lines of `width`
+    characters (typing, deleting, a line split and joined again), each valid on the text the
+    edits before it made, and how much they change the document's length."""
+    import random
+
+    def edit(sl, sc, el, ec, text):
+        return {"range": {"start": {"line": sl, "character": sc}, "end": {"line": el, "character": ec}}, "text": text}
+
+    rng = random.Random(seed)
+    length: dict[int, int] = {}  # line -> its length, where an edit changed it
+    out: list[dict] = []
+    delta = 0
+    while len(out) < n:
+        line = rng.randrange(lines)
+        have = length.get(line, width)
+        kind = rng.random()
+        if kind < 0.5:
+            c = rng.randint(0, have)
+            text = rng.choice(["x", "yz", "(", "_q"])
+            out.append(edit(line, c, line, c, text))
+            length[line] = have + len(text)
+            delta += len(text)
+        elif kind < 0.8 and have > 0:
+            c = rng.randrange(have)
+            k = min(have - c, rng.randint(1, 3))
+            out.append(edit(line, c, line, c + k, ""))
+            length[line] = have - k
+            delta -= k
+        elif n - len(out) >= 2:
+            c = rng.randint(0, have)
+            out.append(edit(line, c, line, c, "\n"))
+            out.append(edit(line, c, line + 1, 0, ""))
+    return out, delta

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import tomllib
 from pathlib import Path
 
@@ -12,8 +13,11 @@ import anyio
 import pytest
 
 from kinfer_rpc import errors
+from kinfer_rpc.protocol import documents as lsp_documents
 from kinfer_rpc.protocol import lsp
-from kinfer_rpc.protocol.lsp import Editor, apply_change, offset_at, parse_settings, settings_in, utf16_len
+from kinfer_rpc.protocol.documents import apply_edits, parse_edits
+from kinfer_rpc.protocol.lsp import Editor, parse_settings, settings_in
+from kinfer_rpc.protocol.text import Text, utf16_len
 
 URI = "file:///tmp/example.py"
 
@@ -32,6 +36,16 @@ def test_utf16_lengths():
     assert utf16_len("é") == 1  # U+00E9: one unit
     assert utf16_len("😀") == 2  # U+1F600: a surrogate pair
     assert utf16_len("a😀b𝄞") == 6
+
+
+def offset_at(text, line, character):
+    return Text(text).locate(line, character)[0]
+
+
+def apply_change(text, change):
+    t = Text(text)
+    apply_edits(t, parse_edits([change]))
+    return str(t)
 
 
 def test_offsets_count_utf16_units_and_every_line_ending():
@@ -393,3 +407,100 @@ def test_the_settings_docs_editors_md_shows_are_accepted():
             init = tomllib.loads(body)["language-server"]["kinfer"]["config"]
         settings = parse_settings(settings_in(init), "completion")
         assert settings.options["maxTokens"] in (48, 64)
+
+
+# -- clamping, order, openFiles, bad notifications -------------------------------------------------
+def test_answers_never_reach_past_the_document():
+    infill = FakeInfill(text="_x")
+    editor = make_editor(infill)
+
+    async def main():
+        await open_doc(editor, "ab\nxy😀z")
+        (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 99)))["items"]
+        assert item["textEdit"]["range"] == {"start": pos(0, 0), "end": pos(0, 2)}  # past the line: its end
+        assert infill.calls[-1]["prefix"] == "ab"
+        (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 7, 3)))["items"]
+        assert item["textEdit"]["range"] == {"start": pos(1, 4), "end": pos(1, 5)}  # past the last line
+        assert item["textEdit"]["newText"] == "z_x"
+        inline = await editor.inline_completion(None, **request(editor, lsp.INLINE_COMPLETION, 1, 3))
+        assert inline["items"][0]["range"] == {"start": pos(1, 4), "end": pos(1, 4)}  # inside the pair: after it
+
+    run(main)
+
+
+def test_a_request_sees_the_edits_before_it_even_when_they_run_on_the_worker():
+    infill = FakeInfill()
+    editor = make_editor(infill)
+    many = [change(0, 0, 0, 0, "x") for _ in range(lsp_documents.LARGE_EDITS + 1)]
+
+    gate = threading.Event()
+
+    async def main():
+        await open_doc(editor, "abc")
+        editor.documents.jobs.run(gate.wait, large=True)  # the worker thread waits for the test
+        await editor.did_change(textDocument={"uri": URI, "version": 2}, contentChanges=many)
+        p = request(editor, lsp.COMPLETION, 0, 999)
+        await editor.did_change(textDocument={"uri": URI, "version": 3}, contentChanges=[{"text": "later"}])
+        assert not p[lsp.PINNED].view.ready
+        gate.set()
+        await editor.completion(None, **p)
+        assert infill.calls[0]["prefix"] == "x" * len(many) + "abc"
+        await editor.documents.settled().wait()
+        await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 99))
+        assert infill.calls[1]["prefix"] == "later"
+        assert editor.documents.get(URI).version == 3
+
+    run(main)
+
+
+def test_open_files_take_the_most_relevant_within_the_limits(monkeypatch):
+    infill = FakeInfill()
+    editor = make_editor(infill)
+    monkeypatch.setattr(lsp_documents, "OPEN_FILES", 3)
+
+    async def main():
+        editor.initialize({"completion": {"openFiles": True}})
+        await open_doc(editor, "here\n", uri="file:///w/app/main.py")
+        for uri in ["file:///w/app/near.py", "file:///w/far/a.py", "file:///w/far/b.py", "file:///w/app/sub/c.py"]:
+            await open_doc(editor, f"# {uri}\n", uri=uri)
+        await open_doc(editor, "# md\n", uri="file:///w/app/notes.md", language="markdown")
+        await editor.did_change(textDocument={"uri": "file:///w/far/a.py"}, contentChanges=[change(0, 0, 0, 0, "!")])
+        await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 0, uri="file:///w/app/main.py"))
+        # the edited one first (sent last: infill keeps the extra context's end), then the nearest
+        names = [e["filename"] for e in infill.calls[-1]["extra"]]
+        assert names == ["/w/app/sub/c.py", "/w/app/near.py", "/w/far/a.py"]
+        # the characters are bounded too: the most relevant file's end, nothing before it
+        monkeypatch.setattr(lsp_documents, "OPEN_FILES_CHARS", 5)
+        await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 0, uri="file:///w/app/main.py"))
+        assert infill.calls[-1]["extra"] == [{"filename": "/w/far/a.py", "text": "a.py\n"}]
+
+    run(main)
+
+
+def test_bad_notifications_are_logged_in_one_line(caplog):
+    infill = FakeInfill()
+    editor = make_editor(infill)
+    huge = "file:///" + "x" * 1_000_000
+
+    async def main():
+        await open_doc(editor, "abc")
+        await editor.did_open("not", "an object")
+        await editor.did_change(["array"])
+        await editor.did_close([1])
+        await editor.did_change_configuration([])
+        await editor.did_change(textDocument={"uri": URI, "version": 2}, contentChanges="x")
+        await editor.did_change(textDocument={"uri": URI, "version": 3}, contentChanges=[{"text": "ok"}, {"text": 1}])
+        await editor.did_change(textDocument={"uri": URI}, contentChanges=[change(9, 0, 9, 0, "!")])
+        await editor.did_change(textDocument={"uri": huge}, contentChanges=[])
+        await editor.did_open(textDocument={"uri": 5})
+        await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 9))
+
+    with caplog.at_level("WARNING"):
+        run(main)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 9, lines
+    assert all("\n" not in line and len(line) < 400 for line in lines), lines
+    assert not any(r.exc_info for r in caplog.records)
+    assert "params.contentChanges[1].text" in lines[5]
+    assert "past the document's end" in lines[6]
+    assert infill.calls[-1]["prefix"] == "abc!"  # the batch with a bad change was dropped whole

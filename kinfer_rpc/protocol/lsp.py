@@ -9,8 +9,14 @@ method budgets both).
 
 Typing stays fast: a completion request for a document makes the one it sent before (same
 method, same document) stale; a stale request still running is stopped and answered with an
-empty result. The document's text is taken when the request arrives (`Editor.accept`, called in
-message order), so an edit that follows a request in the input never leaks into it.
+empty result. The document's view is taken when the request arrives (`Editor.accept`, called in
+message order, queues it behind the edits before it: protocol/documents.py), so an edit that
+follows a request in the input never leaks into it, and a huge edit before it is applied on a
+worker thread while the server answers other requests. Positions past a line's or the document's
+end are clamped, and so are the ranges of the answers.
+
+A notification's mistakes (params of the wrong type, a malformed edit) are logged in one line:
+a notification has no answer to carry an error.
 
 Settings come from `initializationOptions.completion` and `workspace/didChangeConfiguration`
 (`settings.kinfer.completion` or `settings.completion`); docs/editors.md describes the shape.
@@ -20,18 +26,18 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import anyio
 import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.protocol.connection import RequestContext
+from kinfer_rpc.protocol.documents import Documents, Pending, View, clip, position
 from kinfer_rpc.protocol.fields import Fields
 from kinfer_rpc.protocol.options import load_request, request_options
+from kinfer_rpc.protocol.text import utf16_len
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +55,8 @@ PLAIN_TEXT = 1
 DEFAULT_OPTIONS: dict[str, Any] = {"maxTokens": 64, "stopAtLine": True, "temperature": 0}
 COMPLETION_FIELDS = ("model", "backend", "loadOptions", "languages", "enabled", "openFiles")
 
-# Where a completion request's snapshot travels from accept() to its handler, inside its params.
+# Where a completion request's view travels from accept() to its handler, inside its params.
 PINNED = "kinfer/pinned"
-
-_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 Infill = Callable[..., Awaitable[dict[str, Any]]]  # Handlers.inference_infill(ctx, /, **params)
 Load = Callable[..., Awaitable[dict[str, Any]]]  # Handlers.model_load(ctx, /, **params)
@@ -67,76 +71,6 @@ def capabilities() -> dict[str, Any]:
         "completionProvider": {"resolveProvider": False},
         "inlineCompletionProvider": {},
     }
-
-
-# -- positions ----------------------------------------------------------------------------------
-def utf16_len(text: str) -> int:
-    """The length of `text` in UTF-16 code units (a character above U+FFFF counts two)."""
-    if text.isascii():
-        return len(text)
-    return len(text) + sum(1 for c in text if ord(c) > 0xFFFF)
-
-
-def _index_in_line(line: str, units: int) -> int:
-    """The index in `line` of the UTF-16 offset `units`; past the end, the line's end (as LSP
-    says). An offset inside a surrogate pair falls after its character."""
-    if units <= 0:
-        return 0
-    if line.isascii():
-        return min(units, len(line))
-    n = 0
-    for i, c in enumerate(line):
-        if n >= units:
-            return i
-        n += 2 if ord(c) > 0xFFFF else 1
-    return len(line)
-
-
-def offset_at(text: str, line: int, character: int) -> int:
-    """The index in `text` of an LSP position. Lines end at \\n, \\r\\n or \\r; a line past the
-    last is the end of the text."""
-    start = 0
-    for _ in range(line):
-        m = _LINE_BREAK.search(text, start)
-        if m is None:
-            return len(text)
-        start = m.end()
-    m = _LINE_BREAK.search(text, start)
-    end = m.start() if m is not None else len(text)
-    return start + _index_in_line(text[start:end], character)
-
-
-def _position(value: object, where: str) -> tuple[int, int]:
-    f = Fields(value, where)
-    line = f.int("line", None, lo=0)
-    character = f.int("character", None, lo=0)
-    if line is None or character is None:
-        raise errors.invalid_params(f"{where} must have line and character", {"field": where})
-    return line, character
-
-
-def _range(value: object, where: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    f = Fields(value, where)
-    start = _position(f.raw("start"), f"{where}.start")
-    end = _position(f.raw("end"), f"{where}.end")
-    return start, end
-
-
-def apply_change(text: str, change: object) -> str:
-    """One TextDocumentContentChangeEvent applied: a range's replacement, or the whole text."""
-    f = Fields(change, "contentChange")
-    new = f.str("text")
-    rng = f.raw("range")
-    f.raw("rangeLength")  # deprecated in LSP; the range says it all
-    if new is None:
-        raise errors.invalid_params("contentChange.text is required")
-    if rng is None:
-        return new
-    (sl, sc), (el, ec) = _range(rng, "contentChange.range")
-    a, b = offset_at(text, sl, sc), offset_at(text, el, ec)
-    if b < a:
-        a, b = b, a
-    return text[:a] + new + text[b:]
 
 
 # -- settings -----------------------------------------------------------------------------------
@@ -219,33 +153,17 @@ def settings_in(value: object) -> object:
     return value.get("completion")
 
 
-# -- documents ----------------------------------------------------------------------------------
-@attrs.define
-class Document:
-    uri: str
-    language: str
-    version: int
-    text: str
-
-
+# -- the editor ---------------------------------------------------------------------------------
 @attrs.frozen
 class Pinned:
-    """A completion request's view of its document, taken when the request arrived."""
+    """A completion request as it arrived: its document's view is taken then (in order with the
+    edits), ready when the edits before it have been applied."""
 
     uri: str
     method: str
     generation: int
     language: str
-    prefix: str
-    suffix: str
-    word: str  # the identifier characters just before the cursor on its line
-    line: int
-    character: int
-
-
-def _filename(uri: str) -> str:
-    parsed = urlparse(uri)
-    return unquote(parsed.path) if parsed.scheme == "file" else uri
+    view: Pending[View]
 
 
 class Editor:
@@ -262,7 +180,7 @@ class Editor:
         self._load = load
         self._loaded = loaded
         self._notify = notify
-        self.documents: dict[str, Document] = {}
+        self.documents = Documents()
         self.settings = Settings()
         self._generation: dict[tuple[str, str], int] = {}  # (uri, method) -> requests accepted
         self._live: dict[tuple[str, str], tuple[int, anyio.CancelScope]] = {}
@@ -275,7 +193,10 @@ class Editor:
         if value is not None:
             self.settings = parse_settings(value, "initializationOptions.completion")
 
-    async def did_change_configuration(self, **p: Any) -> None:
+    async def did_change_configuration(self, /, *args: Any, **p: Any) -> None:
+        if args:
+            log.warning("workspace/didChangeConfiguration ignored: params must be an object")
+            return
         value = settings_in(p.get("settings"))
         if value is None:
             return  # not ours (or a client's "pull" hint, with null settings): keep what we have
@@ -284,47 +205,56 @@ class Editor:
         except errors.KinferError as exc:
             # A notification has no answer: say why in the client's log, keep the settings we had.
             self._notify(
-                "window/logMessage", {"type": 1, "message": f"kinfer-rpc: settings not applied: {exc.message}"}
+                "window/logMessage", {"type": 1, "message": f"kinfer-rpc: settings not applied: {clip(exc.message)}"}
             )
 
     # -- documents ---------------------------------------------------------------------------
-    async def did_open(self, **p: Any) -> None:
-        f = Fields(p.get("textDocument"), "params.textDocument")
-        uri, language, version, text = f.str("uri"), f.str("languageId", ""), f.int("version", 0), f.str("text", "")
-        if uri is None:
-            raise errors.invalid_params("params.textDocument.uri is required")
-        self.documents[uri] = Document(uri, language, version, text)
+    def _notified(self, method: str, args: tuple[Any, ...], apply: Callable[[], None]) -> None:
+        """A notification applied; a mistake in its params logged in one line (a notification
+        has no answer to carry an error)."""
+        try:
+            if args:
+                raise errors.invalid_params("params must be an object")
+            apply()
+        except errors.KinferError as exc:
+            log.warning("%s ignored: %s", method, clip(exc.message))
 
-    async def did_change(self, **p: Any) -> None:
-        f = Fields(p.get("textDocument"), "params.textDocument")
-        uri, version = f.str("uri"), f.int("version", None)
-        doc = self.documents.get(uri) if uri is not None else None
-        if doc is None:
-            log.warning("didChange for a document that is not open: %r", uri)
-            return
-        changes = p.get("contentChanges")
-        if not isinstance(changes, list):
-            raise errors.invalid_params("params.contentChanges must be an array")
-        text = doc.text
-        for change in changes:
-            text = apply_change(text, change)
-        doc.text = text
-        if version is not None:
-            doc.version = version
+    async def did_open(self, /, *args: Any, **p: Any) -> None:
+        def apply() -> None:
+            f = Fields(p.get("textDocument"), "params.textDocument")
+            uri, language = f.str("uri"), f.str("languageId", "")
+            version, text = f.int("version", 0), f.str("text", "")
+            if uri is None:
+                raise errors.invalid_params("params.textDocument.uri is required")
+            self.documents.did_open(uri, language, version, text)
 
-    async def did_close(self, **p: Any) -> None:
-        f = Fields(p.get("textDocument"), "params.textDocument")
-        uri = f.str("uri")
-        if uri is None:
-            return
-        self.documents.pop(uri, None)
-        for key in [k for k in self._live if k[0] == uri]:
-            self._live.pop(key)[1].cancel()
+        self._notified("textDocument/didOpen", args, apply)
+
+    async def did_change(self, /, *args: Any, **p: Any) -> None:
+        def apply() -> None:
+            f = Fields(p.get("textDocument"), "params.textDocument")
+            uri, version = f.str("uri"), f.int("version", None)
+            if uri is None:
+                raise errors.invalid_params("params.textDocument.uri is required")
+            self.documents.did_change(uri, version, p.get("contentChanges"))
+
+        self._notified("textDocument/didChange", args, apply)
+
+    async def did_close(self, /, *args: Any, **p: Any) -> None:
+        def apply() -> None:
+            uri = Fields(p.get("textDocument"), "params.textDocument").str("uri")
+            if uri is None:
+                raise errors.invalid_params("params.textDocument.uri is required")
+            self.documents.did_close(uri)
+            for key in [k for k in self._live if k[0] == uri]:
+                self._live.pop(key)[1].cancel()
+
+        self._notified("textDocument/didClose", args, apply)
 
     # -- completions -------------------------------------------------------------------------
     def accept(self, method: str, params: dict[str, Any] | list[Any]) -> None:
-        """A completion request arriving (in message order): its document's text now, and the
-        request it makes stale stopped. Raises -32602 for params a completion cannot use."""
+        """A completion request arriving (in message order): its document's view taken as of now,
+        and the request it makes stale stopped. Raises -32602 for params a completion cannot use."""
         if not isinstance(params, dict):
             raise errors.invalid_params("params must be an object")
         params.pop(PINNED, None)
@@ -332,11 +262,11 @@ class Editor:
         uri = f.str("uri")
         if uri is None:
             raise errors.invalid_params("params.textDocument.uri is required", {"field": "params.textDocument.uri"})
-        line, character = _position(params.get("position"), "params.position")
+        line, character = position(params.get("position"), "params.position")
         doc = self.documents.get(uri)
         if doc is None:
             raise errors.invalid_params(
-                f"{uri} is not open (textDocument/didOpen first)", {"field": "params.textDocument"}
+                f"{clip(uri)} is not open (textDocument/didOpen first)", {"field": "params.textDocument"}
             )
         key = (uri, method)
         generation = self._generation.get(key, 0) + 1
@@ -344,52 +274,46 @@ class Editor:
         live = self._live.pop(key, None)
         if live is not None:
             live[1].cancel()  # stale: it answers an empty result
-        at = offset_at(doc.text, line, character)
-        prefix = doc.text[:at]
-        i = len(prefix)
-        while i > 0 and (prefix[i - 1].isalnum() or prefix[i - 1] == "_"):
-            i -= 1
-        word = prefix[i:]
-        params[PINNED] = Pinned(uri, method, generation, doc.language, prefix, doc.text[at:], word, line, character)
+        extra = self.documents.relevant(doc) if self.settings.open_files else []
+        view = self.documents.view(doc, line, character, extra)
+        params[PINNED] = Pinned(uri, method, generation, doc.language, view)
 
-    async def _complete(self, pin: Pinned) -> tuple[str, str]:
-        """The continuation for a pinned request and the model that wrote it; an empty text when
-        the request went stale or completions are off. A line completion (stopAtLine) never ends
-        with the line break the model stopped at: accepting it must not split the line."""
+    async def _complete(self, pin: Pinned) -> tuple[str, str, View | None]:
+        """The continuation for a pinned request, the model that wrote it and the request's view;
+        an empty text when the request went stale or completions are off. A line completion
+        (stopAtLine) never ends with the line break the model stopped at: accepting it must not
+        split the line."""
         key = (pin.uri, pin.method)
         if self._generation.get(key) != pin.generation:
-            return "", ""  # a newer request came before this one started
+            return "", "", None  # a newer request came before this one started
         enabled, options = self.settings.options_for(pin.language)
         if not enabled:
-            return "", ""
+            return "", "", None
         scope = anyio.CancelScope()
         self._live[key] = (pin.generation, scope)
         result: dict[str, Any] | None = None
+        view: View | None = None
         try:
             with scope:
+                view = await pin.view.wait()
+                prefix, suffix = view.texts()
                 model = await self._model_name()
-                params: dict[str, Any] = {"prefix": pin.prefix, "suffix": pin.suffix, "options": options}
+                params: dict[str, Any] = {"prefix": prefix, "suffix": suffix, "options": options}
                 if model is not None:
                     params["model"] = model
-                if self.settings.open_files:
-                    extra = [
-                        {"filename": _filename(d.uri), "text": d.text}
-                        for d in self.documents.values()
-                        if d.uri != pin.uri and d.language == pin.language
-                    ]
-                    if extra:
-                        params["extra"] = extra
+                if view.extra:
+                    params["extra"] = [{"filename": name, "text": text} for name, text in view.extra]
                 result = await self._infill(None, **params)
         finally:
             live = self._live.get(key)
             if live is not None and live[0] == pin.generation:
                 del self._live[key]
         if result is None:  # the scope was cancelled: a newer request made it stale
-            return "", ""
+            return "", "", None
         text: str = result["text"]
         if options.get("stopAtLine"):
             text = text.removesuffix("\n").removesuffix("\r")
-        return text, result.get("model", "")
+        return text, result.get("model", ""), view
 
     async def _model_name(self) -> str | None:
         """The model the settings name, loaded with their load options (once); None to let
@@ -412,13 +336,12 @@ class Editor:
     async def completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         pin = p.pop(PINNED)
         assert isinstance(pin, Pinned), "accept() pinned the request"
-        text, model = await self._complete(pin)
-        if not text.strip():
+        text, model, view = await self._complete(pin)
+        if view is None or not text.strip():
             return {"isIncomplete": True, "items": []}
-        new_text = pin.word + text
+        new_text = view.word + text
         first = new_text.split("\n", 1)[0].rstrip("\r")
         label = first if first.strip() else next(line.strip() for line in new_text.splitlines() if line.strip())
-        start = pin.character - utf16_len(pin.word)
         item: dict[str, Any] = {
             "label": label,
             "kind": KIND_TEXT,
@@ -427,9 +350,10 @@ class Editor:
             "sortText": "0",
             "insertTextFormat": PLAIN_TEXT,
             "textEdit": {
+                # The view's cursor is clamped to the document: a range never reaches past it.
                 "range": {
-                    "start": {"line": pin.line, "character": start},
-                    "end": {"line": pin.line, "character": pin.character},
+                    "start": {"line": view.line, "character": view.character - utf16_len(view.word)},
+                    "end": {"line": view.line, "character": view.character},
                 },
                 "newText": new_text,
             },
@@ -440,8 +364,8 @@ class Editor:
     async def inline_completion(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         pin = p.pop(PINNED)
         assert isinstance(pin, Pinned), "accept() pinned the request"
-        text, _ = await self._complete(pin)
-        if not text:
+        text, _, view = await self._complete(pin)
+        if view is None or not text:
             return {"items": []}
-        here = {"line": pin.line, "character": pin.character}
+        here = {"line": view.line, "character": view.character}
         return {"items": [{"insertText": text, "range": {"start": here, "end": here}}]}

@@ -259,8 +259,10 @@ class Server:
             },
         }
 
-    async def initialized(self, **_: Any) -> None:
-        return None
+    async def initialized(self, /, *args: Any, **_: Any) -> None:
+        # LSP's InitializedParams is an empty object; anything else is harmless, and said once.
+        if args:
+            log.warning("initialized: params must be an object; ignored them")
 
     async def shutdown(self, ctx: RequestContext, /, *_: Any, **__: Any) -> None:
         # accept() checked the params and set the state.

@@ -465,7 +465,10 @@ class LoadedModel:
     token budget (-1: off); `rpc_servers` and `devices` (where the layers went) are set for a load
     over llama.cpp RPC servers, `devices` also for one split over several GPUs; `split_mode`,
     `tensor_split` and `main_gpu` say how the layers were spread over the GPUs, where the placement
-    or the load options said (None otherwise)."""
+    or the load options said (None otherwise). A loaded model is shared by every client of one
+    server or daemon: `holders` the connections holding it, `loads` the model/load calls it
+    answered, `pinned`, `keep_alive` (seconds it stays once idle; -1 until unloaded), `evicted`
+    the idle models this load unloaded to make room."""
 
     model: str
     backend: str
@@ -497,6 +500,11 @@ class LoadedModel:
     split_mode: str | None = None
     tensor_split: list[float] | None = None
     main_gpu: int | None = None
+    holders: int = 0
+    loads: int = 1
+    pinned: bool = False
+    keep_alive: float = -1.0
+    evicted: list[str] = attrs.field(factory=list)
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> LoadedModel:
@@ -533,13 +541,19 @@ class LoadedModel:
             m.get("splitMode"),
             [float(x) for x in m["tensorSplit"]] if isinstance(m.get("tensorSplit"), list) else None,
             m.get("mainGpu"),
+            m.get("holders", 0),
+            m.get("loads", 1),
+            m.get("pinned", False),
+            m.get("keepAlive", -1.0),
+            list(m.get("evicted") or []),
         )
 
 
 @attrs.frozen
 class ModelStatus:
     """One entry of `model/status`: state is "loading", "failed" (then `error` says why) or
-    "ready" (then the rest is filled)."""
+    "ready" (then the rest is filled; `expires_in`: seconds until it is unloaded for being idle,
+    None while it never expires)."""
 
     model: str
     backend: str
@@ -564,6 +578,11 @@ class ModelStatus:
     placement_reason: str = ""
     host_tensors: list[str] = attrs.field(factory=list)
     error: str | None = None
+    holders: int = 0
+    loads: int = 0
+    pinned: bool = False
+    keep_alive: float = -1.0
+    expires_in: float | None = None
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> ModelStatus:
@@ -591,6 +610,11 @@ class ModelStatus:
             m.get("placementReason", ""),
             list(m.get("hostTensors") or []),
             m.get("error"),
+            m.get("holders", 0),
+            m.get("loads", 0),
+            m.get("pinned", False),
+            m.get("keepAlive", -1.0),
+            m.get("expiresIn"),
         )
 
 
@@ -1031,10 +1055,14 @@ class Client:
         *,
         backend: str | None = None,
         progress: Callable[[Progress], Any] | None = None,
+        keep_alive: float | str | None = None,
+        pin: bool | None = None,
         **options: Any,
     ) -> LoadedModel:
-        """Load a model (the default one without a name); `progress` is called with Progress values."""
-        params = _params(model, options, backend=backend)
+        """Load a model (the default one without a name); `progress` is called with Progress values.
+        `keep_alive` (seconds, or a duration such as "10m"; -1: until unloaded) and `pin` say how
+        long it stays loaded once idle."""
+        params = _params(model, options, backend=backend, keepAlive=keep_alive, pin=pin)
         if progress is None:
             return LoadedModel.from_json(self.request("model/load", params))
         token = f"load-{next(self._wire.ids)}"
@@ -1428,9 +1456,11 @@ class AsyncClient:
         *,
         backend: str | None = None,
         progress: Callable[[Progress], Any] | None = None,
+        keep_alive: float | str | None = None,
+        pin: bool | None = None,
         **options: Any,
     ) -> LoadedModel:
-        params = _params(model, options, backend=backend)
+        params = _params(model, options, backend=backend, keepAlive=keep_alive, pin=pin)
         if progress is None:
             return LoadedModel.from_json(await self.request("model/load", params))
         token = f"load-{next(self._ids)}"

@@ -490,7 +490,7 @@ def test_model_load_status_unload(server):
     assert [s["model"] for s in status] == [DEFAULT_MODEL] and status[0]["state"] == "ready"
     assert c.call("model/status", {"model": "other"}) == {"models": []}
     # Loading again returns the loaded model, as it is.
-    assert c.call("model/load", {"model": DEFAULT_MODEL}) == info
+    assert c.call("model/load", {"model": DEFAULT_MODEL}) == {**info, "loads": 2}  # the same instance, shared
     assert c.call("model/unload", {"model": DEFAULT_MODEL}) is None
     assert c.call("model/status") == {"models": []}
     err = error_of(c.request("model/unload", {"model": DEFAULT_MODEL}))

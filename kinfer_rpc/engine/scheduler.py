@@ -137,6 +137,7 @@ class Job:
     draft_backoff: int = 32  # the next pause's length: doubles after every losing window
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list[int] = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
+    owner: int = 0  # the connection that asked for it: slots are shared fairly between owners
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
     # The reply's grammar (llguidance.LLMatcher: format, grammar or regex), at the state after
     # every token taken so far; None: unconstrained.
@@ -269,6 +270,8 @@ class Engine:
         self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
         self._trace: tracing.Trace | None = None  # KINFER_TRACE: where a round's time goes
+        # More than one connection is open on this model's host: see _next_waiting (set by the host).
+        self.share = False
 
     # -- host side (any thread) -------------------------------------------------------------
     def start(self) -> None:
@@ -525,12 +528,12 @@ class Engine:
                 # Join: each waiting job takes a slot (and whatever prefix the pool holds for it).
                 slots = self.slots
                 assert slots is not None, _LOADED
-                while self._queue and slots.free:
-                    job = self._queue.popleft()
-                    job.t_start = time.perf_counter()
-                    slots.take(job, self._active)
-                    job.move(JobState.PROMPT)
-                    self._active.append(job)
+                while (joining := self._next_waiting()) is not None:
+                    self._queue.remove(joining)
+                    joining.t_start = time.perf_counter()
+                    slots.take(joining, self._active)
+                    joining.move(JobState.PROMPT)
+                    self._active.append(joining)
                 slots.compact(self._active)
                 if self._greedy is not None:
                     self._sync_greedy()
@@ -560,6 +563,32 @@ class Engine:
                 self._running = (chunks, owners, wait)
             self._flush(events)
         return bool(chunks)
+
+    def _next_waiting(self) -> Job | None:
+        """The waiting job that takes the next free slot, if one may. Owners (connections) take
+        turns: the job of the owner holding the fewest slots goes first, in arrival order among
+        equals. While `share` is on (more than one connection is open), an owner never takes
+        the last free slot while it holds one already: a connection flooding the queue leaves
+        one for everybody else."""
+        slots = self.slots
+        assert slots is not None, _LOADED
+        free = len(slots.free)
+        if not self._queue or not free:
+            return None
+        first = self._queue[0]
+        if not self.share and all(job.owner == first.owner for job in self._queue):
+            return first  # the usual case: one client, first come first served
+        held: dict[int, int] = {}
+        for job in self._active:
+            held[job.owner] = held.get(job.owner, 0) + 1
+        best: Job | None = None
+        for job in self._queue:
+            mine = held.get(job.owner, 0)
+            if self.share and free == 1 and mine > 0:
+                continue
+            if best is None or mine < held.get(best.owner, 0):
+                best = job
+        return best
 
     def _plan(self) -> tuple[list[SeqChunk], list[Job]]:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
@@ -829,7 +858,7 @@ class Engine:
         """Whether the next step would plan exactly these rows one token further, fed `best`."""
         slots = self.slots
         assert slots is not None, _LOADED
-        if self._queue and slots.free:  # someone joins at the next step
+        if self._next_waiting() is not None:  # someone joins at the next step
             return False
         if not slots.settled(owners):
             return False

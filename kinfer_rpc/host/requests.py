@@ -38,6 +38,7 @@ class Generate:
     tokens: tuple[int, ...] | None = None
     add_special: bool | None = None
     options: RequestOptions = RequestOptions()
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class Infill:
     model: str | None = None
     extra: tuple[tuple[str, str], ...] = ()
     options: RequestOptions = RequestOptions()
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
 
 
 @attrs.frozen
@@ -62,6 +64,7 @@ class Chat:
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: ToolChoice = ToolChoice("auto")
     options: RequestOptions = RequestOptions()
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
 
 
 @attrs.frozen
@@ -197,16 +200,21 @@ class Requests:
         self.runtime = runtime
         self.renderer = renderer or Renderer()
 
-    async def _options(self, name: str | None, given: RequestOptions) -> tuple[Loaded, GenerateOptions]:
-        """The request's model and its options over the model's defaults, resolved once."""
+    async def _options(
+        self, name: str | None, given: RequestOptions, owner: int, keep_alive: float | None
+    ) -> tuple[Loaded, GenerateOptions]:
+        """The request's model (held by its connection) and its options over the model's
+        defaults, resolved once."""
         seed = random.getrandbits(SEED_BITS)
-        entry = await self.runtime.model_for(name)
+        entry = await self.runtime.model_for(name, owner or None, keep_alive)
         return entry, given.over(entry.defaults).resolve(seed)
 
-    async def generate(self, req: Generate, sink: Sink | None = None, received: float | None = None) -> Reply:
+    async def generate(
+        self, req: Generate, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
+    ) -> Reply:
         if (req.prompt is None) == (req.tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
-        entry, opts = await self._options(req.model, req.options)
+        entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
         model = entry.engine.model
         assert model is not None  # a loaded entry's engine holds its model
         if req.tokens is not None:
@@ -221,13 +229,15 @@ class Requests:
             ids = await anyio.to_thread.run_sync(
                 entry.tokenize, req.prompt, add, True, context, limiter=entry.tokenizer
             )
-        return await self._run(entry, ids, opts, sink, received=received)
+        return await self._run(entry, ids, opts, sink, owner=owner, received=received)
 
-    async def infill(self, req: Infill, sink: Sink | None = None, received: float | None = None) -> Reply:
+    async def infill(
+        self, req: Infill, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
+    ) -> Reply:
         """Fill the gap between prefix and suffix (kinfer_rpc.host.infill): the model's FIM
         prompt, ended by its pad and file separator tokens too; a reply that repeats the suffix
         loses the repeat."""
-        entry, opts = await self._options(req.model, req.options)
+        entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
         fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
         if lacking := fill.missing(fim):
             raise errors.invalid_params(
@@ -242,11 +252,15 @@ class Requests:
             entry.infill_prompt, req.prefix, req.suffix, list(req.extra), n_predict, spm, limiter=entry.tokenizer
         )
         stops = tuple(fim[k] for k in fill.STOPS if k in fim)
-        reply = await self._run(entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops), sink, received=received)
+        reply = await self._run(
+            entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops), sink, owner=owner, received=received
+        )
         return attrs.evolve(reply, text=fill.trim_repeated_suffix(reply.text, req.suffix), dropped=prompt.dropped)
 
-    async def chat(self, req: Chat, sink: Sink | None = None, received: float | None = None) -> Reply:
-        entry, opts = await self._options(req.model, req.options)
+    async def chat(
+        self, req: Chat, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
+    ) -> Reply:
+        entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
         messages = list(req.messages)
         if entry.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": entry.system}, *messages]
@@ -293,9 +307,9 @@ class Requests:
             entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
         )
         if not calling:
-            return await self._run(entry, ids, opts, sink, received=received)
+            return await self._run(entry, ids, opts, sink, owner=owner, received=received)
         names = [t["function"]["name"] for t in tool_list]
-        reply = await self._run(entry, ids, opts, sink, tools.CallStream(fmt, names), received=received)
+        reply = await self._run(entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received)
         content, calls = tools.parse_calls(reply.text, fmt, names)
         if calls:
             return attrs.evolve(reply, text=content, tool_calls=tuple(calls), stop_reason="toolCalls")
@@ -322,6 +336,7 @@ class Requests:
         sink: Sink | None,
         calls: tools.CallStream | None = None,
         *,
+        owner: int = 0,
         received: float | None = None,
     ) -> Reply:
         """Run a job, sending its pieces to `sink` as they come (with the tool calls each
@@ -350,8 +365,15 @@ class Requests:
 
         streaming = sink is not None and sink.streaming
         job = self.runtime.start(
-            entry, ids, opts, on_piece=on_piece if streaming else None, on_done=on_done, constraint=constraint
+            entry,
+            ids,
+            opts,
+            on_piece=on_piece if streaming else None,
+            on_done=on_done,
+            constraint=constraint,
+            owner=owner,
         )
+        entry.running += 1
         if sink is not None:
             sink.started(lambda: reply_of(job, entry.name, text_of))
         try:
@@ -377,6 +399,9 @@ class Requests:
         except BaseException:
             entry.engine.cancel(job)
             raise
+        finally:
+            entry.running -= 1
+            entry.idle_since = time.monotonic()
         if (trace := tracing.current()) is not None:
             arrived = received if received is not None else job.t_submit
             trace.write("request", received=arrived, submit=job.t_submit, answered=time.perf_counter())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypedDict
 
@@ -63,6 +64,22 @@ class Loaded:
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
     fim: dict[str, int] | None = None  # the model's fill-in-the-middle tokens, once asked for
+    # -- sharing (one runtime, many connections) --
+    request: LoadRequest = LoadRequest()  # the load's options as given (a later load must agree)
+    holders: set[int] = attrs.field(factory=set)  # the connections that loaded it or ran requests on it
+    loads: int = 1  # model/load calls answered with this instance (the first one loaded it)
+    pinned: bool = False  # never evicted for another load, never unloaded for being idle
+    # Seconds it stays loaded once idle (Ollama's keep_alive); inf: until unloaded
+    keep_alive: float = float("inf")
+    running: int = 0  # requests in flight on it
+    idle_since: float = attrs.field(factory=time.monotonic)  # when its last request ended
+
+    def expires(self) -> float | None:
+        """When it is unloaded for being idle (time.monotonic()), or None: never (pinned, running,
+        or kept until unloaded)."""
+        if self.pinned or self.running or self.keep_alive == float("inf"):
+            return None
+        return self.idle_since + self.keep_alive
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, context: int | None = None) -> list[int]:
         """Tokenize with the model held open (an unload waits), off the event loop. With a
@@ -169,6 +186,31 @@ def model_facts(path: str) -> ModelFacts:
     )
 
 
+class DoesNotFit(errors.KinferError):
+    """A placement found no room for the model (-31003): idle models may be unloaded to make some."""
+
+
+def _check_compatible(entry: Loaded, request: LoadRequest) -> None:
+    """-32602 when a load of a model already loaded names an option with another value than
+    the loaded instance runs with: one instance of a model is shared by every connection."""
+    extras = entry.request.resolve(entry.options.context_length)[1]
+    for a in attrs.fields(LoadRequest):
+        wanted = getattr(request, a.name)
+        wire = a.metadata["wire"]
+        if wanted is None or wire == "verify":  # verifying the file again changes nothing loaded
+            continue
+        has = getattr(entry.request, a.name)
+        if has is None:  # what the loaded instance runs with, as the placement and defaults set it
+            where: Any = entry.options if hasattr(entry.options, a.name) else extras
+            has = {"placement": entry.placement, "draft_policy": entry.draft_policy}.get(a.name, getattr(where, a.name))
+        if wanted != has:
+            raise errors.invalid_params(
+                f"model {entry.name!r} is loaded with {wire} {_show(has)}, not {_show(wanted)}: a loaded model "
+                "is shared by every client; unload it first, or load it without that option",
+                {"field": f"options.{wire}", "loaded": list(has) if isinstance(has, tuple) else has},
+            )
+
+
 class LoadProgress(Protocol):
     """How a load reports its progress (the protocol layer sends it as work-done progress)."""
 
@@ -255,6 +297,10 @@ class Runtime:
         # name -> the engine of a failed load, still closing its model (see _failed, _settle)
         self._closing: dict[str, Engine] = {}
         self._last: str | None = None
+        # How long a model stays loaded once idle, unless a load or request says (seconds; inf:
+        # until unloaded, as a server that one client spawned keeps it). A daemon sets its own.
+        self.keep_alive = float("inf")
+        self.connections = 0  # open connections: with more than one, a model's slots are shared (Engine.share)
 
     async def load(
         self,
@@ -262,10 +308,22 @@ class Runtime:
         backend_name: str | None = None,
         request: LoadRequest | None = None,
         progress: LoadProgress | None = None,
+        *,
+        owner: int | None = None,
+        keep_alive: float | None = None,
+        pin: bool | None = None,
+        evicted: list[str] | None = None,
     ) -> Loaded:
-        """Load (or join the load of) a model by name with the load's options; returns once ready."""
+        """Load (or join the load of) a model by name with the load's options; returns once
+        ready. A model already loaded is shared: a load that names an option must name the value
+        it was loaded with (-32602 names the first that differs). `owner` (a connection) becomes
+        one of its holders; `keep_alive` (seconds, inf: until unloaded) and `pin` change how long
+        it stays. When the model does not fit, idle unpinned models are unloaded, least recently
+        used first, until it does: their names go to `evicted`."""
         ref = self.store.resolve(name)
         existing = self.loaded.get(ref.name)
+        if existing is not None and request is not None and existing.ready.is_set() and existing.error is None:
+            _check_compatible(existing, request)
         if existing is None:
             await self._settle(ref.name)  # a failed load of it frees its memory before this one places
             opts, extra = (request or LoadRequest()).resolve(ref.context_length)
@@ -300,12 +358,30 @@ class Runtime:
             if backend.name == "llama":  # llama.cpp aborts the process on some bad hparams: refuse them first
                 for path in (ref.path, draft_model) if draft_model else (ref.path,):
                     await anyio.to_thread.run_sync(gguf_meta.check_llama, path)
-            opts, placed = await anyio.to_thread.run_sync(self._place, ref, backend, opts, placement, extra.given)
+            while True:
+                try:
+                    placed_opts, placed = await anyio.to_thread.run_sync(
+                        self._place, ref, backend, opts, placement, extra.given
+                    )
+                    break
+                except DoesNotFit:
+                    victim = self._least_recently_used(ref.name)
+                    if victim is None:
+                        raise
+                    log.warning("unloading %s (idle since its last request) to make room for %s", victim, ref.name)
+                    await self.unload(victim)
+                    if evicted is not None:
+                        evicted.append(victim)
+            opts = placed_opts
             existing = self.loaded.get(ref.name)  # a concurrent load of it may have begun meanwhile
         if existing is not None:
             await existing.ready.wait()
             if existing.error is not None:
                 raise existing.error
+            if request is not None:
+                _check_compatible(existing, request)
+                existing.loads += 1
+            self._hold(existing, owner, keep_alive, pin)
             self._last = ref.name
             return existing
         loop = asyncio.get_running_loop()
@@ -360,7 +436,10 @@ class Runtime:
             draft_policy=None if policy == "none" else policy,
             placement=placed[0],
             placement_reason=placed[1],
+            request=request or LoadRequest(),
+            keep_alive=self.keep_alive,
         )
+        self._hold(entry, owner, keep_alive, pin)
         self.loaded[ref.name] = entry
         self.failed.pop(ref.name, None)
         engine.start()  # first: whatever happens to this request, the load itself goes on
@@ -387,6 +466,52 @@ class Runtime:
         assert model is not None, "a loaded engine holds its model"
         log.info("loaded %s with %s: %s", ref.name, backend.name, model.info.description)
         return entry
+
+    def _hold(self, entry: Loaded, owner: int | None, keep_alive: float | None, pin: bool | None) -> None:
+        if owner is not None:
+            entry.holders.add(owner)
+        if keep_alive is not None:
+            entry.keep_alive = keep_alive
+            entry.idle_since = time.monotonic()
+        if pin is not None:
+            entry.pinned = pin
+        entry.engine.share = self.connections > 1
+
+    def release(self, owner: int) -> None:
+        """A connection ended: it holds no model any more (each stays for its keep-alive)."""
+        for entry in list(self.loaded.values()):
+            if owner in entry.holders:
+                entry.holders.discard(owner)
+                if not entry.running:
+                    entry.idle_since = time.monotonic()
+
+    def share(self, connections: int) -> None:
+        """How many connections are open: with more than one, no connection takes a model's last
+        free slot while it holds one (Engine.share)."""
+        self.connections = connections
+        for entry in list(self.loaded.values()):
+            entry.engine.share = connections > 1
+
+    def _least_recently_used(self, sparing: str) -> str | None:
+        """The idle, unpinned, loaded model (not `sparing`) whose last request ended longest ago."""
+        idle = [
+            e
+            for e in self.loaded.values()
+            if e.name != sparing and e.ready.is_set() and e.error is None and not e.pinned and not e.running
+        ]
+        return min(idle, key=lambda e: e.idle_since).name if idle else None
+
+    async def reap(self) -> list[Loaded]:
+        """Unload the models idle past their keep-alive; returns them."""
+        now = time.monotonic()
+        gone = []
+        for entry in list(self.loaded.values()):
+            expires = entry.expires() if entry.ready.is_set() and entry.error is None else None
+            if expires is not None and now >= expires and self.loaded.get(entry.name) is entry:
+                log.info("unloading %s: idle for %.0f s (keepAlive)", entry.name, now - entry.idle_since)
+                await self.unload(entry.name)
+                gone.append(entry)
+        return gone
 
     def _draft_model(self, policy: str | None, name: str | None, backend: Backend) -> str | None:
         """The draft-model policy's model, which the target's backend loads: a name the store
@@ -459,9 +584,7 @@ class Runtime:
         try:
             plan = self.plugins.placements[name].plan(facts, machine, opts)
         except ValueError as exc:
-            raise errors.KinferError(
-                errors.LOAD_FAILED, f"{ref.name} does not fit: {exc}", {"path": ref.path}
-            ) from None
+            raise DoesNotFit(errors.LOAD_FAILED, f"{ref.name} does not fit: {exc}", {"path": ref.path}) from None
         except Exception as exc:  # a third-party placement's bug: this load fails, nothing else
             raise errors.KinferError(
                 errors.LOAD_FAILED, f"placement {name!r} failed: {type(exc).__name__}: {exc}", {"path": ref.path}
@@ -527,11 +650,12 @@ class Runtime:
         self._closing.clear()
 
     # -- inference ---------------------------------------------------------------------------
-    async def model_for(self, name: str | None) -> Loaded:
-        """The model a request names, else the one used last; loaded with its defaults if need be."""
+    async def model_for(self, name: str | None, owner: int | None = None, keep_alive: float | None = None) -> Loaded:
+        """The model a request names, else the one used last; loaded with its defaults if need
+        be. `owner` (the request's connection) becomes one of its holders."""
         if name is None and self._last is not None and self._last in self.loaded:
             name = self._last
-        return await self.load(name, None, None)
+        return await self.load(name, None, None, owner=owner, keep_alive=keep_alive)
 
     def drafting(self, entry: Loaded, opts: GenerateOptions) -> GenerateOptions:
         """The request's draft policy and count: the load's, unless the request overrides."""
@@ -569,10 +693,13 @@ class Runtime:
         on_piece: Callable[[str, list[int]], None] | None = None,
         on_done: Callable[[Job], None] | None = None,
         constraint: Any = None,
+        owner: int = 0,
     ) -> Job:
         """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
         compiled from them) to the entry's engine."""
-        job = Job(ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint)
+        job = Job(
+            ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint, owner=owner
+        )
         entry.engine.submit(job)
         return job
 

@@ -83,7 +83,11 @@ class Connection:
         gate: Callable[[str, bool], errors.KinferError | None] | None = None,
         accept: Callable[[str, dict[str, Any] | list[Any]], errors.KinferError | None] | None = None,
         send_nowait: Callable[[dict[str, Any]], None] | None = None,
+        owner: int = 0,
     ):
+        # Which client this is, for the host: the models it holds, its fair share of their slots.
+        self.owner = owner
+        self.cancel_reason = "the request was cancelled"  # what a cancelled request is answered
         self._send = send
         self._send_nowait = send_nowait
         self._notifications = notifications
@@ -249,7 +253,7 @@ class Connection:
                 except Exception:
                     log.exception("partial result failed")
             with anyio.CancelScope(shield=True):
-                await self._error(ctx.id, errors.REQUEST_CANCELLED, "the request was cancelled", partial)
+                await self._error(ctx.id, errors.REQUEST_CANCELLED, self.cancel_reason, partial)
             return
         if response is not None:
             # One request in (never a batch), so one response object out, never a list.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,10 +115,22 @@ class Handlers:
         name = f.str("model")
         backend = f.str("backend")
         options = f.raw("options")
+        keep = params.keep_alive(f.raw("keepAlive"))
+        pin = f.bool("pin", None)
         f.done()
         request = load_request(options)
-        entry = await self.runtime.load(name, backend, request, _Progress(ctx) if ctx is not None else None)
-        return self._describe(entry)
+        evicted: list[str] = []
+        entry = await self.runtime.load(
+            name,
+            backend,
+            request,
+            _Progress(ctx) if ctx is not None else None,
+            owner=ctx.connection.owner if ctx is not None else None,
+            keep_alive=keep,
+            pin=pin,
+            evicted=evicted,
+        )
+        return {**self._describe(entry), **({"evicted": evicted} if evicted else {})}
 
     def _describe(self, entry: Loaded) -> dict[str, Any]:
         model = entry.engine.model
@@ -146,6 +159,7 @@ class Handlers:
             **self._placement_fields(entry),
             **self._template_fields(entry),
             "ignoredParameters": [{"name": n, "reason": why} for n, why in entry.ignored],
+            **_sharing(entry),
             **({"devices": [dict(d) for d in info.devices]} if info.devices else {}),
             **({"rpcServers": list(entry.options.rpc_servers)} if entry.options.rpc_servers else {}),
             **self._split_fields(entry.options),
@@ -226,6 +240,7 @@ class Handlers:
                     "gpuLayers": entry.options.gpu_layers,
                     **({"reproducible": self._reproducible(model)} if model is not None else {}),
                     **self._placement_fields(entry),
+                    **_sharing(entry),
                 }
             )
         return {"models": out}
@@ -238,6 +253,7 @@ class Handlers:
         suffix = f.str("suffix")
         add_special = f.bool("addSpecial", None)
         options = f.raw("options")
+        keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
         if (prompt is None) == (tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
@@ -246,11 +262,11 @@ class Handlers:
                 raise errors.invalid_params(
                     "params.suffix goes with params.prompt (not tokens or addSpecial)", {"field": "params.suffix"}
                 )
-            req = Infill(prompt, suffix, name, options=request_options(options))
-            return reply_json(await self.requests.infill(req, *_sink(ctx)))
+            req = Infill(prompt, suffix, name, options=request_options(options), keep_alive=keep)
+            return reply_json(await self.requests.infill(req, **_call(ctx)))
         ids = params.tokens(tokens) if tokens is not None else None
-        gen = Generate(name, prompt, ids, add_special, request_options(options))
-        return reply_json(await self.requests.generate(gen, *_sink(ctx)))
+        gen = Generate(name, prompt, ids, add_special, request_options(options), keep)
+        return reply_json(await self.requests.generate(gen, **_call(ctx)))
 
     async def inference_infill(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
@@ -259,11 +275,12 @@ class Handlers:
         suffix = f.str("suffix", "")
         extra = params.infill_extra(f.raw("extra"))
         options = f.raw("options")
+        keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
         if prefix is None:
             raise errors.invalid_params("params.prefix is required", {"field": "params.prefix"})
-        req = Infill(prefix, suffix, name, tuple(extra), request_options(options, infill=True))
-        return reply_json(await self.requests.infill(req, *_sink(ctx)))
+        req = Infill(prefix, suffix, name, tuple(extra), request_options(options, infill=True), keep)
+        return reply_json(await self.requests.infill(req, **_call(ctx)))
 
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
@@ -272,9 +289,10 @@ class Handlers:
         options = f.raw("options")
         tool_list = params.tools(f.raw("tools"))
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)
+        keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
-        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options))
-        return reply_json(await self.requests.chat(req, *_sink(ctx)))
+        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), keep)
+        return reply_json(await self.requests.chat(req, **_call(ctx)))
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
@@ -287,6 +305,22 @@ class Handlers:
             raise errors.invalid_params("params.text is required")
         out = await self.requests.tokenize(Tokenize(text, name, add_special, parse_special))
         return {"tokens": list(out.tokens), "pieces": list(out.pieces)}
+
+
+def _sharing(entry: Loaded) -> dict[str, Any]:
+    """Who holds a loaded model and how long it stays: holders (connections), loads (model/load
+    calls it answered), pinned, keepAlive (seconds, -1: until unloaded), expiresIn (seconds, when
+    idle; absent while it never expires)."""
+    expires = entry.expires()
+    out: dict[str, Any] = {
+        "holders": len(entry.holders),
+        "loads": entry.loads,
+        "pinned": entry.pinned,
+        "keepAlive": -1 if entry.keep_alive == float("inf") else entry.keep_alive,
+    }
+    if expires is not None:
+        out["expiresIn"] = round(max(0.0, expires - time.monotonic()), 1)
+    return out
 
 
 class _Streamed(Sink):
@@ -303,6 +337,10 @@ class _Streamed(Sink):
         await self.ctx.report_partial(piece_json(piece))
 
 
-def _sink(ctx: RequestContext | None) -> tuple[Sink | None, float | None]:
-    """The request's sink and arrival time, as the flows take them."""
-    return (_Streamed(ctx), ctx.received) if ctx is not None else (None, None)
+def _call(ctx: RequestContext | None) -> dict[str, Any]:
+    """Who asked, as the flows take it: where the reply streams to, the connection (which holds
+    the model and shares its slots fairly with the others), when the request arrived."""
+    if ctx is None:
+        return {}
+    sink: Sink = _Streamed(ctx)
+    return {"sink": sink, "owner": ctx.connection.owner, "received": ctx.received}

@@ -243,3 +243,35 @@ def infill_extra(value: object) -> list[tuple[str, str]]:
             raise errors.invalid_params(f"params.extra[{i}].text is required", {"field": f"params.extra[{i}].text"})
         out.append((name, text))
     return out
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def keep_alive(value: object) -> float | None:
+    """`keepAlive` as Ollama's keep_alive: seconds (a number), or a duration ("10m", "1h30m",
+    "45s", "500ms"); 0 unloads the model as soon as it is idle, a negative value keeps it until
+    it is unloaded (inf). None when not given."""
+    where = "params.keepAlive"
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return float("inf") if value < 0 else float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is not None and number == number:
+            return float("inf") if number < 0 else number
+        if text.startswith("-") and _all_durations(text[1:]):
+            return float("inf")
+        if _all_durations(text):
+            return sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text))
+    raise _bad(where, 'a number of seconds or a duration such as "5m", "1h30m" or "-1"')
+
+
+def _all_durations(text: str) -> bool:
+    return bool(text) and "".join(m.group(0) for m in _DURATION.finditer(text)) == text

@@ -129,6 +129,67 @@ def _load(kinfer: Client, model: str | None, args: argparse.Namespace) -> Loaded
         return kinfer.load(model, progress=on_progress, **_load_options(args))
 
 
+# -- the server: the daemon when one runs -------------------------------------------------------
+def _server() -> list[str]:
+    """The command the CLI's client runs: `kinfer-rpc --attach` when the daemon answers (every
+    kinfer then shares its models, as `ollama run` talks to `ollama serve`), else a kinfer-rpc
+    of its own."""
+    from kinfer_rpc.protocol.daemon import default_socket, live
+
+    command = server_command()
+    try:
+        running = live(default_socket(), timeout=1.0)
+    except OSError:
+        running = False
+    return [*command, "--attach"] if running else command
+
+
+def _ended(pid: int) -> bool:
+    """Whether the process has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2 :].startswith("Z")
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kinfer_rpc.protocol import daemon
+
+    return daemon.run(args)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """SIGTERM to the daemon (its pid from the socket's peer credentials), then wait for it."""
+    import signal
+    import socket
+    import struct
+
+    from kinfer_rpc.protocol.daemon import default_socket
+
+    path = args.socket or str(default_socket())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            print(f"no kinfer daemon answers on {path}")
+            return 0 if not os.path.exists(path) else 1
+        pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _ended(pid):
+            print(f"stopped the kinfer daemon (pid {pid}) on {path}")
+            return 0
+        time.sleep(0.05)
+    err.print(f"kinfer: the daemon (pid {pid}) did not stop within 30 s")
+    return 1
+
+
 # -- chat --------------------------------------------------------------------------------------
 def _json_file(path: str) -> Any:
     try:
@@ -601,7 +662,7 @@ def _chat(args: argparse.Namespace) -> int:
         piped = sys.stdin.read()
         if piped.strip():
             prompt = piped.rstrip("\n") if prompt is None else piped.rstrip("\n") + "\n\n" + prompt
-    with Client() as kinfer:
+    with Client(_server()) as kinfer:
         try:
             loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
             chat = _Chat(kinfer, loaded, args, options)
@@ -684,7 +745,7 @@ def _num_ctx() -> dict[str, int]:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with Client() as kinfer:
+    with Client(_server()) as kinfer:
         models = kinfer.request("model/list", {})["models"]
     num_ctx = _num_ctx()
     for m in models:
@@ -834,10 +895,13 @@ def _show(args: argparse.Namespace) -> int:
 
 # -- ps ----------------------------------------------------------------------------------------
 def _is_server(argv: list[str]) -> bool:
+    """kinfer-rpc (standalone, or attached to the daemon) and the daemon (`kinfer serve`)."""
     head = [os.path.basename(a) for a in argv[:2]]
     if "kinfer-rpc" in head:
         return True
-    return any(a == "-m" and b == "kinfer_rpc" for a, b in zip(argv, argv[1:]))
+    if "kinfer" in head and "serve" in argv[head.index("kinfer") + 1 : head.index("kinfer") + 2]:
+        return True
+    return any(a == "-m" and b in ("kinfer_rpc", "kinfer_rpc.protocol.daemon") for a, b in zip(argv, argv[1:]))
 
 
 def _state(status: dict[str, Any] | None) -> str | None:
@@ -930,6 +994,9 @@ def _servers() -> list[dict[str, Any]]:
                 "requestsRunning": status.get("requestsRunning") if status else None,
                 "models": models,
                 "command": argv,
+                # the daemon's socket and open connections; a proxy attached to it holds nothing itself
+                "daemon": status.get("daemon") if status else None,
+                "attached": "--attach" in argv,
             }
         )
     return sorted(found, key=lambda s: s["pid"])
@@ -941,7 +1008,7 @@ def _ps(args: argparse.Namespace) -> int:
         _emit(servers)
         return 0
     if not servers:
-        print("no kinfer-rpc is running on this machine (each client spawns its own)")
+        print("no kinfer-rpc is running on this machine (each client spawns its own; `kinfer serve` shares one)")
         return 0
 
     def uptime(s: dict[str, Any]) -> str:
@@ -955,12 +1022,23 @@ def _ps(args: argparse.Namespace) -> int:
             return f"{m['name']} ({m.get('slotsBusy') or 0}/{m['slots']} slots busy)"
         return str(m["name"])
 
+    def client(s: dict[str, Any]) -> str:
+        if s.get("daemon"):
+            n = s["daemon"].get("connections", 0)
+            return f"daemon ({n} connection{'s' if n != 1 else ''})"
+        return f"{s['client'] or '?'} ({s['ppid']})"
+
+    for s in servers:
+        if s.get("daemon"):
+            print(f"the kinfer daemon (pid {s['pid']}) listens on {s['daemon'].get('socket')}; kinfer uses it")
+        elif s.get("attached"):
+            s["state"] = "attached"  # a proxy: its models and requests are the daemon's
     _table(
         ["PID", "CLIENT", "UPTIME", "RSS", "STATE", "REQUESTS", "MODELS"],
         [
             [
                 str(s["pid"]),
-                f"{s['client'] or '?'} ({s['ppid']})",
+                client(s),
                 uptime(s),
                 _human(s["rssBytes"], [" B", " KB", " MB", " GB", " TB"]),
                 s["state"] or "-",
@@ -985,7 +1063,7 @@ async def _bench_async(args: argparse.Namespace) -> dict[str, Any]:
     load_options = _load_options(args)
     load_options.setdefault("slots", max(4, args.concurrency))
     runs: list[dict[str, float]] = []
-    async with AsyncClient() as kinfer:
+    async with AsyncClient(_server()) as kinfer:
         with _bar(transient=False, quiet=args.json) as bar:
             loading = bar.add_task(f"loading {args.model or 'the default model'}", total=100)
 
@@ -1247,7 +1325,7 @@ def _doctor(args: argparse.Namespace) -> int:
         "memory": _meminfo(),
     }
     try:
-        with Client() as kinfer:
+        with Client(_server()) as kinfer:
             caps = kinfer.capabilities
             report["serverInfo"] = kinfer.server_info.get("serverInfo")
             report["plugins"] = caps.get("plugins", [])
@@ -1544,6 +1622,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rm = sub.add_parser("rm", parents=[common], help="delete models pulled into kinfer's folder (never Ollama's)")
     rm.add_argument("models", metavar="NAME", nargs="+", help="a model's name as `kinfer list` shows it")
 
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon: one warm runtime that editors (kinfer-rpc --attach), agents and kinfer share",
+    )
+    from kinfer_rpc.protocol import daemon as daemon_module
+
+    daemon_module.add_arguments(serve)
+    stop = sub.add_parser("stop", help="stop the daemon (answering what it is doing with an error)")
+    stop.add_argument("--socket", default=None, help="the daemon's socket (default: the default socket)")
+
     rpc = sub.add_parser(
         "rpc-server",
         parents=[common],
@@ -1577,6 +1665,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "doctor": _doctor,
         "rpc-server": _rpc_server,
+        "serve": _serve,
+        "stop": _stop,
         "pull": _pull,
         "rm": _rm,
     }

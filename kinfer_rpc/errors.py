@@ -13,6 +13,9 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 SERVER_NOT_INITIALIZED = -32002
 REQUEST_CANCELLED = -32800
+# The server went away before it answered: the clients' own code, and what `kinfer-rpc --attach`
+# answers for the requests the daemon never did when it goes away.
+SERVER_GONE = -32099
 
 MODEL_NOT_FOUND = -31001
 CONTEXT_OVERFLOW = -31002

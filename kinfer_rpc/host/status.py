@@ -72,9 +72,12 @@ class StatusFile:
     def path(self) -> Path:
         return (self._folder or run_dir()) / f"{self.pid}.json"
 
-    def update(self, models: list[dict[str, Any]], requests_running: int) -> bool:
-        """Write the file if what it says changed; True if it was written."""
+    def update(self, models: list[dict[str, Any]], requests_running: int, daemon: dict[str, Any] | None = None) -> bool:
+        """Write the file if what it says changed; True if it was written. `daemon`: the daemon's
+        socket and open connections, when this process is one."""
         doc = {"pid": self.pid, "startedAt": self.started, "models": models, "requestsRunning": requests_running}
+        if daemon is not None:
+            doc["daemon"] = daemon
         if doc == self._last:
             return False
         self._last = doc

@@ -1,5 +1,10 @@
 """`kinfer-rpc`: the process an editor spawns. Stdout carries frames and nothing else.
 
+A `Service` is what one process holds for all its clients (the plugins, the runtime and its
+models, the status file `kinfer ps` reads); a `Session` is one client's connection to it, with its
+own lifecycle, ids, progress tokens and cancels. `kinfer-rpc` is one session over stdio that owns
+its service; the daemon (kinfer_rpc.protocol.daemon) serves many sessions over a Unix socket.
+
 At start-up the real stdout is moved aside and file descriptor 1 pointed at stderr, so native
 libraries that print can never corrupt the stream. The lifecycle follows LSP: `initialize`
 first (other requests get -32002), `initialized`, `shutdown`, `exit` (0 after shutdown, else 1).
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -62,7 +68,7 @@ MESSAGE_TYPE = {logging.ERROR: 1, logging.WARNING: 2, logging.INFO: 3, logging.D
 class ClientLogHandler(logging.Handler):
     """Sends log records to the client as window/logMessage once it asked for them."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Session):
         super().__init__(logging.CRITICAL + 1)
         self.server = server
 
@@ -77,15 +83,99 @@ class ClientLogHandler(logging.Handler):
             loop.call_soon_threadsafe(self.server.queue_notification, "window/logMessage", message)
 
 
-class Server:
-    def __init__(self, write_stream: ByteSendStream, *, max_frame: int = MAX_FRAME_BYTES):
-        self.state = "uninitialized"  # -> initialized -> shutdown
+class Service:
+    """What every session of one process shares: the plugins, the runtime with its models and the
+    requests on them, and `kinfer ps`'s status file. `socket`: the daemon's, for ps."""
+
+    def __init__(self, *, socket: str | None = None):
         self.plugins = load_plugins()
         self.runtime = Runtime(self.plugins)
+        self.handlers = Handlers(self.runtime)
+        self.sessions: set[Session] = set()
+        self.socket = socket
+        self._ids = itertools.count(1)
+
+    def open(self, session: Session) -> int:
+        """A session starts: its owner id (the models it holds, its share of their slots)."""
+        self.sessions.add(session)
+        self.runtime.share(len(self.sessions))
+        return next(self._ids)
+
+    def close_session(self, session: Session) -> None:
+        """A session ended: the models it held stay for their keep-alive, held by the others."""
+        self.sessions.discard(session)
+        self.runtime.release(session.owner)
+        self.runtime.share(len(self.sessions))
+
+    async def background(self) -> None:
+        """Until cancelled: the status file, and models unloaded once idle past their keep-alive."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_status)
+            tg.start_soon(self._reap)
+
+    async def _reap(self) -> None:
+        while True:
+            await anyio.sleep(0.5)
+            try:
+                for gone in await self.runtime.reap():
+                    self.handlers.renderer.stop(gone)  # (none should be rendering: it was idle)
+            except Exception:  # noqa: BLE001 - an unload that failed is logged; the next look tries again
+                log.exception("unloading an idle model failed")
+
+    async def _write_status(self) -> None:
+        """`kinfer ps`'s view of this process ($KINFER_HOME/run/<pid>.json), written when it
+        changes; removed when the service ends (this task is cancelled then)."""
+        status = StatusFile()
+        try:
+            while True:
+                try:
+                    running = sum(
+                        1
+                        for session in list(self.sessions)
+                        for _, ctx in list(session.connection._running.values())
+                        if ctx.method in INFERENCE_METHODS
+                    )
+                    extra = (
+                        {"daemon": {"socket": self.socket, "connections": len(self.sessions)}} if self.socket else {}
+                    )
+                    status.update(status_models(self.runtime), running, **extra)
+                except Exception as exc:  # noqa: BLE001 - never the server's concern
+                    log.debug("the status file was not updated: %s", exc)
+                await anyio.sleep(STATUS_INTERVAL)
+        finally:
+            status.remove()
+
+    async def close(self) -> None:
+        """Every model unloaded, the template workers stopped."""
+        await self.handlers.renderer.aclose()
+        await anyio.to_thread.run_sync(self.runtime.close)
+
+
+class Session:
+    """One client's connection: its lifecycle (initialize ... shutdown, exit), its requests and
+    their progress, its LSP documents. `owns` its service (kinfer-rpc over stdio): shutdown
+    unloads the models and the session's end is the process's; else (the daemon) shutdown and
+    exit end this session only."""
+
+    def __init__(
+        self,
+        write_stream: ByteSendStream,
+        *,
+        max_frame: int = MAX_FRAME_BYTES,
+        service: Service | None = None,
+        peer_pid: int | None = None,
+    ):
+        self.state = "uninitialized"  # -> initialized -> shutdown
+        self.owns = service is None
+        self.service = service or Service()
+        self.plugins = self.service.plugins
+        self.runtime = self.service.runtime
         self.max_frame = max_frame
         self.exit_code: int | None = None
         self.client_pid: int | None = None
-        self.parent_pid = os.getppid()
+        # Without a client process id, the process whose death ends this session: kinfer-rpc's
+        # parent; a daemon's peer (the process that connected).
+        self.parent_pid = os.getppid() if self.owns else peer_pid
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self._write = write_stream
@@ -95,7 +185,8 @@ class Server:
         self.log_handler = ClientLogHandler(self)
         self.log_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         self._stop = anyio.Event()
-        r = self.handlers = Handlers(self.runtime)
+        self.owner = self.service.open(self)
+        r = self.handlers = self.service.handlers
         # LSP's editor features: code completion from the model for stock LSP clients.
         lsp = self.editor = Editor(
             r.inference_infill,
@@ -130,6 +221,7 @@ class Server:
             gate=self.gate,
             accept=self.accept,
             send_nowait=self._send_nowait,
+            owner=self.owner,
         )
 
     # -- output: one writer, whole frames ---------------------------------------------------
@@ -265,9 +357,10 @@ class Server:
             log.warning("initialized: params must be an object; ignored them")
 
     async def shutdown(self, ctx: RequestContext, /, *_: Any, **__: Any) -> None:
-        # accept() checked the params and set the state.
-        await self.handlers.renderer.aclose()
-        await anyio.to_thread.run_sync(self.runtime.close)
+        # accept() checked the params and set the state. A daemon's session leaves the models
+        # to the others (they stay for their keep-alive).
+        if self.owns:
+            await self.service.close()
         return None
 
     async def exit(self, /, *_: Any, **__: Any) -> None:
@@ -285,29 +378,22 @@ class Server:
                 self._stop.set()
                 return
             # Without a process id, the parent: when it dies we are re-parented (to init or a
-            # subreaper), and a stdin left open by some other process would keep us alive.
-            if not pid and os.getppid() != self.parent_pid:
+            # subreaper), and a stdin left open by some other process would keep us alive. (A
+            # daemon's session ends when its socket closes.)
+            if not pid and self.owns and os.getppid() != self.parent_pid:
                 log.warning("the parent process %d died; exiting", self.parent_pid)
                 self.exit_code = 1
                 self._stop.set()
                 return
 
-    async def _write_status(self) -> None:
-        """`kinfer ps`'s view of this server ($KINFER_HOME/run/<pid>.json), written when it
-        changes; removed when the server ends (this task is cancelled then)."""
-        status = StatusFile()
-        try:
-            while True:
-                try:
-                    running = sum(
-                        1 for _, ctx in list(self.connection._running.values()) if ctx.method in INFERENCE_METHODS
-                    )
-                    status.update(status_models(self.runtime), running)
-                except Exception as exc:  # noqa: BLE001 - never the server's concern
-                    log.debug("the status file was not updated: %s", exc)
-                await anyio.sleep(STATUS_INTERVAL)
-        finally:
-            status.remove()
+    def stop(self, exit_code: int, reason: str | None = None) -> None:
+        """End this session as `exit` would, answering its requests in flight with -32800 and
+        `reason` (the daemon stopping)."""
+        if self.exit_code is None:
+            self.exit_code = exit_code
+        if reason is not None:
+            self.connection.cancel_reason = reason
+        self._stop.set()
 
     def _on_signal(self, signum: int) -> None:
         """SIGINT, SIGTERM or SIGHUP: end as `exit` would, answering what runs; exit code 128 + signum."""
@@ -322,7 +408,8 @@ class Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
             tg.start_soon(self._watch_parent)
-            tg.start_soon(self._write_status)
+            if self.owns:
+                tg.start_soon(self.service.background)
 
             async def read() -> None:
                 await self.connection.serve(FrameReader(read_stream, self.max_frame))
@@ -334,7 +421,7 @@ class Server:
             tg.start_soon(read)
             # SIGHUP: the terminal the server was started from closed (no such signal on Windows).
             for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-                if signum is None:
+                if signum is None or not self.owns:  # the daemon's signals are the daemon's
                     continue
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     self.loop.add_signal_handler(signum, self._on_signal, signum)
@@ -346,8 +433,9 @@ class Server:
                 while self.connection.running:
                     await anyio.sleep(0.01)
             self.loop = None
-            await self.handlers.renderer.aclose()
-            await anyio.to_thread.run_sync(self.runtime.close)
+            self.service.close_session(self)
+            if self.owns:
+                await self.service.close()
             # Let what is queued reach the client, briefly.
             self._out_send.close()
             with anyio.move_on_after(1.0):
@@ -432,10 +520,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))
     parser.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
     parser.add_argument("--stdio", action="store_true", help="accepted for LSP clients; stdio is the only transport")
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        default=os.environ.get("KINFER_ATTACH", "") not in ("", "0"),
+        help="be a proxy to the kinfer daemon (kinfer serve), starting it when none runs (also KINFER_ATTACH=1)",
+    )
+    parser.add_argument("--socket", default=None, help="the daemon's socket, with --attach")
     parser.add_argument("--version", action="version", version=f"kinfer-rpc {__version__}")
     args = parser.parse_args(argv)
 
     out_fd = _take_stdout()
+    if args.attach:
+        from pathlib import Path
+
+        from kinfer_rpc.protocol import attach
+
+        logging.basicConfig(level=LOG_LEVELS[args.log_level], format="kinfer-rpc --attach %(levelname)s: %(message)s")
+        code = attach.run(Path(args.socket).absolute() if args.socket else None, stdout_fd=out_fd)
+        sys.stderr.flush()
+        os._exit(code)
     root = logging.getLogger()
     root.setLevel(logging.DEBUG)
     stderr_handler = logging.StreamHandler(sys.stderr)
@@ -451,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     async def amain() -> int:
         write = FileWriteStream(os.fdopen(out_fd, "wb", buffering=0))
         read = StdinStream(0)
-        server = Server(write, max_frame=args.max_frame_bytes)
+        server = Session(write, max_frame=args.max_frame_bytes)
         root.addHandler(server.log_handler)
         if args.clientProcessId:
             server.client_pid = args.clientProcessId

@@ -1,0 +1,287 @@
+"""`kinfer serve`: one warm runtime for many clients, over a Unix socket.
+
+The daemon speaks exactly the protocol and framing of `kinfer-rpc` on stdio to each connection,
+and each connection is a session of its own (kinfer_rpc.protocol.server.Session): its lifecycle
+(`initialize` ... `shutdown`/`exit`, which end the connection, not the daemon), request ids,
+progress tokens and cancels. Every session shares one Service: one runtime, so a model loads once
+and every client's requests run in the same batches, with the same reply for the same request
+whatever else runs. A connection that closes has its requests cancelled and the models it held
+released (each stays loaded for its keep-alive). SIGTERM or SIGINT (`kinfer stop`) answers what
+is in flight (-32800, "the daemon is stopping") and exits 0.
+
+Only its owner gets in: the socket's folder is a real 0700 directory owned by the user, the socket
+0600, and each connection's peer (SO_PEERCRED) must be the same user; there is no TCP listener. A
+socket left by a dead daemon is replaced; a live one is never taken over: a second daemon on the
+same socket refuses to start. Starting is serialized by a lock file beside the socket
+(`kinfer.lock`), which `kinfer-rpc --attach` (kinfer_rpc.protocol.attach) also takes, so that two
+editors starting at once end with one daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+from anyio.abc import SocketAttribute, SocketStream
+
+from kinfer_rpc import __version__, errors
+from kinfer_rpc.host.store import kinfer_home
+from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, encode
+from kinfer_rpc.protocol.params import keep_alive as parse_keep_alive
+from kinfer_rpc.protocol.server import LOG_LEVELS, Service, Session
+
+log = logging.getLogger("kinfer_rpc.daemon")
+
+SOCKET_NAME = "kinfer.sock"
+LOCK_NAME = "kinfer.lock"
+MAX_CONNECTIONS = 256  # connections at once; one more is answered with an error and closed
+DEFAULT_KEEP_ALIVE = "5m"  # as Ollama's OLLAMA_KEEP_ALIVE
+
+
+def default_socket() -> Path:
+    """$XDG_RUNTIME_DIR/kinfer/kinfer.sock, else $KINFER_HOME/run/kinfer.sock."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        return Path(runtime) / "kinfer" / SOCKET_NAME
+    return kinfer_home() / "run" / SOCKET_NAME
+
+
+class Unsafe(Exception):
+    """The socket's folder is not one only this user can reach."""
+
+
+def own_folder(folder: Path) -> None:
+    """Make `folder` (0700) or check it is a real directory of this user that nobody else can
+    enter: never a symbolic link, never group- or world-accessible."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Unsafe(f"{folder} is not a directory (a symbolic link?)")
+    if st.st_uid != os.getuid():
+        raise Unsafe(f"{folder} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        os.chmod(folder, 0o700)  # our own folder, made loose by someone: tighten it
+
+
+def live(path: Path, timeout: float = 2.0) -> bool:
+    """Whether a daemon answers on the socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+                return False
+            raise
+        return True
+
+
+@contextlib.contextmanager
+def start_lock(path: Path) -> Iterator[None]:
+    """The lock that serializes starting a daemon on `path` (kinfer.lock beside the socket)."""
+    own_folder(path.parent)
+    fd = os.open(path.parent / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def peer(stream: SocketStream) -> tuple[int, int]:
+    """The connected process's (pid, uid), from the kernel (SO_PEERCRED)."""
+    raw = stream.extra(SocketAttribute.raw_socket)
+    creds = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+class _Received:
+    """A socket stream as the framing reads bytes: b"" once the peer has gone."""
+
+    def __init__(self, stream: SocketStream):
+        self._stream = stream
+
+    async def receive(self) -> bytes:
+        try:
+            return await self._stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return b""
+
+
+class Daemon:
+    """A Service and the sessions of the socket's connections."""
+
+    def __init__(self, path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYTES):
+        self.path = path
+        self.max_frame = max_frame
+        self.service = Service(socket=str(path))
+        self.service.runtime.keep_alive = keep_alive
+        self.sessions: set[Session] = set()
+        self.stopping = False
+        self._stop = anyio.Event()
+
+    async def _refuse(self, stream: SocketStream, message: str) -> None:
+        """One error answer (id null) and the connection closed."""
+        with contextlib.suppress(Exception):
+            frame = {"jsonrpc": "2.0", "id": None, "error": {"code": errors.INVALID_REQUEST, "message": message}}
+            with anyio.move_on_after(1.0):
+                await stream.send(encode(frame))
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+    async def handle(self, stream: SocketStream) -> None:
+        try:
+            pid, uid = peer(stream)
+        except OSError as exc:
+            log.warning("a connection without peer credentials was refused: %s", exc)
+            await stream.aclose()
+            return
+        if uid != os.getuid():
+            log.warning("refused a connection from uid %d (pid %d): only uid %d may connect", uid, pid, os.getuid())
+            await self._refuse(stream, "this daemon answers only the user who started it")
+            return
+        if self.stopping:
+            await self._refuse(stream, "the daemon is stopping")
+            return
+        if len(self.sessions) >= MAX_CONNECTIONS:
+            log.warning("refused a connection from pid %d: %d connections are open", pid, MAX_CONNECTIONS)
+            await self._refuse(stream, f"the daemon has {MAX_CONNECTIONS} connections open, its most")
+            return
+        session = Session(stream, max_frame=self.max_frame, service=self.service, peer_pid=pid)
+        logging.getLogger().addHandler(session.log_handler)
+        self.sessions.add(session)
+        log.info("connection %d from pid %d (%d open)", session.owner, pid, len(self.sessions))
+        try:
+            await session.run(_Received(stream))
+        finally:
+            self.sessions.discard(session)
+            logging.getLogger().removeHandler(session.log_handler)
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            log.info("connection %d closed (%d open)", session.owner, len(self.sessions))
+
+    def stop(self, signum: int) -> None:
+        log.warning("%s: answering the requests in flight and stopping", signal.Signals(signum).name)
+        self.stopping = True
+        for session in list(self.sessions):
+            session.stop(0, reason="the daemon is stopping")
+        self._stop.set()
+
+    async def run(self, listener: anyio.abc.Listener[SocketStream]) -> int:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.service.background)
+            accepting = anyio.CancelScope()
+
+            async def accept(sessions: anyio.abc.TaskGroup) -> None:
+                with accepting:
+                    await listener.serve(self.handle, task_group=sessions)
+
+            async with anyio.create_task_group() as sessions:
+                sessions.start_soon(accept, sessions)
+                await self._stop.wait()
+                accepting.cancel()  # no new connections; the sessions answer what they run and end
+                with anyio.move_on_after(5.0):
+                    while self.sessions:
+                        await anyio.sleep(0.02)
+                sessions.cancel_scope.cancel()
+            with contextlib.suppress(Exception):
+                await listener.aclose()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            await self.service.close()
+            tg.cancel_scope.cancel()
+        return 0
+
+
+async def serve(path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYTES, locked: bool = False) -> int:
+    """Listen on `path` and serve until stopped; 1 when another daemon already answers there.
+    `locked`: the starter holds the start lock (kinfer-rpc --attach starting this daemon)."""
+    daemon = Daemon(path, keep_alive=keep_alive, max_frame=max_frame)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before anyone can connect
+        loop.add_signal_handler(signum, daemon.stop, signum)
+    with contextlib.nullcontext() if locked else start_lock(path):
+        own_folder(path.parent)
+        if live(path):
+            log.error("a kinfer daemon already answers on %s", path)
+            return 1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead daemon's socket
+        old = os.umask(0o177)  # the socket is made 0600, never wider even for a moment
+        try:
+            listener = await anyio.create_unix_listener(path)
+        finally:
+            os.umask(old)
+    os.chmod(path, 0o600)
+    log.warning("kinfer %s daemon on %s (pid %d)", __version__, path, os.getpid())
+    return await daemon.run(listener)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", default=None, help=f"the socket to listen on (default: {default_socket()})")
+    parser.add_argument(
+        "--keep-alive",
+        default=os.environ.get("KINFER_KEEP_ALIVE", DEFAULT_KEEP_ALIVE),
+        help='how long a model stays loaded once idle unless a load or request says: "5m", "1h", 0, -1 (forever)',
+    )
+    parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))
+    parser.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
+    parser.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kinfer serve` with parsed arguments: the daemon in the foreground, logging to stderr."""
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    try:
+        keep = parse_keep_alive(args.keep_alive)
+    except errors.KinferError as exc:
+        print(f"kinfer serve: --keep-alive: {exc.message.removeprefix('params.keepAlive ')}", file=sys.stderr)
+        return 2
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(LOG_LEVELS[args.log_level])
+    handler.setFormatter(logging.Formatter("kinfer serve %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    path = Path(args.socket).absolute() if args.socket else default_socket()
+    try:
+        code = anyio.run(
+            lambda: serve(
+                path,
+                keep_alive=float("inf") if keep is None else keep,
+                max_frame=args.max_frame_bytes,
+                locked=args.locked,
+            ),
+            backend="asyncio",
+        )
+    except Unsafe as exc:
+        print(f"kinfer serve: {exc}", file=sys.stderr)
+        return 1
+    logging.shutdown()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kinfer serve", description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -888,11 +888,21 @@ def test_lone_surrogate_in_text_is_32602(loaded):
     assert error_of(loaded.response("s", timeout=10))["code"] == INVALID_PARAMS
 
 
-def test_huge_integer_literal_is_a_parse_error(server):
+def test_huge_integer_literal_is_a_parse_error_answered_with_its_id(server):
     body = b'{"jsonrpc":"2.0","id":"n","method":"model/list","params":{"x":' + b"7" * 5000 + b"}}"
+    server.expect("n", "model/list")
     server.send_raw(raw_frame(body))
-    m = server.wait_for(lambda m: "error" in m, timeout=5)
-    assert m["error"]["code"] == PARSE_ERROR
+    assert server.response("n", timeout=5)["error"]["code"] == PARSE_ERROR
+    assert "result" in server.request("model/list", timeout=5)
+
+
+def test_a_request_nested_3000_deep_is_answered_with_its_id(server):
+    """Valid JSON nested deeper than the parser takes: its request is answered, not left waiting."""
+    deep = b"[" * 3000 + b"]" * 3000
+    server.expect("deep", "model/list")
+    server.send_raw(raw_frame(b'{"jsonrpc":"2.0","id":"deep","method":"model/list","params":{"a":' + deep + b"}}"))
+    err = server.response("deep", timeout=5)["error"]
+    assert err["code"] == PARSE_ERROR and "nests JSON deeper" in err["message"]
     assert "result" in server.request("model/list", timeout=5)
 
 

@@ -3,11 +3,11 @@ llguidance sees them.
 
 llguidance compiles a rule that refers to a rule, a terminal built of terminals and a schema
 whose `$ref` leads to another by recursion on the compiling thread's stack: about 3 kB a rule of
-a chain, 2 kB a group in a group, 9 kB a `$ref` (llguidance 1.9). With no bound, 5,000 chained
+a chain, 2 kB a group in a group, 9 kB a `$ref` (llguidance 1.9). With no bound, 4,000 chained
 rules overflow a thread's usual 8 MiB and end the process. So grammars compile on a thread of
 their own with COMPILE_STACK bytes of stack (kinfer_rpc.engine.grammar), and these limits keep
 the deepest input they let through under half of it: 128 KiB of grammar built to recurse as deep
-as it can (rules of groups nested 27 deep, one referring to the next) takes under 110 MiB.
+as it can (rules of groups nested 24 deep, each referring to the next) takes 98 MiB.
 
 The limits are far above real inputs (a Lark grammar of a programming language has a few hundred
 rules; a schema of 5,000 properties compiles in a quarter of a second), and each nesting limit is

@@ -160,6 +160,15 @@ def test_tools_are_bounded_together():
 REQUIRED = tools.ToolChoice("required")
 
 
+def test_tools_nested_past_what_json_can_write_are_refused_by_nesting():
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(errors.KinferError) as exc:
+        limits.check_tools([{"name": "t", "parameters": deep}])
+    assert exc.value.data["limit"] == "nesting"
+
+
 # -- compiled against the embedded model's vocabulary -----------------------------------------------
 @pytest.fixture(scope="module")
 def model():

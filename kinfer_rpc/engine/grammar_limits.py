@@ -57,7 +57,10 @@ def check(kind: str, source: Any, field: str) -> None:
 def check_tools(functions: Sequence[Mapping[str, Any]]) -> None:
     """-32602 (`field` "tools") when the `parameters` schemas of the tools a reply is forced to
     call are over the schema limits, all of them together."""
-    texts = [json.dumps(f["parameters"]) for f in functions if f.get("parameters") is not None]
+    try:
+        texts = [json.dumps(f["parameters"]) for f in functions if f.get("parameters") is not None]
+    except RecursionError:  # nested far deeper than the limit
+        raise _too_deep("tools") from None
     check_schemas(texts, "tools")
 
 

@@ -98,7 +98,11 @@ class Watchdog:
                 if wait <= 0.0:
                     self._end_now()
                     return
-            ready, _, _ = select.select([self._signals_r], [], [], wait)
+            try:
+                ready, _, _ = select.select([self._signals_r], [], [], wait)
+            except OSError:  # Windows: select takes sockets only (the process watch still runs)
+                ready = []
+                time.sleep(wait)
             if ready:
                 for signum in os.read(self._signals_r, 64):
                     self._begin(128 + signum, f"{_name(signum)}: answering the requests in flight and exiting")

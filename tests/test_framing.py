@@ -213,6 +213,56 @@ def test_deeply_nested_body_is_a_parse_error_not_a_crash():
     assert out[1] == msg(99)
 
 
+DEEP = b"[" * 3000 + b"]" * 3000
+
+
+@pytest.mark.parametrize(
+    "body,rid",
+    [
+        (b'{"jsonrpc":"2.0","id":"d","method":"model/list","params":{"a":' + DEEP + b"}}", "d"),
+        (b'{"params":' + DEEP + b',"method":"m","jsonrpc":"2.0","id":7}', 7),  # the id after the deep part
+        (b'{"id":null,"method":"m","params":[' + DEEP + b"]}", None),
+        (b'{"id":8,"method":"m","x":{"s":"]]}}\\"[[","y":' + DEEP + b"}}", 8),  # brackets in strings
+        (b'{"id":9,"method":"m","params":{"n":' + b"7" * 5000 + b"}}", 9),  # a number too long
+    ],
+)
+def test_a_request_too_deep_for_the_parser_is_answered_with_its_id(body, rid):
+    """Well-formed JSON that json.loads cannot take (nested past its recursion limit, a number
+    past int()'s digits) is -32700 with the request's id, read from the top level, so that the
+    client is not left waiting; the next frame is read as usual."""
+    out = read(encode_raw(body) + GOOD)
+    assert len(out) == 2 and out[0].code == PARSE_ERROR
+    assert out[0].id == rid and out[0].has_id
+    assert out[1] == msg(99)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"jsonrpc":"2.0","method":"m","params":' + DEEP + b"}",  # a notification
+        b'{"jsonrpc":"2.0","id":1,"result":' + DEEP + b"}",  # a response: never answered with its id
+        b'{"id":[1],"method":"m","params":' + DEEP + b"}",  # an id no request can have
+        b'{"id":true,"method":"m","params":' + DEEP + b"}",
+        b'{"id":1,"method":"m","params":' + b"[" * 3000 + b"]" * 2999 + b"}",  # not JSON after all
+        b'{"id":1,"method":"m","params":' + DEEP + b"]}",
+        b"[" + DEEP + b"]",
+    ],
+)
+def test_a_body_too_deep_without_a_request_id_is_answered_with_id_null(body):
+    out = read(encode_raw(body) + GOOD)
+    assert len(out) == 2 and out[0].code == PARSE_ERROR and out[0].id is None and not out[0].has_id
+    assert out[1] == msg(99)
+
+
+def test_skipping_a_deep_value_gives_up_on_a_pathological_body():
+    """Skipping what json cannot read takes a bounded number of steps: past it the id is not
+    sought (60 MB of brackets in under a second)."""
+    body = b'{"method":"m","params":[' + b"[" * 2000 + b"[]," * 20_000_000 + b"]" * 2001 + b',"id":5}'
+    out = read(encode_raw(body) + GOOD)
+    assert out[0].code == PARSE_ERROR and out[0].id is None
+    assert out[1] == msg(99)
+
+
 def test_huge_integer_literal_is_a_parse_error_not_a_crash():
     out = read(encode_raw(b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"n":' + b"1" * 5000 + b"}}") + GOOD)
     assert len(out) == 2 and isinstance(out[0], FrameError)

@@ -888,11 +888,35 @@ def test_lone_surrogate_in_text_is_32602(loaded):
     assert error_of(loaded.response("s", timeout=10))["code"] == INVALID_PARAMS
 
 
-def test_huge_integer_literal_is_a_parse_error(server):
+def test_huge_integer_literal_is_a_parse_error_answered_with_its_id(server):
     body = b'{"jsonrpc":"2.0","id":"n","method":"model/list","params":{"x":' + b"7" * 5000 + b"}}"
+    server.expect("n", "model/list")
     server.send_raw(raw_frame(body))
-    m = server.wait_for(lambda m: "error" in m, timeout=5)
-    assert m["error"]["code"] == PARSE_ERROR
+    assert server.response("n", timeout=5)["error"]["code"] == PARSE_ERROR
+    assert "result" in server.request("model/list", timeout=5)
+
+
+def test_requests_nested_up_to_and_past_the_parsers_limit_are_answered_with_their_ids(server):
+    """Every depth around json.loads' limit: parsed and refused by the method (-32602, its params
+    unknown), or too deep to parse (-32700); never -32600 with id null, which jsonschema's
+    validation of the envelope gave where repr() of the request ran out of recursion."""
+    codes = set()
+    for depth in range(900, 1000, 4):
+        rid = f"d{depth}"
+        server.expect(rid, "model/list")
+        body = b'{"jsonrpc":"2.0","id":"%s","method":"model/list","params":{"a":' % rid.encode()
+        server.send_raw(raw_frame(body + b"[" * depth + b"]" * depth + b"}}"))
+        codes.add(server.response(rid, timeout=5)["error"]["code"])
+    assert codes == {INVALID_PARAMS, PARSE_ERROR}
+
+
+def test_a_request_nested_3000_deep_is_answered_with_its_id(server):
+    """Valid JSON nested deeper than the parser takes: its request is answered, not left waiting."""
+    deep = b"[" * 3000 + b"]" * 3000
+    server.expect("deep", "model/list")
+    server.send_raw(raw_frame(b'{"jsonrpc":"2.0","id":"deep","method":"model/list","params":{"a":' + deep + b"}}"))
+    err = server.response("deep", timeout=5)["error"]
+    assert err["code"] == PARSE_ERROR and "nests JSON deeper" in err["message"]
     assert "result" in server.request("model/list", timeout=5)
 
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine import CPUS
+from kinfer_rpc.engine import CPUS, grammar_limits
 from kinfer_rpc.types import LoadedModel
 
 _THREADS = max(1, min(32, CPUS))
@@ -120,9 +120,17 @@ class Grammars:
             return self._tokenizer
 
     def matcher(self, model: LoadedModel, kind: str, source: Any) -> llguidance.LLMatcher:
-        """A fresh matcher for one request; -32602 with llguidance's message when the schema,
-        grammar or regex does not compile, or when the model's vocabulary cannot be read for
-        masking (a plugin backend whose token_bytes or tokenize fails)."""
+        """A fresh matcher for one request; -32602 naming the limit when the schema, grammar or
+        regex is over one of kinfer_rpc.engine.grammar_limits' (checked here for all but the
+        tools' grammar, whose schemas are checked as the request is read), with llguidance's
+        message when it does not compile, or when the model's vocabulary cannot be read for
+        masking (a plugin backend whose token_bytes or tokenize fails). It compiles on a thread
+        of its own with a large stack (on_compile_stack)."""
+        if kind != "tools":
+            grammar_limits.check(kind, source, option_field(kind))
+        return on_compile_stack(lambda: self._compile(model, kind, source))
+
+    def _compile(self, model: LoadedModel, kind: str, source: Any) -> llguidance.LLMatcher:
         grammar = source_grammar(kind, source)
         try:
             tokenizer = self.tokenizer(model)
@@ -136,6 +144,44 @@ class Grammars:
         if matcher.is_error():
             raise compile_error(kind, matcher.get_error())
         return matcher
+
+
+_T = TypeVar("_T")
+_stack_size = threading.Lock()  # threading.stack_size is the process's: one thread started at a time
+
+
+def on_compile_stack(compile: Callable[[], _T]) -> _T:
+    """compile() on a fresh thread with COMPILE_STACK bytes of stack, waited for here.
+    llguidance recurses as deep as a grammar's rules refer to each other, and a stack overflow
+    ends the process; the limits (kinfer_rpc.engine.grammar_limits) keep that depth well within
+    this stack. The stack is address space, not memory: only the pages a compile reaches become
+    memory, and they are given back when its thread ends (glibc keeps the mapping for the next
+    thread with nothing resident: 0 kB after a compile that touched 98 MiB)."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, compile()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append((False, exc))
+
+    with _stack_size:
+        before = threading.stack_size(grammar_limits.COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="kinfer-grammar", daemon=True)
+            thread.start()
+        except RuntimeError as exc:  # the stack could not be mapped
+            raise errors.KinferError(
+                errors.INTERNAL_ERROR, f"the grammar compiler's thread could not start: {exc}"
+            ) from None
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    result: _T = value
+    return result
 
 
 # Whitespace between JSON tokens as llama.cpp's json-schema-to-grammar allows it (nothing, a

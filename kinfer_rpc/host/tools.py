@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import attrs
 
+from kinfer_rpc.engine import grammar_limits
+
 FORMATS = ("hermes", "mistral", "llama3", "json")
 
 HERMES_OPEN = "<tool_call>"
@@ -407,8 +409,9 @@ def call_grammar(
     ({"type": "function", "function": {"name", "parameters"?}}). `special` maps a marker
     ("<tool_call>", "</tool_call>", "[TOOL_CALLS]") to its token id where the model's vocabulary
     has it as a special token. Raises ValueError for a choice that forces nothing ("auto", "none")
-    or an unknown name. A parameters schema llguidance cannot compile makes the grammar fail to
-    compile (LLMatcher.validate_grammar says why)."""
+    or an unknown name, -32602 (`field` "tools") for parameters schemas over the limits of
+    kinfer_rpc.engine.grammar_limits (all of them together). A parameters schema llguidance
+    cannot compile makes the grammar fail to compile (LLMatcher.validate_grammar says why)."""
     functions = [t["function"] for t in tools]
     if choice.mode == "function":
         functions = [f for f in functions if f["name"] == choice.name]
@@ -418,6 +421,7 @@ def call_grammar(
         raise ValueError(f"toolChoice {choice.mode!r} forces no call")
     if not functions:
         raise ValueError("no tools to call")
+    grammar_limits.check_tools(functions)
     key = "parameters" if fmt == "llama3" else "arguments"
     rules = ["%llguidance {}", "call: " + " | ".join(f"fn_{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):

@@ -240,8 +240,11 @@ class Connection:
         response = None
         try:
             with scope:
+                # receive() checked the envelope and rebuilt it from its four members: jsonschema's
+                # check of it again would only fail on deep params (its messages repr the whole
+                # request, past Python's recursion limit), answered -32600 with id null.
                 response = await async_dispatch_to_serializable(
-                    request, methods=self._methods, context=ctx, deserializer=lambda r: r
+                    request, methods=self._methods, context=ctx, deserializer=lambda r: r, validator=lambda r: r
                 )
         finally:
             self._running.pop(ctx.id, None)

@@ -49,13 +49,105 @@ def _parse_body(body: bytes) -> dict[str, Any] | FrameError:
         return FrameError(errors.PARSE_ERROR, f"the body is not UTF-8: {exc}")
     try:
         message = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # ValueError: also over-long integer literals
+    except RecursionError:
+        return _untaken(text, "the body nests JSON deeper than the server's parser takes (about 1,000 levels)")
+    except ValueError as exc:
+        if _TOO_MANY_DIGITS in str(exc):
+            return _untaken(text, f"the body has a number literal the server's parser does not take: {exc}")
         return FrameError(errors.PARSE_ERROR, f"the body is not JSON: {exc}")
     if isinstance(message, list):
         return FrameError(errors.INVALID_REQUEST, "JSON-RPC batches are not supported (as in LSP)")
     if not isinstance(message, dict):
         return FrameError(errors.INVALID_REQUEST, "a message must be a JSON object")
     return message
+
+
+# What Python's json says of an integer literal past sys.get_int_max_str_digits() (4,300 digits).
+_TOO_MANY_DIGITS = "for integer string conversion"
+
+
+def _untaken(text: str, why: str) -> FrameError:
+    """A body json.loads could not take whole although it may well be JSON: a request's is
+    answered with its id (read from the top level), so that the request does not wait forever."""
+    members = top_level(text)
+    rid = members.get("id", _UNREAD) if members is not None and "method" in members else _UNREAD
+    if isinstance(rid, bool) or not isinstance(rid, (str, int, type(None))):
+        return FrameError(errors.PARSE_ERROR, why)  # no id, or not one a request can have
+    return FrameError(errors.PARSE_ERROR, why, rid, True)
+
+
+_UNREAD = object()  # a member's value that json could not read alone
+_WS = re.compile(r"[ \t\n\r]*")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+# Inside a value to skip: strings whole (a bracket in one is a character), runs of opening or of
+# closing brackets (a run of a thousand is one step).
+_NESTED = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]+|[\]}]+')
+_SKIP_STEPS = 1 << 20  # at most this many steps skipping values (about half a second): else unread
+_DECODER = json.JSONDecoder()
+
+
+def _ws(text: str, pos: int) -> int:
+    """Where the white space at `pos` ends."""
+    m = _WS.match(text, pos)
+    return m.end() if m else pos
+
+
+def top_level(text: str) -> dict[str, object] | None:
+    """The members of the JSON object `text`, each value read alone by json, or _UNREAD where
+    json cannot read it (nested too deeply, a number too long): such a value is skipped over by
+    its brackets, never descended into. None when `text` is not an object as far as read."""
+    pos = _ws(text, 0)
+    if not text.startswith("{", pos):
+        return None
+    pos += 1
+    members: dict[str, object] = {}
+    steps = [_SKIP_STEPS]
+    while True:
+        pos = _ws(text, pos)
+        if not text.startswith('"', pos):
+            return None
+        try:
+            key, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None
+        pos = _ws(text, pos)
+        if not text.startswith(":", pos):
+            return None
+        pos = _ws(text, pos + 1)
+        try:
+            members[key], pos = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            pos = _skip_value(text, pos, steps)
+            if pos < 0:
+                return None
+            members[key] = _UNREAD
+        pos = _ws(text, pos)
+        if text.startswith(",", pos):
+            pos += 1
+        elif text.startswith("}", pos):
+            return members
+        else:
+            return None
+
+
+def _skip_value(text: str, pos: int, steps: list[int]) -> int:
+    """Where the JSON value at `pos`, which json could not read, ends; -1 if nowhere."""
+    if not text.startswith(("[", "{"), pos):
+        number = _NUMBER.match(text, pos)  # a number too long for int()
+        return number.end() if number else -1
+    depth = 0
+    for m in _NESTED.finditer(text, pos):
+        steps[0] -= 1
+        if steps[0] < 0:
+            return -1
+        run = m.group()
+        if run[0] in "[{":
+            depth += len(run)
+        elif run[0] != '"':
+            if len(run) >= depth:
+                return m.start() + depth
+            depth -= len(run)
+    return -1
 
 
 class FrameParser:

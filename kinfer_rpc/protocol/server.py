@@ -9,7 +9,10 @@ At start-up the real stdout is moved aside and file descriptor 1 pointed at stde
 libraries that print can never corrupt the stream. The lifecycle follows LSP: `initialize`
 first (other requests get -32002), `initialized`, `shutdown`, `exit` (0 after shutdown, else 1).
 Lifecycle state changes take effect in message order, however the messages arrive. The server
-also exits when stdin closes, when the client's process dies and when its parent process dies.
+also exits when stdin closes, when the client's process dies, when its parent process dies and on
+SIGINT, SIGTERM or SIGHUP (exit code 128 + the signal). Whatever ends it, the requests in flight
+are answered -32800 with their partial results first; a watchdog thread (protocol.watchdog) ends
+the process with the same exit code if that has not happened within 1.5 s (a held event loop).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -42,6 +45,8 @@ from kinfer_rpc.protocol.handlers import Handlers
 from kinfer_rpc.protocol.lsp import METHODS as LSP_COMPLETIONS
 from kinfer_rpc.protocol.lsp import Editor
 from kinfer_rpc.protocol.lsp import capabilities as lsp_capabilities
+from kinfer_rpc.protocol.watchdog import Watchdog
+from kinfer_rpc.protocol.watchdog import alive as _alive
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -173,9 +178,12 @@ class Session:
         self.max_frame = max_frame
         self.exit_code: int | None = None
         self.client_pid: int | None = None
-        # Without a client process id, the process whose death ends this session: kinfer-rpc's
-        # parent; a daemon's peer (the process that connected).
-        self.parent_pid = os.getppid() if self.owns else peer_pid
+        self.peer_pid = peer_pid  # a daemon's connection: the process that connected
+        # kinfer-rpc's own process: the client's and the parent's death, signals, and a deadline on
+        # every way of ending (a daemon's session ends when its socket closes, or its client dies).
+        self.watchdog = (
+            Watchdog(self._stop_from_outside, lambda: self.client_pid, lambda: self.exit_code) if self.owns else None
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self._write = write_stream
@@ -368,23 +376,35 @@ class Session:
         self.exit_code = 0 if self.state == "shutdown" else 1
         self._stop.set()
 
-    async def _watch_parent(self) -> None:
+    async def _watch_client(self) -> None:
+        """A daemon's session: its client's process (initialize's processId) dying ends it."""
         while True:
             await anyio.sleep(1.0)
             pid = self.client_pid
             if pid and not _alive(pid):
-                log.warning("the client process %d died; exiting", pid)
-                self.exit_code = 1
-                self._stop.set()
+                log.warning("the client process %d died; closing its connection", pid)
+                self._end(1)
                 return
-            # Without a process id, the parent: when it dies we are re-parented (to init or a
-            # subreaper), and a stdin left open by some other process would keep us alive. (A
-            # daemon's session ends when its socket closes.)
-            if not pid and self.owns and os.getppid() != self.parent_pid:
-                log.warning("the parent process %d died; exiting", self.parent_pid)
-                self.exit_code = 1
-                self._stop.set()
-                return
+
+    def _stop_from_outside(self, code: int, why: str) -> None:
+        """The watchdog's thread: the client or the parent died, or a signal came. The loop ends
+        the server as `exit` would, with `code` unless it has one already."""
+        loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the end is under way
+                loop.call_soon_threadsafe(self._end, code)
+
+    def _end(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+        self._stop.set()
+
+    def stdin_ended(self) -> None:
+        """The stdin reader's thread: no more input. The loop reads on to the end of what came
+        (the lifecycle's state, hence the exit code, follows it); the watchdog makes sure the
+        process ends even if the loop cannot."""
+        if self.watchdog is not None:
+            self.watchdog.arm(0 if self.state == "shutdown" else 1)
 
     def stop(self, exit_code: int, reason: str | None = None) -> None:
         """End this session as `exit` would, answering its requests in flight with -32800 and
@@ -395,21 +415,18 @@ class Session:
             self.connection.cancel_reason = reason
         self._stop.set()
 
-    def _on_signal(self, signum: int) -> None:
-        """SIGINT, SIGTERM or SIGHUP: end as `exit` would, answering what runs; exit code 128 + signum."""
-        log.warning("%s: answering the requests in flight and exiting", signal.Signals(signum).name)
-        if self.exit_code is None:
-            self.exit_code = 128 + signum
-        self._stop.set()
-
     async def run(self, read_stream: ByteSource) -> int:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
+        if self.watchdog is not None:
+            self.watchdog.start()
+            self.watchdog.catch_signals()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
-            tg.start_soon(self._watch_parent)
             if self.owns:
                 tg.start_soon(self.service.background)
+            else:
+                tg.start_soon(self._watch_client)
 
             async def read() -> None:
                 await self.connection.serve(FrameReader(read_stream, self.max_frame))
@@ -419,13 +436,9 @@ class Session:
                 self._stop.set()
 
             tg.start_soon(read)
-            # SIGHUP: the terminal the server was started from closed (no such signal on Windows).
-            for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-                if signum is None or not self.owns:  # the daemon's signals are the daemon's
-                    continue
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    self.loop.add_signal_handler(signum, self._on_signal, signum)
             await self._stop.wait()
+            if self.watchdog is not None:
+                self.watchdog.arm(self.exit_code if self.exit_code is not None else 1)
             # Whatever ends the server (exit, stdin closed, a signal, the client gone), every
             # request still running is answered: -32800 with its partial result.
             self.connection.cancel_all()
@@ -442,6 +455,8 @@ class Session:
                 while self._out_recv.statistics().current_buffer_used:
                     await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
+        if self.watchdog is not None:
+            self.watchdog.close()
         return self.exit_code if self.exit_code is not None else 1
 
 
@@ -452,7 +467,7 @@ class StdinStream:
     exit would wait for the next byte on stdin; this reader leaves its thread behind instead.
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, on_end: Callable[[], None] | None = None):
         self._fd = fd
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -465,6 +480,8 @@ class StdinStream:
                     data = b""
                 loop.call_soon_threadsafe(self._queue.put_nowait, data)
                 if not data:
+                    if on_end is not None:
+                        on_end()  # here, not on the loop: the loop may be held
                     return
 
         threading.Thread(target=pump, name="kinfer-stdin", daemon=True).start()
@@ -491,16 +508,6 @@ def _named(params: dict[str, Any] | list[Any]) -> dict[str, Any]:
     if params:
         raise errors.invalid_params("params must be an object")
     return {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _take_stdout() -> int:
@@ -554,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def amain() -> int:
         write = FileWriteStream(os.fdopen(out_fd, "wb", buffering=0))
-        read = StdinStream(0)
         server = Session(write, max_frame=args.max_frame_bytes)
+        read = StdinStream(0, on_end=server.stdin_ended)
         root.addHandler(server.log_handler)
         if args.clientProcessId:
             server.client_pid = args.clientProcessId

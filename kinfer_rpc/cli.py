@@ -1158,6 +1158,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- embed -------------------------------------------------------------------------------------
+def _embed(args: argparse.Namespace) -> int:
+    """One vector per text: a line of numbers each, or with --json the protocol's result."""
+    texts = list(args.texts) or [sys.stdin.read()]
+    with Client() as kinfer:
+        opts: dict[str, Any] = {"normalize": not args.raw}
+        if args.dimensions is not None:
+            opts["dimensions"] = args.dimensions
+        result = kinfer.embed(texts, args.model, **opts)
+    if args.json:
+        _emit({"model": result.model, "embeddings": result.embeddings, "usage": {"promptTokens": result.prompt_tokens}})
+        return 0
+    for vector in result.embeddings:
+        sys.stdout.write(" ".join(repr(x) for x in vector) + "\n")
+    return 0
+
+
 # -- doctor ------------------------------------------------------------------------------------
 _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 
@@ -1603,6 +1620,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--temperature", type=float, default=None)
     bench.add_argument("--seed", type=int, default=1)
 
+    embed = sub.add_parser(
+        "embed", parents=[common], help="embed texts with an embedding model: one vector a line (or --json)"
+    )
+    embed.add_argument("-m", "--model", default=None, help="an embedding model's name or path")
+    embed.add_argument("--dimensions", type=int, default=None, help="cut each vector to this size (Matryoshka models)")
+    embed.add_argument("--raw", action="store_true", help="the vectors as the model pools them, not normalized")
+    embed.add_argument("texts", metavar="TEXT", nargs="*", help="texts to embed (none: stdin is one text)")
+
     doctor = sub.add_parser("doctor", parents=[common], help="backends, devices, memory and the default model")
     doctor.add_argument("--no-load", dest="load", action="store_false", help="skip loading the default model")
 
@@ -1664,6 +1689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "show": _show,
         "bench": _bench,
         "doctor": _doctor,
+        "embed": _embed,
         "rpc-server": _rpc_server,
         "serve": _serve,
         "stop": _stop,

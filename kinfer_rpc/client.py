@@ -632,6 +632,59 @@ class Progress:
         return cls(v.get("kind", "report"), v.get("title"), v.get("message"), v.get("percentage"))
 
 
+@attrs.frozen
+class Embeddings:
+    """inference/embed's result: one vector per input, in input order (float32 values), and the
+    tokens embedded."""
+
+    model: str
+    embeddings: list[list[float]]
+    prompt_tokens: int
+
+    @classmethod
+    def from_json(cls, r: dict[str, Any]) -> Embeddings:
+        return cls(r.get("model", ""), r.get("embeddings", []), r.get("usage", {}).get("promptTokens", 0))
+
+
+@attrs.frozen
+class Ranked:
+    """One document of a rerank: its index in the request, its score, its text when asked."""
+
+    index: int
+    relevance_score: float
+    document: str | None = None
+
+    @classmethod
+    def from_json(cls, r: dict[str, Any]) -> Ranked:
+        return cls(r["index"], r["relevanceScore"], r.get("document"))
+
+
+@attrs.frozen
+class Ranking:
+    """inference/rerank's result: the documents best first, and the tokens scored."""
+
+    model: str
+    results: list[Ranked]
+    prompt_tokens: int
+
+    @classmethod
+    def from_json(cls, r: dict[str, Any]) -> Ranking:
+        results = [Ranked.from_json(x) for x in r.get("results", [])]
+        return cls(r.get("model", ""), results, r.get("usage", {}).get("promptTokens", 0))
+
+
+def _embed_params(
+    input: str | list[str], model: str | None, normalize: bool, truncate: bool, dimensions: int | None
+) -> dict[str, Any]:
+    return _params(model, None, input=input, normalize=normalize, truncate=truncate, dimensions=dimensions)
+
+
+def _rerank_params(
+    query: str, documents: list[str], model: str | None, top_n: int | None, return_documents: bool
+) -> dict[str, Any]:
+    return _params(model, None, query=query, documents=documents, topN=top_n, returnDocuments=return_documents)
+
+
 def server_command() -> list[str]:
     """`$KINFER_RPC`, the `kinfer-rpc` next to this Python, on PATH, or `python -m kinfer_rpc`."""
     env = os.environ.get("KINFER_RPC")
@@ -1092,6 +1145,34 @@ class Client:
         return [ModelStatus.from_json(m) for m in self.request("model/status", _params(model, None))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
+    def embed(
+        self,
+        input: str | list[str],
+        model: str | None = None,
+        *,
+        normalize: bool = True,
+        truncate: bool = True,
+        dimensions: int | None = None,
+    ) -> Embeddings:
+        """inference/embed: one vector per input (a string is one input), with an embedding model."""
+        return Embeddings.from_json(
+            self.request("inference/embed", _embed_params(input, model, normalize, truncate, dimensions))
+        )
+
+    def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        model: str | None = None,
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+    ) -> Ranking:
+        """inference/rerank: the documents by their relevance to the query, best first, with a reranker."""
+        return Ranking.from_json(
+            self.request("inference/rerank", _rerank_params(query, documents, model, top_n, return_documents))
+        )
+
     def generate(self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any) -> Result:
         """inference/generate. With `suffix` (Ollama's) the prompt is the text before a gap and the
         request is an infill of the two (see `infill`)."""
@@ -1477,6 +1558,32 @@ class AsyncClient:
         return [ModelStatus.from_json(m) for m in (await self.request("model/status", _params(model, None)))["models"]]
 
     # -- inference ---------------------------------------------------------------------------
+    async def embed(
+        self,
+        input: str | list[str],
+        model: str | None = None,
+        *,
+        normalize: bool = True,
+        truncate: bool = True,
+        dimensions: int | None = None,
+    ) -> Embeddings:
+        """inference/embed: one vector per input (a string is one input), with an embedding model."""
+        params = _embed_params(input, model, normalize, truncate, dimensions)
+        return Embeddings.from_json(await self.request("inference/embed", params))
+
+    async def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        model: str | None = None,
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+    ) -> Ranking:
+        """inference/rerank: the documents by their relevance to the query, best first, with a reranker."""
+        params = _rerank_params(query, documents, model, top_n, return_documents)
+        return Ranking.from_json(await self.request("inference/rerank", params))
+
     async def generate(
         self, prompt: str, model: str | None = None, *, suffix: str | None = None, **options: Any
     ) -> Result:

@@ -262,6 +262,41 @@ class FillInMiddle(Protocol):
     def fim_tokens(self) -> dict[str, int]: ...
 
 
+# How a model pools its tokens' hidden states into one vector per input (llama.cpp's pooling types):
+# the mean of every token's, the first token's (CLS), the last token's; "rank": a reranker, whose
+# pooled state goes through a classification head to relevance scores.
+POOLINGS = ("mean", "cls", "last", "rank")
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    """Optional LoadedModel capability: a model loaded to embed (or, `pooling` "rank", to score
+    query-document pairs) rather than to generate: the host sends it no generation.
+
+    `embed(token_lists)` runs on the engine's worker thread and returns a float32 array with one
+    row per token list: its pooled vector (`pooling` "mean", "cls", "last"), or its relevance
+    scores ("rank": the first column is the score). A row depends on its own tokens alone, never
+    on the other lists of the call or of earlier calls: a vector index stays stable whatever else
+    is embedded at the same time. Each list fits the model's `info.context_length`.
+    `dimensions` are the sizes a vector may be cut to (Matryoshka), its full size among them,
+    when the model says it was trained for it; empty: a vector is meaningful only whole.
+    """
+
+    pooling: str
+    dimensions: tuple[int, ...]
+
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray: ...
+
+
+@runtime_checkable
+class Reranks(Protocol):
+    """Optional LoadedModel capability, with Embeds whose pooling is "rank": `pair_tokens(query,
+    document)` is the token list of one pair as the reranker reads it (its own rerank template
+    where the model has one), for `embed` to score."""
+
+    def pair_tokens(self, query: str, document: str) -> list[int]: ...
+
+
 class Backend(Protocol):
     """A way to run models (llama.cpp, MLX), registered by a plugin.
 
@@ -494,7 +529,18 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "placement": (Placement, ()),
     "model": (
         LoadedModel,
-        (DeviceGreedy, DeviceArgmax, AsyncDecode, DecodeNext, DecodeChained, DeviceTokens, Reproducible, FillInMiddle),
+        (
+            DeviceGreedy,
+            DeviceArgmax,
+            AsyncDecode,
+            DecodeNext,
+            DecodeChained,
+            DeviceTokens,
+            Reproducible,
+            FillInMiddle,
+            Embeds,
+            Reranks,
+        ),
     ),
 }
 

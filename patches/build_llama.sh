@@ -51,4 +51,9 @@ cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&
 "${PYTHON:-python3}" "$here/../kinfer_rpc/default_plugins/llama_native.py" "$work/build/bin" >&2
 mkdir -p "$dest"
 cp -a "$work"/build/bin/lib*.so* "$work/build/bin/ggml-rpc-server" "$dest"/
+# llama.cpp's converter from Hugging Face checkpoints to GGUF, of the same llama.cpp, beside the
+# libraries, with the gguf-py it is written against (newer than PyPI's gguf of the same version):
+# the tests convert an embedding model with it (tests/modelgen/make_embedding_model.py).
+rm -rf "$dest/../convert" && mkdir -p "$dest/../convert"
+cp -a "$work/llama.cpp/convert_hf_to_gguf.py" "$work/llama.cpp/conversion" "$work/llama.cpp/gguf-py" "$dest/../convert"/
 echo "$dest"

@@ -376,6 +376,26 @@ PARAMS = {
         },
         required=("text",),
     ),
+    "inference/embed": fuzzed(
+        {
+            "model": model_names,
+            "input": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=20), max_size=3)),
+            "normalize": st.booleans(),
+            "truncate": st.booleans(),
+            "dimensions": st.integers(0, 1000),
+        },
+        required=("input",),
+    ),
+    "inference/rerank": fuzzed(
+        {
+            "model": model_names,
+            "query": st.text(max_size=30),
+            "documents": st.lists(st.text(max_size=20), max_size=3),
+            "topN": st.integers(0, 5),
+            "returnDocuments": st.booleans(),
+        },
+        required=("query", "documents"),
+    ),
     "initialize": fuzzed({"processId": st.integers(0, 2**22), "initializationOptions": json_values}),
     # Only params shutdown must refuse: an empty object, empty array or null would really shut it down.
     "shutdown": st.one_of(

@@ -6,7 +6,8 @@ headless Neovim, and its ```sh block with bash, with this virtualenv's bin first
 example that names its model by $KINFER_TOOLS_MODEL (the "Agents" section's tools) runs on a copy
 of the embedded model whose chat template takes tools (tests/modelgen/make_tool_model.py), one that
 names it by $KINFER_FIM_MODEL (the "Editors" section) on a copy with fill-in-the-middle tokens
-(tests/modelgen/make_fim_model.py).
+(tests/modelgen/make_fim_model.py), one that names $KINFER_EMBED_MODEL and $KINFER_RERANK_MODEL (the
+"Embeddings" section) on all-MiniLM-L6-v2 and its reranker copy (tests/modelgen/make_embedding_model.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ def fim_model(tmp_path_factory) -> str:
     return make_fim_model(tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
 
 
+@pytest.fixture(scope="module")
+def embedding_models(tmp_path_factory) -> dict[str, str]:
+    import make_embedding_model as models
+
+    if models.missing():
+        pytest.skip(models.missing() or "")
+    rerank = models.make_copy(tmp_path_factory.mktemp("rerank") / "minilm-rerank.gguf", "rerank")
+    return {"KINFER_EMBED_MODEL": models.minilm_gguf(), "KINFER_RERANK_MODEL": rerank}
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
 def test_python_example(code, tmp_path, request):
@@ -77,6 +88,8 @@ def test_python_example(code, tmp_path, request):
         e["KINFER_TOOLS_MODEL"] = request.getfixturevalue("tool_model")
     if "KINFER_FIM_MODEL" in code:
         e["KINFER_FIM_MODEL"] = request.getfixturevalue("fim_model")
+    if "KINFER_EMBED_MODEL" in code:
+        e.update(request.getfixturevalue("embedding_models"))
     proc = subprocess.run(
         [sys.executable, str(script)],
         env=e,

@@ -114,6 +114,17 @@ export interface InfillParams extends CallOptions {
   extra?: Array<{ filename?: string; text: string }>;
   options?: InfillOptions;
 }
+export interface EmbedOptions {
+  model?: string;
+  normalize?: boolean;
+  truncate?: boolean;
+  dimensions?: number;
+  token?: CancellationToken;
+}
+export interface EmbedResult { model: string; embeddings: number[][]; usage: { promptTokens: number } }
+export interface RerankOptions { model?: string; topN?: number; returnDocuments?: boolean; token?: CancellationToken }
+export interface RerankedDocument { index: number; relevanceScore: number; document?: string }
+export interface RerankResult { model: string; results: RerankedDocument[]; usage: { promptTokens: number } }
 export interface StartOptions {
   command?: string;
   args?: string[];
@@ -143,6 +154,10 @@ export declare class KinferClient {
   models(): Promise<Array<{ name: string; source: string; format: string; path: string; sizeBytes: number; loaded: boolean }>>;
   load(model?: string, opts?: { options?: Record<string, unknown>; backend?: string; onProgress?: (v: WorkDoneProgress) => void; token?: CancellationToken }): Promise<any>;
   status(model?: string): Promise<any[]>;
+  /** inference/embed: one vector per input, with an embedding model. */
+  embed(input: string | string[], opts?: EmbedOptions): Promise<EmbedResult>;
+  /** inference/rerank: the documents by their relevance to the query, best first, with a reranker. */
+  rerank(query: string, documents: string[], opts?: RerankOptions): Promise<RerankResult>;
   generate(prompt: string, opts?: GenerateCallOptions): Promise<InferenceResult>;
   /** inference/infill: fill the gap between prefix and suffix (a model with FIM tokens, else -32602). */
   infill(params: InfillParams): Promise<InferenceResult>;

@@ -170,6 +170,27 @@ export class KinferClient {
   }
 
   /**
+   * inference/embed: one vector per input (a string is one input), with an embedding model.
+   * @param {string | string[]} input
+   * @param {{ model?: string, normalize?: boolean, truncate?: boolean, dimensions?: number, token?: CancellationToken }} [opts]
+   * @returns {Promise<{ model: string, embeddings: number[][], usage: { promptTokens: number } }>}
+   */
+  embed(input, { token, ...fields } = {}) {
+    return this.request('inference/embed', { input, ...defined(fields) }, token);
+  }
+
+  /**
+   * inference/rerank: the documents by their relevance to the query, best first, with a reranker.
+   * @param {string} query
+   * @param {string[]} documents
+   * @param {{ model?: string, topN?: number, returnDocuments?: boolean, token?: CancellationToken }} [opts]
+   * @returns {Promise<{ model: string, results: Array<{ index: number, relevanceScore: number, document?: string }>, usage: { promptTokens: number } }>}
+   */
+  rerank(query, documents, { token, ...fields } = {}) {
+    return this.request('inference/rerank', { query, documents, ...defined(fields) }, token);
+  }
+
+  /**
    * inference/generate. With `onPiece`, pieces are streamed to it as they come. With `suffix`
    * (Ollama's) the prompt is the text before a gap and the request is an infill of the two.
    * @param {string} prompt
@@ -316,4 +337,9 @@ export class KinferClient {
     }
     return code;
   }
+}
+
+/** The members of `fields` that are set (undefined ones are left out, not sent as null). */
+function defined(fields) {
+  return Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined));
 }

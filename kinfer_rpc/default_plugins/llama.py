@@ -201,7 +201,59 @@ def check_row_split(g: llama_buft.Ggml) -> None:
             )
 
 
-class LlamaModel:
+class LlamaVocab:
+    """What a llama.cpp model's file and vocabulary say (metadata, tokens), for the backend's
+    generating and embedding models alike: they set `L`, `model`, `vocab` and `_pieces`."""
+
+    L: Any
+    model: Any
+    vocab: Any
+    _pieces: dict[int, bytes]
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self.L.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self.token_bytes(token).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (self.L.llama_token * cap)()
+        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (self.L.llama_token * cap)()
+            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+
+class LlamaModel(LlamaVocab):
     """A GGUF model loaded into one llama.cpp context (the LoadedModel contract)."""
 
     def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
@@ -402,53 +454,9 @@ class LlamaModel:
         k=2: 2.3x, k=4: 3.5x), so only a draft accepted more often than not pays: 1."""
         return 1 if self.on_cpu else 8
 
-    # -- metadata ---------------------------------------------------------------------------
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
-    def _desc(self) -> str:
-        buf = ctypes.create_string_buffer(256)
-        self.L.llama_model_desc(self.model, buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
-    def _special_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return self.token_bytes(token).decode("utf-8", "replace")
-
     def chat_template(self) -> str | None:
         t = self.L.llama_model_chat_template(self.model, None)
         return t.decode("utf-8") if t else None
-
-    # -- tokens -----------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (self.L.llama_token * cap)()
-        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (self.L.llama_token * cap)()
-            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
-
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            piece = self._pieces[token] = buf.raw[:n]
-        return piece
 
     def eog_tokens(self) -> frozenset[int]:
         return self._eog
@@ -650,14 +658,22 @@ class LlamaBackend:
             (GpuInfo(d["name"], d["free"], d["total"]) for d in gpus), host_free_bytes=MachineInfo.host_available()
         )
 
-    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LlamaModel:
+    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LoadedModel:
+        """A model that generates, or one that embeds where its GGUF declares a pooling
+        (llama_embed): llama.cpp runs the two in different kinds of context."""
+        from kinfer_rpc.default_plugins.llama_embed import LlamaEmbedder, declared_pooling
+
+        pooling, dimensions = declared_pooling(path)
+        if pooling is not None:
+            return LlamaEmbedder(path, options, progress, pooling, dimensions)
         return LlamaModel(path, options, progress)
 
     def features(self) -> dict[str, Any]:
         """Whether its llama.cpp can spread a model over RPC servers (options.rpcServers), found
-        from the library files, without loading them."""
+        from the library files, without loading them; and that it embeds (a GGUF that declares a
+        pooling loads as an embedding model or reranker: llama_embed)."""
         ok, why = llama_rpc.build_support()
-        return {"rpc": ok, **({"rpcUnavailable": why} if not ok else {})}
+        return {"rpc": ok, **({"rpcUnavailable": why} if not ok else {}), "embeddings": True}
 
 
 class MtpPolicy:

@@ -244,6 +244,10 @@ class Engine:
         self.template: str | None = None
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
+        # work for the worker between steps (call()): an embedding model's passes
+        self._calls: collections.deque[tuple[Callable[[LoadedModel], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
         self._active: list[Job] = []  # in admission order
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
         self._eog: frozenset[int] = frozenset()
@@ -318,6 +322,33 @@ class Engine:
             self._queue.append(job)
             self._cond.notify()
 
+    def call(self, fn: Callable[[LoadedModel], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn(model)` on the worker thread, between steps, in the order calls come (an
+        embedding model's passes: the model is used only from its worker). Its result or
+        exception comes back through the future; a future cancelled before it runs is dropped."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            self._alive()
+            if len(self._queue) + len(self._calls) >= self.max_queue:
+                raise errors.KinferError(errors.QUEUE_FULL, f"the queue is full ({self.max_queue} requests waiting)")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def _run_call(self) -> None:
+        """The oldest call, if any, on the worker."""
+        with self._cond:
+            if not self._calls:
+                return
+            fn, future = self._calls.popleft()
+        if not future.set_running_or_notify_cancel():
+            return
+        assert self.model is not None, _LOADED
+        try:
+            future.set_result(fn(self.model))
+        except Exception as exc:
+            future.set_exception(exc)
+
     def cancel(self, job: Job) -> None:
         job.cancelled = True
         with self._cond:
@@ -355,7 +386,7 @@ class Engine:
         return EngineStats(
             slots=info.slots if info else 0,
             busy=len(active),
-            queued=len(self._queue),
+            queued=len(self._queue) + len(self._calls),
             cells_used=sum(j.n_past for j in active) + kept,
             prefix=self.prefix,
             cached_tokens=kept,
@@ -421,11 +452,14 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._queue and not self._active:
+                    while not self._stopping and not self._queue and not self._active and not self._calls:
                         self._cond.wait()
                     if self._stopping:
                         break
-                self.step()
+                    jobs = bool(self._queue or self._active)
+                self._run_call()
+                if jobs:
+                    self.step()
         except Exception as exc:  # the device failed: answer everyone, never hang them
             log.exception("engine step failed")
             with self._cond:
@@ -440,6 +474,12 @@ class Engine:
         finally:
             self._end_running()
             self._fail_all(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
+            with self._cond:
+                calls = list(self._calls)
+                self._calls.clear()
+            for _fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
             for session in self._sessions.values():
                 try:
                     session.close()

@@ -19,8 +19,8 @@ from kinfer_rpc import errors
 from kinfer_rpc.engine import trace as tracing
 from kinfer_rpc.engine.sampling import TokenLogprob
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host import embeddings, tools
 from kinfer_rpc.host import infill as fill
-from kinfer_rpc.host import tools
 from kinfer_rpc.host.options import SEED_BITS, RequestOptions
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime
@@ -207,7 +207,16 @@ class Requests:
         defaults, resolved once."""
         seed = random.getrandbits(SEED_BITS)
         entry = await self.runtime.model_for(name, owner or None, keep_alive)
+        embeddings.refuse_generation(entry)
         return entry, given.over(entry.defaults).resolve(seed)
+
+    async def embed(self, req: embeddings.Embed) -> embeddings.Embeddings:
+        """Each input's vector (kinfer_rpc.host.embeddings)."""
+        return await embeddings.embed(self.runtime, req)
+
+    async def rerank(self, req: embeddings.Rerank) -> embeddings.Ranking:
+        """The documents by their relevance to the query, best first (kinfer_rpc.host.embeddings)."""
+        return await embeddings.rerank(self.runtime, req)
 
     async def generate(
         self, req: Generate, sink: Sink | None = None, *, owner: int = 0, received: float | None = None

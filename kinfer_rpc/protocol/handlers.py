@@ -17,13 +17,14 @@ from typing import Any
 import anyio
 
 from kinfer_rpc import errors
+from kinfer_rpc.host.embeddings import Embed, Rerank
 from kinfer_rpc.host.requests import Chat, Generate, Infill, Piece, Reply, Requests, Sink, Tokenize
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.connection import RequestContext
 from kinfer_rpc.protocol.fields import Fields
 from kinfer_rpc.protocol.options import load_request, request_options
-from kinfer_rpc.protocol.results import engine_status, piece_json, reply_json
+from kinfer_rpc.protocol.results import embeddings_json, engine_status, piece_json, ranking_json, reply_json
 from kinfer_rpc.types import LoadedModel, LoadOptions
 
 
@@ -305,6 +306,33 @@ class Handlers:
             raise errors.invalid_params("params.text is required")
         out = await self.requests.tokenize(Tokenize(text, name, add_special, parse_special))
         return {"tokens": list(out.tokens), "pieces": list(out.pieces)}
+
+    async def inference_embed(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
+        f = Fields(p, "params")
+        name = f.str("model")
+        raw = f.raw("input")
+        normalize = f.bool("normalize", True)
+        truncate = f.bool("truncate", True)
+        dimensions = f.int("dimensions", None, lo=1)
+        f.done()
+        if raw is None:
+            raise errors.invalid_params("params.input is required", {"field": "params.input"})
+        req = Embed(params.texts(raw, "input"), name, normalize, truncate, dimensions)
+        return embeddings_json(await self.requests.embed(req))
+
+    async def inference_rerank(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
+        f = Fields(p, "params")
+        name = f.str("model")
+        query = f.str("query")
+        raw = f.raw("documents")
+        top_n = f.int("topN", None, lo=1)
+        return_documents = f.bool("returnDocuments", False)
+        f.done()
+        if query is None or raw is None:
+            missing = "query" if query is None else "documents"
+            raise errors.invalid_params(f"params.{missing} is required", {"field": f"params.{missing}"})
+        req = Rerank(query, params.texts(raw, "documents", one=False), name, top_n, return_documents)
+        return ranking_json(await self.requests.rerank(req))
 
 
 def _sharing(entry: Loaded) -> dict[str, Any]:

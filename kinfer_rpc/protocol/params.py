@@ -275,3 +275,17 @@ def keep_alive(value: object) -> float | None:
 
 def _all_durations(text: str) -> bool:
     return bool(text) and "".join(m.group(0) for m in _DURATION.finditer(text)) == text
+
+
+def texts(value: object, field: str, one: bool = True) -> tuple[str, ...]:
+    """`inference/embed`'s input (a string, or a list of strings when `one`) or `inference/rerank`'s
+    documents (a list of strings)."""
+    if one and isinstance(value, str):
+        check_text(value, f"params.{field}")
+        return (value,)
+    what = "a string or a list of strings" if one else "a list of strings"
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise errors.invalid_params(f"params.{field} must be {what}", {"field": f"params.{field}"})
+    for i, t in enumerate(value):
+        check_text(t, f"params.{field}[{i}]")
+    return tuple(value)

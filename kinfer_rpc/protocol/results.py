@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kinfer_rpc.host.embeddings import Embeddings, Ranking
 from kinfer_rpc.host.requests import Logprob, Piece, Reply
 from kinfer_rpc.host.runtime import EngineStats
 
@@ -82,3 +83,17 @@ def engine_status(stats: EngineStats) -> dict[str, Any]:
         "draftAcceptance": round(stats.draft_accepted / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
         "memory": stats.memory,
     }
+
+
+def embeddings_json(out: Embeddings) -> dict[str, Any]:
+    """Each input's vector (float32 values, written exactly), in input order."""
+    return {"model": out.model, "embeddings": out.vectors.tolist(), "usage": {"promptTokens": out.prompt_tokens}}
+
+
+def ranking_json(out: Ranking) -> dict[str, Any]:
+    """The documents ranked, best first: each one's index, score, and text when asked."""
+    results = [
+        {"index": r.index, "relevanceScore": r.score, **({"document": r.document} if r.document is not None else {})}
+        for r in out.results
+    ]
+    return {"model": out.model, "results": results, "usage": {"promptTokens": out.prompt_tokens}}

@@ -215,6 +215,8 @@ class Session:
                 "inference/chat": r.inference_chat,
                 "inference/infill": r.inference_infill,
                 "inference/tokenize": r.inference_tokenize,
+                "inference/embed": r.inference_embed,
+                "inference/rerank": r.inference_rerank,
                 "textDocument/completion": lsp.completion,
                 "textDocument/inlineCompletion": lsp.inline_completion,
             },

@@ -92,3 +92,13 @@ test('infill sends prefix, suffix and extra beside the options; generate takes a
   await kinfer.streamGenerate('a', { suffix: 'b' }).result;
   assert.deepEqual(sent.at(-1).params.suffix, 'b');
 });
+
+test('embed and rerank send their params as given, and leave out what is not set', async () => {
+  const { kinfer, sent } = recording();
+  await kinfer.embed(['a', 'b'], { model: 'm', dimensions: 128, normalize: undefined });
+  await kinfer.rerank('q', ['d1', 'd2'], { topN: 1, returnDocuments: true });
+  assert.deepEqual(sent, [
+    { method: 'inference/embed', params: { input: ['a', 'b'], model: 'm', dimensions: 128 } },
+    { method: 'inference/rerank', params: { query: 'q', documents: ['d1', 'd2'], topN: 1, returnDocuments: true } },
+  ]);
+});

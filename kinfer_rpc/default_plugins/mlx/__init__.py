@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import kinfer_rpc
 from kinfer_rpc.types import Backend, LoadOptions, kinfer_home
@@ -68,7 +69,18 @@ class MlxBackend:
     weights: tuple[str, ...] = ("quantized", "dense")
 
     def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> MlxModel:
+        """A model that generates, or one that embeds where its folder declares a pooling
+        (sentence-transformers' modules.json: mlx/embed.py)."""
+        from kinfer_rpc.default_plugins.mlx.embed import MlxEmbedder, folder_pooling
+
+        pooling = folder_pooling(path)
+        if pooling is not None:
+            return MlxEmbedder(path, options, progress, pooling)
         return MlxModel(path, options, progress)
+
+    def features(self) -> dict[str, Any]:
+        """It embeds with MLX folders that declare a pooling (mlx/embed.py)."""
+        return {"embeddings": True}
 
 
 @kinfer_rpc.hookimpl

@@ -29,6 +29,7 @@ import numpy as np
 # without re-exporting them (no __all__, no `as`), so a strict type check does not see them in mlx.nn
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantize
 
+from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.mlx import gguf_header
 from kinfer_rpc.default_plugins.mlx.vocab import Vocab
 from kinfer_rpc.types import MachineInfo
@@ -214,6 +215,13 @@ def _load_gguf(path: str) -> tuple[Any, dict[str, Any], Vocab, dict[str, Any]]:
     weights, meta = loaded
     arch = str(meta.get("general.architecture"))
     model_type = _GGUF_ARCHS[arch]
+    pooling = meta.get(f"{arch}.pooling_type")
+    if pooling is not None and int(np.asarray(pooling).item()) != 0:  # an embedding model or reranker
+        raise errors.KinferError(
+            errors.NOT_SUPPORTED,
+            "this GGUF is an embedding model (it declares a pooling): it runs on the llama backend, and on the mlx "
+            "backend as an MLX folder with its sentence-transformers pooling",
+        )
 
     def num(key: str, default: float | None = None) -> Any:  # a number of the GGUF's metadata, or default
         v = meta.get(f"{arch}.{key}")

@@ -46,3 +46,11 @@ export async function agent(): Promise<number | string | null> {
   await kinfer.chat(messages, { tools: [{ type: 'retrieval', function: { name: 'x' } }] });
   return kinfer.close();
 }
+
+// embed and rerank: typed results
+export async function embedding(kinfer: KinferClient): Promise<number> {
+  const out = await kinfer.embed(['a', 'b'], { model: 'minilm', dimensions: 128 });
+  const ranked = await kinfer.rerank('q', ['d'], { topN: 1, returnDocuments: true });
+  const first: string | undefined = ranked.results[0].document;
+  return out.embeddings[0][0] + out.usage.promptTokens + ranked.results[0].relevanceScore + (first ? 1 : 0);
+}

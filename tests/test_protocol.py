@@ -442,14 +442,14 @@ def test_framing_errors_are_answered_with_id_null_and_the_server_goes_on(server)
 
 
 def test_oversize_frame_is_refused_and_the_next_frame_read(spawn):
-    c = spawn("--max-frame-bytes", "1000")
+    c = spawn("--max-frame-bytes", "4000")  # initialize's answer (the capabilities) must fit
     caps = c.initialize()["capabilities"]
-    assert caps["maxFrameBytes"] == 1000
+    assert caps["maxFrameBytes"] == 4000
     start = len(c.messages)
-    c.send({"jsonrpc": "2.0", "id": "big", "method": "inference/tokenize", "params": {"text": "x" * 2000}})
+    c.send({"jsonrpc": "2.0", "id": "big", "method": "inference/tokenize", "params": {"text": "x" * 8000}})
     assert "result" in c.request("model/list")
     err = c.wait_for(lambda m: "error" in m, start=start)
-    assert err["id"] is None and err["error"]["code"] == INVALID_REQUEST and "1000" in err["error"]["message"]
+    assert err["id"] is None and err["error"]["code"] == INVALID_REQUEST and "4000" in err["error"]["message"]
     assert "big" not in [m.get("id") for m in c.messages]
 
 

@@ -64,6 +64,8 @@ class Chat:
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: ToolChoice = ToolChoice("auto")
     options: RequestOptions = RequestOptions()
+    # False: at most one call (a grammar of one call where the calls are forced; else the first)
+    parallel_tool_calls: bool = True
     keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
 
 
@@ -295,7 +297,7 @@ class Requests:
                         {"field": "toolChoice"},
                     )
                 special = await anyio.to_thread.run_sync(_special_markers, entry, limiter=entry.tokenizer)
-                grammar = tools.call_grammar(tool_list, choice, fmt, special=special)
+                grammar = tools.call_grammar(tool_list, choice, fmt, parallel=req.parallel_tool_calls, special=special)
                 opts = attrs.evolve(opts, constraint=("tools", grammar))
         # In a worker process: a model file's template is untrusted and may be slow or huge; the
         # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
@@ -320,6 +322,8 @@ class Requests:
         names = [t["function"]["name"] for t in tool_list]
         reply = await self._run(entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received)
         content, calls = tools.parse_calls(reply.text, fmt, names)
+        if not req.parallel_tool_calls:
+            calls = calls[:1]
         if calls:
             return attrs.evolve(reply, text=content, tool_calls=tuple(calls), stop_reason="toolCalls")
         return reply

@@ -33,8 +33,10 @@ import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
+import attrs
 from anyio.abc import SocketAttribute, SocketStream
 
 from kinfer_rpc import __version__, errors
@@ -42,6 +44,9 @@ from kinfer_rpc.host.store import kinfer_home
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, encode
 from kinfer_rpc.protocol.params import keep_alive as parse_keep_alive
 from kinfer_rpc.protocol.server import LOG_LEVELS, Service, Session
+
+if TYPE_CHECKING:
+    from kinfer_rpc.protocol.http import Http
 
 log = logging.getLogger("kinfer_rpc.daemon")
 
@@ -127,7 +132,9 @@ class _Received:
 class Daemon:
     """A Service and the sessions of the socket's connections."""
 
-    def __init__(self, path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYTES):
+    def __init__(
+        self, path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYTES, http: HttpOptions | None = None
+    ):
         self.path = path
         self.max_frame = max_frame
         self.service = Service(socket=str(path))
@@ -135,6 +142,12 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.stopping = False
         self._stop = anyio.Event()
+        self.http: Http | None = None
+        if http is not None:
+            from kinfer_rpc.protocol.http import Http
+
+            self.http = Http(self.service, http.host, http.port, api_key=http.api_key, cors=http.cors)
+            self.service.faces += 1
 
     async def _refuse(self, stream: SocketStream, message: str) -> None:
         """One error answer (id null) and the connection closed."""
@@ -194,7 +207,11 @@ class Daemon:
 
             async with anyio.create_task_group() as sessions:
                 sessions.start_soon(accept, sessions)
+                if self.http is not None:
+                    sessions.start_soon(self.http.serve)
                 await self._stop.wait()
+                if self.http is not None:
+                    self.http.stop()  # no new requests; uvicorn waits for the ones in flight
                 accepting.cancel()  # no new connections; the sessions answer what they run and end
                 with anyio.move_on_after(5.0):
                     while self.sessions:
@@ -209,10 +226,28 @@ class Daemon:
         return 0
 
 
-async def serve(path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYTES, locked: bool = False) -> int:
+@attrs.frozen
+class HttpOptions:
+    """`kinfer serve --http`: where the HTTP faces listen, their API key and CORS origins."""
+
+    host: str
+    port: int
+    api_key: str | None = None
+    cors: list[str] | None = None
+
+
+async def serve(
+    path: Path,
+    *,
+    keep_alive: float,
+    max_frame: int = MAX_FRAME_BYTES,
+    locked: bool = False,
+    http: HttpOptions | None = None,
+) -> int:
     """Listen on `path` and serve until stopped; 1 when another daemon already answers there.
-    `locked`: the starter holds the start lock (kinfer-rpc --attach starting this daemon)."""
-    daemon = Daemon(path, keep_alive=keep_alive, max_frame=max_frame)
+    `locked`: the starter holds the start lock (kinfer-rpc --attach starting this daemon).
+    `http`: also serve OpenAI's and Ollama's HTTP APIs (kinfer_rpc.protocol.http)."""
+    daemon = Daemon(path, keep_alive=keep_alive, max_frame=max_frame, http=http)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before anyone can connect
         loop.add_signal_handler(signum, daemon.stop, signum)
@@ -230,6 +265,8 @@ async def serve(path: Path, *, keep_alive: float, max_frame: int = MAX_FRAME_BYT
             os.umask(old)
     os.chmod(path, 0o600)
     log.warning("kinfer %s daemon on %s (pid %d)", __version__, path, os.getpid())
+    if http is not None:
+        log.warning("HTTP faces (OpenAI /v1, Ollama /api) on http://%s:%d", http.host, http.port)
     return await daemon.run(listener)
 
 
@@ -243,6 +280,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", choices=sorted(LOG_LEVELS))
     parser.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
     parser.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        default=None,
+        help="also serve OpenAI's (/v1) and Ollama's (/api) HTTP APIs (host default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KINFER_API_KEY"),
+        help="the Bearer key HTTP clients must send (also KINFER_API_KEY); needed off loopback",
+    )
+    parser.add_argument("--cors", action="append", metavar="ORIGIN", help="allow this browser origin (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -260,6 +309,19 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("kinfer serve %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     path = Path(args.socket).absolute() if args.socket else default_socket()
+    http = None
+    if args.http:
+        from kinfer_rpc.protocol.http import loopback, parse_address
+
+        try:
+            host, port = parse_address(args.http)
+        except ValueError as exc:
+            print(f"kinfer serve: --http: {exc}", file=sys.stderr)
+            return 2
+        if not loopback(host) and not args.api_key:
+            print(f"kinfer serve: --http on {host} (not a loopback address) needs --api-key", file=sys.stderr)
+            return 2
+        http = HttpOptions(host, port, args.api_key, args.cors)
     try:
         code = anyio.run(
             lambda: serve(
@@ -267,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
                 keep_alive=float("inf") if keep is None else keep,
                 max_frame=args.max_frame_bytes,
                 locked=args.locked,
+                http=http,
             ),
             backend="asyncio",
         )

@@ -292,7 +292,7 @@ class Handlers:
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)
         keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
-        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), keep)
+        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), keep_alive=keep)
         return reply_json(await self.requests.chat(req, **_call(ctx)))
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:

@@ -99,18 +99,24 @@ class Service:
         self.sessions: set[Session] = set()
         self.socket = socket
         self._ids = itertools.count(1)
+        # HTTP faces serving: each counts as a client beside the sessions (many, really)
+        self.faces = 0
 
     def open(self, session: Session) -> int:
         """A session starts: its owner id (the models it holds, its share of their slots)."""
         self.sessions.add(session)
-        self.runtime.share(len(self.sessions))
+        self.runtime.share(len(self.sessions) + self.faces)
+        return next(self._ids)
+
+    def new_owner(self) -> int:
+        """An owner id for a client that is not a session (an HTTP face's connection)."""
         return next(self._ids)
 
     def close_session(self, session: Session) -> None:
         """A session ended: the models it held stay for their keep-alive, held by the others."""
         self.sessions.discard(session)
         self.runtime.release(session.owner)
-        self.runtime.share(len(self.sessions))
+        self.runtime.share(len(self.sessions) + self.faces)
 
     async def background(self) -> None:
         """Until cancelled: the status file, and models unloaded once idle past their keep-alive."""

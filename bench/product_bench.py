@@ -16,9 +16,12 @@ that time (the whole run: prompts, decoding, streaming every token to the client
   counted), so the figure is the server's own;
 - `engine`: kinfer's engine on its worker thread in this process, without the protocol
   (bench/harness.py's Run), loaded with the options the server loads with;
+- `attach`: the raw client through `kinfer-rpc --attach` to a daemon (`kinfer serve`) the bench
+  starts;
+- `http`: OpenAI's `/v1/completions` on that daemon's HTTP face, streamed (the same token ids as
+  the prompt, `ignore_eos`), through a minimal HTTP client that counts the usage it is sent;
 - `llama-server`: llama.cpp's server with `-np N` (the same model, context per slot and flash
-  attention), streamed through the same minimal client over HTTP (`/completion`, the same token
-  ids, `cache_prompt` off).
+  attention), through that same HTTP client and endpoint (`cache_prompt` off).
 
 With --trace DIR the server runs with KINFER_TRACE, and each round of a kinfer client gets a
 summary of where its time went (bench/trace_summary.py): time to first token, the prompt passes
@@ -38,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -178,44 +182,43 @@ async def python_round(
 
 
 # -- llama-server through the same minimal client ------------------------------------------------
-async def http_stream(port: int, body: dict[str, Any]) -> int:
+async def openai_stream(port: int, body: dict[str, Any], headers: str = "") -> int:
+    """One streamed /v1/completions through a minimal HTTP client; the tokens its usage says."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
     data = json.dumps(body).encode()
     writer.write(
-        b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data) + data
     )
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
-        raise RuntimeError(f"llama-server answered {status!r}: {(await reader.read(2000))!r}")
+        raise RuntimeError(f"/v1/completions answered {status!r}: {(await reader.read(2000))!r}")
     tokens = 0
     while line := await reader.readline():
-        if line.startswith(b"data: "):
+        if line.startswith(b"data: {"):
             event = json.loads(line[6:])
-            tokens += len(event.get("tokens") or ()) or (1 if event.get("content") else 0)
-            if event.get("stop"):
-                tokens = event.get("tokens_predicted", tokens)
-                break
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
     writer.close()
     return tokens
 
 
-async def llama_server_round(port: int, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
+async def openai_round(port: int, model: str, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
     def body(i: int, ids: list[int]) -> dict[str, Any]:
         return {
+            "model": model,
             "prompt": ids,
-            "n_predict": ntg,
-            "ignore_eos": True,
+            "max_tokens": ntg,
             "temperature": temperature,
             "seed": 1000 + i,
             "stream": True,
-            "cache_prompt": False,
-            "return_tokens": True,
+            "stream_options": {"include_usage": True},
+            **({"ignore_eos": True, "cache_prompt": False} if model == "llama-server" else {}),
         }
 
     t0 = time.perf_counter()
-    tokens = await asyncio.gather(*(http_stream(port, body(i, p)) for i, p in enumerate(prompts)))
+    tokens = await asyncio.gather(*(openai_stream(port, body(i, p)) for i, p in enumerate(prompts)))
     t1 = time.perf_counter()
     return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
 
@@ -321,37 +324,95 @@ async def kinfer_rounds(args: Any, prompts_of: dict[int, list[list[int]]], resul
         if os.path.exists(trace_file):
             os.unlink(trace_file)
         env["KINFER_TRACE"] = trace_file
-    for npl in args.npl:
-        prompts = prompts_of[npl]
-        for side in args.clients:
-            rounds: list[dict[str, Any]] = []
-            if side == "raw":
-                rpc = await RawRpc.spawn(kinfer_rpc_argv(), env)
-                await rpc.request("initialize", {"processId": os.getpid(), "capabilities": {}})
-                rpc.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
-                loaded = await rpc.request("model/load", {"model": args.model, "options": load_params(args, npl)})
-                name = loaded["result"]["model"]
-                await raw_round(rpc, name, [prompts[0][:8]], 4, 0.0)  # warm-up
-                for ntg in args.ntg:
-                    for _ in range(args.rounds):
-                        rounds.append((ntg, await raw_round(rpc, name, prompts, ntg, args.temperature)))
-                await rpc.close()
-            else:
-                from kinfer_rpc.client import AsyncClient
+    daemon = Daemon(env) if {"attach", "http"} & set(args.clients) else None
+    try:
+        for npl in args.npl:
+            prompts = prompts_of[npl]
+            for side in args.clients:
+                rounds = await _side_rounds(side, args, npl, prompts, env, daemon)
+                for ntg, r in rounds:
+                    rec = figures(side, npl, ntg, r, args)
+                    if trace_file:
+                        rec["trace"] = summarize(trace_file, r["t0"], r["t1"])
+                    results.append(emit(f"{side}-{npl}x{ntg}", rec))
+    finally:
+        if daemon is not None:
+            daemon.stop()
 
-                async with AsyncClient(kinfer_rpc_argv(), env=env) as client:
-                    loaded = await client.load(args.model, **load_params(args, npl))
-                    await python_round(client, loaded.model, [prompts[0][:8]], 4, 0.0)  # warm-up
-                    for ntg in args.ntg:
-                        for _ in range(args.rounds):
-                            rounds.append(
-                                (ntg, await python_round(client, loaded.model, prompts, ntg, args.temperature))
-                            )
-            for ntg, r in rounds:
-                rec = figures(side, npl, ntg, r, args)
-                if trace_file:
-                    rec["trace"] = summarize(trace_file, r["t0"], r["t1"])
-                results.append(emit(f"{side}-{npl}x{ntg}", rec))
+
+class Daemon:
+    """`kinfer serve` with its HTTP faces, on a socket and a port of its own, for the attach and
+    http sides (their models are unloaded after each round of requests at once)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.home = tempfile.mkdtemp(prefix="kinfer-bench-")
+        self.socket = os.path.join(self.home, "kinfer.sock")
+        self.port = free_port()
+        argv = [_kinfer(), "serve", "--socket", self.socket]
+        argv += ["--http", f"127.0.0.1:{self.port}", "--keep-alive", "-1"]
+        self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.socket):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("kinfer serve did not start")
+            time.sleep(0.05)
+
+    def argv(self) -> list[str]:
+        return [*kinfer_rpc_argv(), "--attach", "--socket", self.socket]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _kinfer() -> str:
+    found = shutil.which("kinfer", path=os.path.dirname(sys.executable))
+    return found or "kinfer"
+
+
+async def _side_rounds(
+    side: str, args: Any, npl: int, prompts: list[list[int]], env: dict[str, str], daemon: Daemon | None
+) -> list[tuple[int, dict[str, Any]]]:
+    rounds: list[tuple[int, dict[str, Any]]] = []
+    if side in ("raw", "attach", "http"):
+        argv = daemon.argv() if side != "raw" and daemon is not None else kinfer_rpc_argv()
+        rpc = await RawRpc.spawn(argv, env)
+        await rpc.request("initialize", {"processId": os.getpid(), "capabilities": {}})
+        rpc.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
+        loaded = await rpc.request("model/load", {"model": args.model, "options": load_params(args, npl)})
+        if "error" in loaded:
+            raise RuntimeError(f"model/load: {loaded['error']}")
+        name = loaded["result"]["model"]
+        for ntg in args.ntg:
+            if side == "http":
+                assert daemon is not None
+                await openai_round(daemon.port, name, [prompts[0][:8]], 4, 0.0)  # warm-up
+            else:
+                await raw_round(rpc, name, [prompts[0][:8]], 4, 0.0)
+            for _ in range(args.rounds):
+                if side == "http":
+                    assert daemon is not None
+                    r = await openai_round(daemon.port, name, prompts, ntg, args.temperature)
+                else:
+                    r = await raw_round(rpc, name, prompts, ntg, args.temperature)
+                rounds.append((ntg, r))
+        if side != "raw":  # the daemon keeps it: the next round loads with other slots
+            await rpc.request("model/unload", {"model": name})
+        await rpc.close()
+        return rounds
+    from kinfer_rpc.client import AsyncClient
+
+    async with AsyncClient(kinfer_rpc_argv(), env=env) as client:
+        loaded_model = await client.load(args.model, **load_params(args, npl))
+        await python_round(client, loaded_model.model, [prompts[0][:8]], 4, 0.0)  # warm-up
+        for ntg in args.ntg:
+            for _ in range(args.rounds):
+                rounds.append((ntg, await python_round(client, loaded_model.model, prompts, ntg, args.temperature)))
+    return rounds
 
 
 async def main_async(args: Any) -> None:
@@ -377,10 +438,10 @@ async def main_async(args: Any) -> None:
                 emit(f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": str(exc)})
                 continue
             try:
-                await llama_server_round(port, [prompts_of[npl][0][:8]], 4, 0.0)  # warm-up
+                await openai_round(port, "llama-server", [prompts_of[npl][0][:8]], 4, 0.0)  # warm-up
                 for ntg in args.ntg:
                     for _ in range(args.rounds):
-                        r = await llama_server_round(port, prompts_of[npl], ntg, args.temperature)
+                        r = await openai_round(port, "llama-server", prompts_of[npl], ntg, args.temperature)
                         results.append(emit(f"llama-server-{npl}x{ntg}", figures("llama-server", npl, ntg, r, args)))
             except Exception as exc:
                 emit(
@@ -410,7 +471,13 @@ def main() -> None:
     ap.add_argument("--ntg", default="64,256", help="tokens a request, comma-separated")
     ap.add_argument("--npp", type=int, default=128, help="prompt tokens a request")
     ap.add_argument("--gpu-layers", type=int, default=-1)
-    ap.add_argument("--clients", default="python,raw", help="kinfer's clients: python, raw (comma-separated)")
+    ap.add_argument(
+        "--clients",
+        default="python,raw",
+        help="kinfer's sides, comma-separated: python, raw (each a kinfer-rpc of its own); attach (the raw "
+        "client through kinfer-rpc --attach to a daemon) and http (OpenAI's /v1/completions, streamed, on the "
+        "daemon's HTTP face)",
+    )
     ap.add_argument("--engine", action="store_true", help="also kinfer's engine alone")
     ap.add_argument("--llama-server", default=None, help="also this llama-server binary with -np N")
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -118,6 +118,7 @@ CHAT_FIELDS = frozenset(
         "presence_penalty",
         "logit_bias",
         "service_tier",
+        "ignore_eos",  # llama-server's and vLLM's extension: generate through end of generation
     }
 )
 COMPLETION_FIELDS = frozenset(
@@ -140,6 +141,7 @@ COMPLETION_FIELDS = frozenset(
         "frequency_penalty",
         "presence_penalty",
         "logit_bias",
+        "ignore_eos",
     }
 )
 
@@ -198,6 +200,7 @@ def _options(body: dict[str, Any], *, max_tokens: int | None = None, constraint:
         "top_p": body.get("top_p"),
         "seed": body.get("seed"),
         "stop": body.get("stop"),
+        "ignore_eos": body.get("ignore_eos"),
         "constraint": constraint,
     }
     return _checked(lambda: RequestOptions(**{k: v for k, v in given.items() if v is not None}))

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kinfer_rpc.client import Client, InvalidParams, RequestCancelled, ServerGone
 from kinfer_rpc.host.store import DEFAULT_MODEL
@@ -320,3 +322,53 @@ def test_kinfer_uses_the_daemon_when_one_runs(tmp_path):
         assert [m["name"] for m in mine["models"]] == [DEFAULT_MODEL]  # loaded by the chat, kept warm
     finally:
         assert d.stop() == 0
+
+
+# -- the promise across connections ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("promise"))
+    clients = [d.client() for _ in range(3)]
+    try:
+        for c in clients:
+            c.load(None)
+        yield clients
+    finally:
+        for c in clients:
+            c.close()
+        d.stop()
+
+
+WORDS = ["river", "cloud", "seven", "quiet", "engine", "maple", "north", "glass", "paper", "lion"]
+requests_ = st.lists(
+    st.tuples(
+        st.lists(st.sampled_from(WORDS), min_size=1, max_size=12).map(" ".join),
+        st.integers(1, 24),  # maxTokens
+        st.sampled_from([0.0, 0.8]),  # greedy or seeded
+        st.integers(0, 2**31),  # seed
+        st.integers(0, 2),  # which connection sends it
+    ),
+    min_size=2,
+    max_size=8,
+)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=requests_)
+def test_a_request_gets_its_lone_reply_whatever_other_connections_run(shared, batch):
+    def ask(client, prompt, max_tokens, temperature, seed):
+        return client.generate(prompt, maxTokens=max_tokens, temperature=temperature, seed=seed).tokens
+
+    alone = [ask(shared[0], p, n, t, s) for p, n, t, s, _ in batch]
+    together: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        p, n, t, s, who = batch[i]
+        together[i] = ask(shared[who], p, n, t, s)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [together[i] for i in range(len(batch))] == alone

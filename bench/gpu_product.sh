@@ -4,9 +4,10 @@
 #   [OUT=dir] [JOBS="greedy sampled profile"] [NPL=32,128] [NTG=64,256] bash bench/gpu_product.sh [shapes...]
 # For each shape (default: 1b 7b; synthesised, Q4_K_M), the jobs named (default: greedy), each
 # writing JSON lines to OUT (default /tmp/out):
-#   greedy:  kinfer-rpc through the Python client and a minimal raw client, kinfer's engine alone
-#            and llama-server -np N, prompts of 128 tokens, greedy; the server's trace summarized
-#            per round (KINFER_TRACE)
+#   greedy:  kinfer-rpc through the Python client and a minimal raw client, the raw client through
+#            kinfer-rpc --attach to a daemon, OpenAI's /v1/completions on the daemon's HTTP face,
+#            kinfer's engine alone and llama-server -np N (through the same HTTP client), prompts
+#            of 128 tokens, greedy; the server's trace summarized per round (KINFER_TRACE)
 #   sampled: the same with temperature 0.8 (seeded), kinfer's sides only
 #   profile: py-spy over the server (raw client, 128 at once, 256 tokens): where its time goes
 # BASE=DIR (a folder holding another kinfer_rpc package) also runs the sampled job's raw client on
@@ -24,8 +25,8 @@ for s in $SHAPES; do
   m=/tmp/m-$s.gguf
   case $jobs in *" greedy "*)
     python3 bench/product_bench.py "$m" --gpu-layers 999 --npl "$npl" --ntg "$ntg" --engine \
-      --llama-server /tmp/lc/llama-server --trace "$OUT/trace-$s" | sed "s/^{/{\"shape\": \"$s\", /" \
-      | tee -a "$OUT/product.jsonl";;
+      --clients "${CLIENTS:-python,raw,attach,http}" --llama-server /tmp/lc/llama-server --trace "$OUT/trace-$s" \
+      | sed "s/^{/{\"shape\": \"$s\", /" | tee -a "$OUT/product.jsonl";;
   esac
   case $jobs in *" sampled "*)
     if [ -n "${BASE:-}" ]; then

@@ -262,20 +262,22 @@ def stop(proc: Any) -> None:
 
 
 # -- the engine alone ----------------------------------------------------------------------------
-def engine_round(model: str, prompts: list[list[int]], ntg: int, temperature: float, args: Any) -> dict[str, Any]:
+def engine_rounds(model: str, prompts: list[list[int]], args: Any) -> list[tuple[int, dict[str, Any]]]:
+    """kinfer's engine alone, loaded once for these prompts with the options the server loads
+    with, warmed up as the servers are (one short request), then each --ntg in turn."""
+    import threading
+
     from kinfer_rpc.default_plugins.llama import LlamaBackend
     from kinfer_rpc.protocol.options import load_request
 
-    npl = len(prompts)
-    load, extra = load_request(load_params(args, npl)).resolve()
+    load, extra = load_request(load_params(args, len(prompts))).resolve()
     engine = start_engine(
         lambda progress: LlamaBackend().load(model, load, progress),
         batch=load.batch,
         prefix=extra.prefix if extra.prefix is not None else load.slots * load.context_length,
     )
-    import threading
 
-    def run(ps: list[list[int]]) -> tuple[float, float, int]:
+    def run(ps: list[list[int]], ntg: int) -> dict[str, Any]:
         finished = threading.Semaphore(0)
         jobs = [
             Job(
@@ -283,7 +285,7 @@ def engine_round(model: str, prompts: list[list[int]], ntg: int, temperature: fl
                 GenerateOptions(
                     max_tokens=ntg,
                     ignore_eos=True,
-                    sampling=SamplingOptions(temperature=temperature, seed=1000 + i),
+                    sampling=SamplingOptions(temperature=args.temperature, seed=1000 + i),
                 ),
                 on_done=lambda j: finished.release(),
                 on_piece=lambda text, toks: None,  # text is made for every token, as for a stream
@@ -295,12 +297,14 @@ def engine_round(model: str, prompts: list[list[int]], ntg: int, temperature: fl
             engine.submit(job)
         for _ in jobs:
             finished.acquire()
-        return t0, time.perf_counter(), sum(len(j.generated) for j in jobs)
+        return {"t0": t0, "t1": time.perf_counter(), "tokens": sum(len(j.generated) for j in jobs)}
 
-    run([prompts[0][:8]])  # warm-up, as the server's first round
-    t0, t1, tokens = run(prompts)
+    rounds = []
+    for ntg in args.ntg:
+        run([prompts[0][:8]], 4)  # warm-up, as each server side's
+        rounds += [(ntg, run(prompts, ntg)) for _ in range(args.rounds)]
     engine.stop()
-    return {"t0": t0, "t1": t1, "tokens": tokens}
+    return rounds
 
 
 def load_params(args: Any, npl: int) -> dict[str, Any]:
@@ -423,10 +427,8 @@ async def main_async(args: Any) -> None:
     results: list[dict[str, Any]] = []
     if args.engine:
         for npl in args.npl:
-            for ntg in args.ntg:
-                for _ in range(args.rounds):
-                    r = engine_round(args.model, prompts_of[npl], ntg, args.temperature, args)
-                    results.append(emit(f"engine-{npl}x{ntg}", figures("engine", npl, ntg, r, args)))
+            for ntg, r in engine_rounds(args.model, prompts_of[npl], args):
+                results.append(emit(f"engine-{npl}x{ntg}", figures("engine", npl, ntg, r, args)))
     await kinfer_rounds(args, prompts_of, results)
     if args.llama_server:
         for npl in args.npl:

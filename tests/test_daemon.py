@@ -53,10 +53,10 @@ def _wait(cond, timeout=60.0, what="the condition"):
 
 
 class Daemon:
-    def __init__(self, home: Path, *extra: str):
+    def __init__(self, home: Path, *extra: str, env: dict[str, str] | None = None):
         self.home = home
         self.socket = home / "run" / "kinfer.sock"
-        self.env = _env(home)
+        self.env = {**_env(home), **(env or {})}
         self.log = open(home / f"daemon-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [KINFER, "serve", "--socket", str(self.socket), "--log-level", "info", *extra],
@@ -372,3 +372,54 @@ def test_a_request_gets_its_lone_reply_whatever_other_connections_run(shared, ba
     for t in threads:
         t.join(120)
     assert [together[i] for i in range(len(batch))] == alone
+
+
+def _frame(message: dict) -> bytes:
+    body = json.dumps(message).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def test_a_client_that_never_reads_is_closed_and_others_are_served(tmp_path):
+    d = Daemon(tmp_path, env={"KINFER_SEND_SECONDS": "2"})
+    try:
+        with d.client() as good:
+            good.load(None)
+            s = socket.socket(socket.AF_UNIX)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(str(d.socket))
+            s.sendall(_frame({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}))
+            text = "word " * 20000  # each answer a few hundred kilobytes, never read
+            for i in range(40):
+                s.sendall(
+                    _frame({"jsonrpc": "2.0", "id": i + 1, "method": "inference/tokenize", "params": {"text": text}})
+                )
+            t = time.monotonic()
+            assert good.generate("Hi", maxTokens=3, temperature=0).usage.completion_tokens == 3
+            assert time.monotonic() - t < 20
+            _wait(lambda: "read nothing for 2 s" in d.text(), 30, "the stuck connection to be closed")
+            s.close()
+            assert good.generate("Hi", maxTokens=3, temperature=0).usage.completion_tokens == 3
+    finally:
+        assert d.stop() == 0
+
+
+def test_connections_past_the_limit_are_refused_and_the_rest_served(daemon):
+    from kinfer_rpc.protocol.daemon import MAX_CONNECTIONS
+
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(daemon.socket))
+            held.append(s)
+        _wait(lambda: f"({MAX_CONNECTIONS} open)" in daemon.text(), 60, "every connection to be accepted")
+        with socket.socket(socket.AF_UNIX) as extra:
+            extra.connect(str(daemon.socket))
+            extra.settimeout(10)
+            assert b"connections open, its most" in extra.recv(4096)
+    finally:
+        for s in held:
+            s.close()
+    _wait(lambda: "(0 open)" in daemon.text(), 60, "the connections to close")
+    with daemon.client() as c:  # served again
+        assert c.generate("Hi", maxTokens=2, temperature=0).usage.completion_tokens == 2

@@ -88,6 +88,14 @@ class ClientLogHandler(logging.Handler):
             loop.call_soon_threadsafe(self.server.queue_notification, "window/logMessage", message)
 
 
+def send_seconds() -> float:
+    """KINFER_SEND_SECONDS: how long a daemon waits for a client to read what it is sent (default 30)."""
+    try:
+        return max(0.1, float(os.environ.get("KINFER_SEND_SECONDS", "30")))
+    except ValueError:
+        return 30.0
+
+
 class Service:
     """What every session of one process shares: the plugins, the runtime with its models and the
     requests on them, and `kinfer ps`'s status file. `socket`: the daemon's, for ps."""
@@ -185,6 +193,10 @@ class Session:
         self.exit_code: int | None = None
         self.client_pid: int | None = None
         self.peer_pid = peer_pid  # a daemon's connection: the process that connected
+        # How long one write may wait for the client to read: a daemon's connection whose client
+        # reads nothing that long is closed (its answers would pile up); kinfer-rpc's own stdout
+        # waits for as long as its one client takes.
+        self.send_seconds = float("inf") if self.owns else send_seconds()
         # kinfer-rpc's own process: the client's and the parent's death, signals, and a deadline on
         # every way of ending (a daemon's session ends when its socket closes, or its client dies).
         self.watchdog = (
@@ -270,7 +282,13 @@ class Session:
             if not frames:
                 continue
             try:
-                await self._write.send(b"".join(frames))
+                with anyio.fail_after(self.send_seconds):
+                    await self._write.send(b"".join(frames))
+            except TimeoutError:
+                # A daemon's client that stopped reading: its answers would queue without end.
+                log.warning("the client read nothing for %g s; closing its connection", self.send_seconds)
+                self._end(1)
+                return
             except Exception:
                 log.error("stdout is gone; stopping")
                 self._stop.set()

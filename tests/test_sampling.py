@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer_rpc.engine.sampling import SamplingOptions, sample, uniform
+from kinfer_rpc.engine.sampling import SamplingOptions, sample, sample_many, top, uniform
 from kinfer_rpc.engine.text import TextStream
 
 
@@ -201,3 +201,46 @@ def test_a_pass_of_held_rows_gets_each_rows_own_greedy_choice(data, held):
         grammar.best_allowed(logits[r], bits, ids=ids, best=k if k >= 0 else None)
         for (r, bits, ids), k in zip(picks, known)
     ]
+
+
+# -- many rows at once (sample_many): the same token as alone -----------------------------------------
+options_ = st.builds(
+    SamplingOptions,
+    temperature=st.sampled_from([0.0, 0.2, 0.8, 1.5]),
+    top_k=st.sampled_from([0, 1, 5, 40]),
+    top_p=st.sampled_from([0.5, 0.95, 1.0]),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+    repeat_penalty=st.sampled_from([1.0, 1.3]),
+    seed=st.integers(0, 2**53 - 1),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.sampled_from([7, 300, 5000]), same=st.booleans())
+def test_rows_sampled_together_get_the_token_each_gets_alone(data, n, same):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    count = data.draw(st.integers(1, 9))
+    rows = (rng.standard_normal((count, n)) * rng.uniform(0.3, 8)).astype(np.float32)
+    if data.draw(st.booleans()):
+        rows[rng.random(rows.shape) < 0.9] = -np.inf  # held to a grammar
+    if data.draw(st.booleans()):
+        rows = np.round(rows)  # many ties
+    opts = [data.draw(options_)] * count if same else [data.draw(options_) for _ in range(count)]
+    histories = [list(rng.integers(0, n, 8)) for _ in range(count)]
+    positions = [int(p) for p in rng.integers(0, 4096, count)]
+    together = sample_many(list(rows), histories, positions, opts)
+    assert together == [sample(rows[i], histories[i], positions[i], opts[i]) for i in range(count)]
+    assert all(0 <= t < n for t in together)
+
+
+def test_the_draw_follows_the_distribution():
+    row = np.log(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+    opts = [SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s) for s in range(12000)]
+    picks = np.bincount(sample_many([row] * 12000, [[]] * 12000, [5] * 12000, opts), minlength=3) / 12000
+    assert np.allclose(picks, [1 / 6, 2 / 6, 3 / 6], atol=0.02)
+
+
+def test_the_top_k_keeps_the_lowest_ids_among_ties():
+    row = np.array([1.0, 3.0, 3.0, 3.0, 2.0] * 200, dtype=np.float32)  # long enough for the sampled cut
+    ids, vals = top(row, 2)
+    assert list(ids) == [1, 2] and list(vals) == [3.0, 3.0]

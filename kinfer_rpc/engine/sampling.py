@@ -26,9 +26,31 @@ class SamplingOptions:
     seed: int = 0
 
 
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of 64-bit words that scatters every input bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """The one uniform draw in [0, 1) for each (seed, position): a keyed hash of the two, so a
+    draw depends on nothing else and any number of them cost one vectorized call."""
+    with np.errstate(over="ignore"):
+        seed = np.array([s & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64)
+        pos = np.array(positions, dtype=np.uint64)
+        key = _mix(seed + np.uint64(0x9E3779B97F4A7C15))
+        word = _mix(key ^ (pos * np.uint64(0xD1B54A32D192ED03)))
+    return (word >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
 def uniform(seed: int, position: int) -> float:
     """The one uniform draw in [0, 1) for the token at `position` of a request seeded `seed`."""
-    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, position]).random())
+    return float(uniforms([seed], [position])[0])
 
 
 def _penalise(logits: np.ndarray, history: Sequence[int], opts: SamplingOptions) -> np.ndarray:
@@ -47,57 +69,104 @@ def _penalise(logits: np.ndarray, history: Sequence[int], opts: SamplingOptions)
 _STRIDE = 16  # top()'s sample: every 16th logit
 
 
-def top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best tokens of a row, best first (by logit, then by token id, so the order is a
-    pure function of the row), and their logits as float64. Tokens at -inf (a grammar's
-    forbidden ones) and NaN are never among them: they could never be drawn.
+def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: SamplingOptions) -> int:
+    """Pick the token at `position` from one row of logits (sample_many of one row).
+
+    `history` is the request's tokens so far (prompt and reply), used by the repeat penalty.
+    """
+    return sample_many([logits], [history], [position], [opts])[0]
+
+
+def sample_many(
+    rows: Sequence[np.ndarray],
+    histories: Sequence[Sequence[int]],
+    positions: Sequence[int],
+    opts: Sequence[SamplingOptions],
+) -> list[int]:
+    """Pick each row's token, each from its own logits, history, position and options.
+
+    Order as llama.cpp's default chain: penalties, top-k, temperature, top-p, min-p, draw. Each
+    row's candidates are its own (top); rows with the same temperature and cuts then go through
+    the cuts and the draw together, in one vectorized pass, by the very code that samples a row
+    alone: every step of it is a row's own (elementwise, or a sequential sum along the row), so a
+    row's token is the same however many rows are sampled with it.
+    """
+    out = [-1] * len(rows)
+    groups: dict[tuple[float, int, float, float], list[int]] = {}
+    penalised: dict[int, np.ndarray] = {}
+    for i, (row, history, o) in enumerate(zip(rows, histories, opts)):
+        row = penalised[i] = _penalise(row, history, o)
+        finite = np.isfinite(row).any()
+        if o.temperature <= 0 or not finite:
+            out[i] = int(np.nanargmax(row)) if finite else int(np.argmax(row))
+            continue
+        n = row.shape[0]
+        k = o.top_k if 0 < o.top_k < n else n
+        groups.setdefault((o.temperature, k, o.top_p, o.min_p), []).append(i)
+    for (temperature, k, top_p, min_p), members in groups.items():
+        ids = np.full((len(members), k), -1, dtype=np.int64)
+        vals = np.full((len(members), k), -np.inf, dtype=np.float64)
+        for j, i in enumerate(members):
+            best, values = top(penalised[i], k)
+            ids[j, : len(best)] = best
+            vals[j, : len(best)] = values
+        draws = uniforms([opts[i].seed for i in members], [positions[i] for i in members])
+        for i, token in zip(members, _draw(ids, vals, temperature, top_p, min_p, draws)):
+            out[i] = token
+    return out
+
+
+def top(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row's k best tokens, best first (by logit, then by token id: the set and its order are a
+    pure function of the row, ties at the k-th place included), and their logits as float64.
+    Tokens at -inf (a grammar's forbidden ones) and NaN are never among them: they could never be
+    drawn; a row with fewer drawable tokens gives fewer.
 
     Exact, and cheaper than partitioning the whole row: the k-th best of every 16th logit is a
-    logit that at least k of the row reach, so only the logits at or above it are sorted."""
-    n = logits.shape[0]
+    logit that at least k of the row reach, so only the logits at or above it are looked at."""
+    n = row.shape[0]
+    cut = -np.inf
     if k < n and n >= 4 * _STRIDE * k:
-        sampled = logits[::_STRIDE]
+        sampled = row[::_STRIDE]
         cut = np.partition(sampled, len(sampled) - k)[len(sampled) - k]
-        live = np.flatnonzero(logits >= cut) if cut > -np.inf else np.flatnonzero(logits > -np.inf)
-    else:
-        live = np.flatnonzero(logits > -np.inf)
-    vals = logits[live].astype(np.float64)
-    order = np.lexsort((live, -vals))[:k]
+        if not cut > -np.inf:  # -inf, or NaN: every drawable token is a candidate
+            cut = -np.inf
+    live = np.flatnonzero(row >= cut) if cut > -np.inf else np.flatnonzero(row > -np.inf)
+    vals = row[live].astype(np.float64)
+    if len(live) > k:
+        kth = np.partition(vals, len(vals) - k)[len(vals) - k]  # the k-th best value
+        above = vals > kth
+        tied = vals == kth  # of those, the lowest ids (live is in id order) fill the k places
+        take = above | (tied & (np.cumsum(tied) <= k - int(above.sum())))
+        live, vals = live[take], vals[take]
+    order = np.argsort(-vals, kind="stable")  # best first; among equals, lower ids first
     return live[order], vals[order]
 
 
-def sample(logits: np.ndarray, history: Sequence[int], position: int, opts: SamplingOptions) -> int:
-    """Pick the token at `position` from one row of logits.
-
-    `history` is the request's tokens so far (prompt and reply), used by the repeat penalty.
-    Order as llama.cpp's default chain: penalties, top-k, temperature, top-p, min-p, draw.
-    """
-    logits = _penalise(logits, history, opts)
-    if opts.temperature <= 0 or not np.isfinite(logits).any():
-        return int(np.nanargmax(logits)) if np.isfinite(logits).any() else int(np.argmax(logits))
-    n = logits.shape[0]
-    k = opts.top_k if 0 < opts.top_k < n else n
-    idx, vals = top(logits, k)
-    vals = (vals - vals[0]) / opts.temperature
-    probs = np.exp(vals)
-    total = probs.sum()
-    if not np.isfinite(total) or total <= 0.0:
+def _draw(
+    ids: np.ndarray, vals: np.ndarray, temperature: float, top_p: float, min_p: float, u: np.ndarray
+) -> list[int]:
+    """Temperature, top-p, min-p and the draw over rows of top-k candidates (best first). Every
+    total is the last of a sequential sum along its row."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        probs = np.exp((vals - vals[:, :1]) / temperature)
+        total = np.cumsum(probs, axis=1)[:, -1:]
+        probs = probs / total
+        live = (probs > 0.0).sum(axis=1)  # tokens a grammar forbids, or whose odds underflow: never drawn
+        n = live
+        if top_p < 1.0:
+            n = np.minimum(n, (np.cumsum(probs, axis=1) < top_p).sum(axis=1) + 1)
+        if min_p > 0.0:
+            n = np.minimum(n, (probs >= min_p * probs[:, :1]).sum(axis=1))
+        n = np.maximum(n, 1)  # the best token survives every cut
+        kept = np.where(np.arange(probs.shape[1])[None, :] < n[:, None], probs, 0.0)
+        kept = kept / np.cumsum(kept, axis=1)[:, -1:]
+        pick = (np.cumsum(kept, axis=1) <= u[:, None]).sum(axis=1)
+    out = []
+    for row, t, count, p, ok in zip(ids, total[:, 0], n, pick, np.isfinite(total[:, 0])):
         # A temperature so small that everything but the best underflows: that is greedy.
-        return int(idx[0])
-    probs /= total
-    if probs[-1] == 0.0:  # tokens a grammar forbids (or whose odds underflow): never drawn
-        live = probs > 0.0
-        idx, probs = idx[live], probs[live]
-    if opts.top_p < 1.0:
-        cut = max(1, int(np.searchsorted(np.cumsum(probs), opts.top_p)) + 1)
-        idx, probs = idx[:cut], probs[:cut]
-    if opts.min_p > 0.0:
-        keep = probs >= opts.min_p * probs[0]
-        idx, probs = idx[keep], probs[keep]
-    probs = probs / probs.sum()  # never empty: the best token always survives both cuts
-    u = uniform(opts.seed, position)
-    pick = int(np.searchsorted(np.cumsum(probs), u, side="right"))
-    return int(idx[min(pick, len(idx) - 1)])
+        out.append(int(row[0]) if not ok or t <= 0.0 else int(row[min(int(p), int(count) - 1)]))
+    return out
 
 
 @attrs.frozen

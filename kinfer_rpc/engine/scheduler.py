@@ -28,7 +28,7 @@ import numpy as np
 from kinfer_rpc import errors
 from kinfer_rpc.engine import CPUS, grammar
 from kinfer_rpc.engine import trace as tracing
-from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob, logprob, sample
+from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob, logprob, sample, sample_many
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
 from kinfer_rpc.types import (
@@ -701,6 +701,7 @@ class Engine:
             self._drop_chained()
         # A job that ends here while the next pass holds its row keeps its slot until that pass is done.
         ahead = self._running is not None
+        presampled = self._sample_rows(chunks, owners, plain, logits)
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -729,6 +730,10 @@ class Engine:
                     token = best[r + i]
                 elif job.held is not None:  # chosen before the next pass started, and consumed
                     token, job.held = job.held, None
+                elif (pre := presampled.get(r + i)) is not None:  # sampled with the pass's others
+                    token = pre
+                    if job.options.logprobs is not None and not self._ends(job, token):
+                        job.logprobs.append(logprob(logits[r + i], token, job.options.logprobs))
                 else:
                     try:
                         token = self._sample(job, logits[r + i], first=i == 0, best=best[r + i])
@@ -755,6 +760,39 @@ class Engine:
             if job.drafts:
                 self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
+
+    def _sample_rows(
+        self, chunks: list[SeqChunk], owners: list[Job], plain: list[bool], logits: np.ndarray
+    ) -> dict[int, int]:
+        """The tokens of the pass's sampled rows that need nothing but their own options (one
+        output, no grammar, no drafts), all at once (sampling.sample_many): row -> token. A row
+        whose sampling fails is sampled again in its turn, which fails its job alone."""
+        picked: list[tuple[int, Job]] = []
+        row = 0
+        for chunk, job, is_plain in zip(chunks, owners, plain):
+            if (
+                chunk.outputs == 1
+                and not is_plain
+                and job.constraint is None
+                and not job.drafts
+                and job.held is None
+                and job.stop_reason is None
+            ):
+                picked.append((row, job))
+            row += chunk.outputs
+        if not picked:
+            return {}
+        histories = [job.prompt + job.generated for _, job in picked]
+        try:
+            tokens = sample_many(
+                [logits[r] for r, _ in picked],
+                histories,
+                [len(h) for h in histories],
+                [job.options.sampling for _, job in picked],
+            )
+        except Exception:  # noqa: BLE001 - each row is sampled alone instead, failing only its own job
+            return {}
+        return {r: token for (r, _), token in zip(picked, tokens)}
 
     def _end_job(self, job: Job, reason: str | None, events: list[_Event], ahead: bool) -> None:
         """_finish, its slot given back after the pass started ahead when one holds its row."""

@@ -124,3 +124,30 @@ def test_only_the_native_loader_imports_llama_cpp_at_module_level():
                 if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+# -- CPU threads from what the machine is doing (default_plugins.cpu_share) -------------------------
+def test_the_thread_count_follows_the_cores_other_processes_leave(monkeypatch):
+    from kinfer_rpc.default_plugins import cpu_share
+
+    clock = [0.0]
+    machine = [(0, 0)]  # (busy, total) jiffies of the whole machine
+    own = [0]  # this process's jiffies
+    monkeypatch.setattr(cpu_share, "_machine", lambda: machine[0])
+    monkeypatch.setattr(cpu_share, "_own", lambda: own[0])
+    monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock[0])
+    share = cpu_share.CpuShare(2)
+    share.cpus = 2  # a 2-core machine whose /proc/stat is this process's to read
+
+    def tick(others: int, mine: int) -> int:  # one second: 200 jiffies of 2 cores
+        clock[0] += 1.0
+        machine[0] = (machine[0][0] + others + mine, machine[0][1] + 200)
+        own[0] += mine
+        return share.now()
+
+    assert tick(0, 200) == 2  # only we are busy: both cores
+    assert tick(100, 100) == 1  # another process keeps a core busy: one thread
+    assert tick(190, 10) == 1  # never fewer than one
+    assert tick(20, 180) == 2  # it is gone: both again
+    clock[0] += 0.1
+    assert share.now() == 2  # looked at most every INTERVAL

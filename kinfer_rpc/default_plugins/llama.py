@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kinfer_rpc
-from kinfer_rpc.default_plugins import llama_buft, llama_native, llama_rpc
+from kinfer_rpc.default_plugins import cpu_share, llama_buft, llama_native, llama_rpc
 from kinfer_rpc.types import (
     FIM_KEYS,
     Backend,
@@ -337,6 +337,8 @@ class LlamaModel(LlamaVocab):
         threads = options.threads or self.default_threads(options)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
+        # A CPU load that names no thread count computes with the cores other processes leave free.
+        self._share = cpu_share.CpuShare(threads) if self.on_cpu and not options.threads else None
         cparams.flash_attn_type = (
             L.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
@@ -502,6 +504,9 @@ class LlamaModel(LlamaVocab):
                 assert _set_output_argmax is not None, "an argmax mode is set only through it"
                 _set_output_argmax(self.ctx, mode)
                 self._argmax_mode = mode
+        if self._share is not None and (threads := self._share.threads) != (now := self._share.now()):
+            log.debug("computing with %d CPU threads instead of %d (the other processes' load)", now, threads)
+            self.L.llama_set_n_threads(self.ctx, now, now)
         # On a GPU llama_decode returns once the pass is queued; reading the logits waits for it.
         rc = self.L.llama_decode(self.ctx, self._batch.batch)
         if rc != 0:

@@ -981,7 +981,9 @@ def _servers() -> list[dict[str, Any]]:
             if held is None:
                 held = {"name": m["name"], "path": None}  # loading: not mapped yet
                 models.append(held)
-            held.update({k: m.get(k) for k in ("state", "slotsBusy", "slots", "queued")})
+            held.update(
+                {k: m.get(k) for k in ("state", "slotsBusy", "slots", "queued", "holders", "pinned", "expiresIn")}
+            )
         found.append(
             {
                 "pid": pid,
@@ -1019,7 +1021,14 @@ def _ps(args: argparse.Namespace) -> int:
         if m.get("state") in ("loading", "failed"):
             return f"{m['name']} ({m['state']})"
         if m.get("slots"):
-            return f"{m['name']} ({m.get('slotsBusy') or 0}/{m['slots']} slots busy)"
+            notes = [f"{m.get('slotsBusy') or 0}/{m['slots']} slots busy"]
+            if m.get("holders"):
+                notes.append(f"{m['holders']} holder{'s' if m['holders'] != 1 else ''}")
+            if m.get("pinned"):
+                notes.append("pinned")
+            elif m.get("expiresIn") is not None:
+                notes.append(f"unloads in {m['expiresIn']:.0f}s")
+            return f"{m['name']} ({', '.join(notes)})"
         return str(m["name"])
 
     def client(s: dict[str, Any]) -> str:

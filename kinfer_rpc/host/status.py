@@ -45,6 +45,7 @@ def models(runtime: Runtime) -> list[dict[str, Any]]:
         # model may be unloading.
         engine = entry.engine
         model = engine.model
+        expires = entry.expires()
         out.append(
             {
                 "name": entry.name,
@@ -52,6 +53,10 @@ def models(runtime: Runtime) -> list[dict[str, Any]]:
                 "slotsBusy": len(engine._active),
                 "slots": model.info.slots if model is not None else 0,
                 "queued": len(engine._queue),
+                "holders": len(entry.holders),
+                "pinned": entry.pinned,
+                # seconds until it is unloaded for being idle; None: never (pinned, busy, kept)
+                "expiresIn": round(max(0.0, expires - time.monotonic()), 1) if expires is not None else None,
             }
         )
     return out

@@ -1076,6 +1076,11 @@ class Client:
         return self._wire.proc.pid
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it has exited (as AsyncClient's), else None."""
+        return self._wire.proc.poll()
+
+    @property
     def capabilities(self) -> dict[str, Any]:
         capabilities: dict[str, Any] = self.server_info.get("capabilities", {})
         return capabilities

@@ -26,7 +26,6 @@ carries the prompt tokens the prefix cache served as `cache_read`.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -56,8 +55,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from kinfer_rpc.client import Client, Result, ServerGone, Stream
+from kinfer_rpc.client import Client, Result, Stream
 from kinfer_rpc.integrations import connection
+from kinfer_rpc.integrations.schemas import closed
 
 # LangChain's option names -> kinfer's GenerateOptions
 OPTIONS = {
@@ -74,20 +74,6 @@ CALL_ARGUMENTS = {"model", "tools", "tool_choice", "parallel_tool_calls", "forma
 FINISH = {"stop": "stop", "length": "length", "toolCalls": "tool_calls", "cancelled": "cancelled"}
 # content blocks that an assistant message's tool_calls (or nothing kinfer reads) already carry
 SKIPPED_BLOCKS = {"tool_use", "tool_call", "tool_call_chunk", "reasoning", "thinking"}
-
-
-def closed(schema: Any) -> Any:
-    """The schema with every object schema that names its properties and says nothing of others
-    closed (`additionalProperties: false`), at every depth."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) if k not in ("enum", "const", "default", "examples") else v for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
-        out.setdefault("additionalProperties", False)
-    return out
 
 
 def kinfer_tool(
@@ -339,20 +325,15 @@ class ChatKinfer(BaseChatModel):
         parallel = kwargs.get("parallel_tool_calls")
         if self.keep_alive is not None:
             options["keepAlive"] = self.keep_alive
-        client = self._client()
-        try:
-            stream = client.stream_chat(
-                kinfer_messages(messages),
-                kwargs.get("model") or self.model,
-                tools=tools,
-                tool_choice=choice,
-                parallel_tool_calls=parallel,
-                **options,
-            )
-        except (OSError, ValueError):  # the server's pipe is closed: it has gone
-            connection.discard(client)
-            raise
-        return _Call(client, stream, bool(tools) and choice != "none", parallel is False)
+        stream = self._client().stream_chat(
+            kinfer_messages(messages),
+            kwargs.get("model") or self.model,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            **options,
+        )
+        return _Call(stream, bool(tools) and choice != "none", parallel is False)
 
     @staticmethod
     def _message(result: Result, one: bool) -> AIMessage:
@@ -379,7 +360,7 @@ class ChatKinfer(BaseChatModel):
                 raise TimeoutError(
                     f"kinfer did not answer within {self.timeout} s (the request is cancelled)"
                 ) from None
-            result = call.result()
+            result = call.stream.wait()
         return ChatResult(generations=[ChatGeneration(message=self._message(result, call.one))])
 
     async def _agenerate(
@@ -390,9 +371,7 @@ class ChatKinfer(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._start(messages, stop, kwargs)
-        with call.stream:  # cancelling the task that awaits closes the stream: the request is cancelled
-            await asyncio.wait_for(asyncio.wrap_future(call.stream.response), self.timeout)
-            result = call.result()
+        result = await connection.finished(call.stream, self.timeout)  # cancelled with the task
         return ChatResult(generations=[ChatGeneration(message=self._message(result, call.one))])
 
     @staticmethod
@@ -406,7 +385,7 @@ class ChatKinfer(BaseChatModel):
             chunk = tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=index)
             yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[chunk]))
         if piece is None:
-            result = call.result()
+            result = call.stream.result or call.stream.wait()
             if call.calling and result.text:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=result.text))
             last = AIMessageChunk(
@@ -442,20 +421,17 @@ class ChatKinfer(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = self._start(messages, stop, kwargs)
-        loop = asyncio.get_running_loop()
-        pieces = iter(call.stream)
         sent = 0
-        with call.stream:  # leaving early or being cancelled cancels the request
-            while True:
-                # the client is thread-based: each piece is awaited off the loop
-                piece: str | None = await loop.run_in_executor(None, next, pieces, None)
+        pieces = connection.pieces(call.stream)  # leaving early or being cancelled cancels the request
+        try:
+            async for piece in _then_none(pieces):
                 for chunk in self._chunks(call, piece, sent):
                     sent += len(chunk.message.tool_call_chunks)  # type: ignore[attr-defined]
                     if run_manager and chunk.text:
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
-                if piece is None:
-                    return
+        finally:
+            await pieces.aclose()
 
 
 @attrs.frozen
@@ -463,17 +439,15 @@ class _Call:
     """A request on its way: its stream, whether tools are on offer (then its text is sent once
     whole) and whether at most one call is kept."""
 
-    client: Client
     stream: Stream
     calling: bool
     one: bool
 
-    def result(self) -> Result:
-        try:
-            return self.stream.result or self.stream.wait()
-        except ServerGone:
-            connection.discard(self.client)
-            raise
+
+async def _then_none(pieces: AsyncIterator[str]) -> AsyncIterator[str | None]:
+    async for piece in pieces:
+        yield piece
+    yield None
 
 
 def _default_model() -> str:

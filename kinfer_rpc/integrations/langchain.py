@@ -196,8 +196,6 @@ class ChatKinfer(BaseChatModel):
     repeat_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
-    keep_alive: float | str | None = None
-    """How long the model stays loaded once idle (seconds, or "10m"; -1: until unloaded)."""
     timeout: float | None = None
     """Seconds an invoke waits for its reply before it cancels it and raises TimeoutError."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -323,8 +321,6 @@ class ChatKinfer(BaseChatModel):
         tools = kwargs.get("tools") or None
         choice = kwargs.get("tool_choice")
         parallel = kwargs.get("parallel_tool_calls")
-        if self.keep_alive is not None:
-            options["keepAlive"] = self.keep_alive
         stream = self._client().stream_chat(
             kinfer_messages(messages),
             kwargs.get("model") or self.model,

@@ -73,7 +73,6 @@ class Options(llm.Model.Options):
         None, description="auto, none, required or a tool's name: whether the first response must call a tool"
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call a response")
-    keep_alive: str | None = Field(None, description="How long the model stays loaded once idle: 30s, 10m, -1")
 
 
 OPTIONS = {
@@ -134,7 +133,7 @@ class _Kinfer:
         opts: Options = prompt.options  # type: ignore[assignment]
         options: dict[str, Any] = {}
         for name, value in opts.model_dump(exclude_none=True).items():
-            if name in ("json_object", "tool_choice", "parallel_tool_calls", "keep_alive"):
+            if name in ("json_object", "tool_choice", "parallel_tool_calls"):
                 continue
             options[OPTIONS.get(name, name)] = value
         if prompt.schema:
@@ -142,8 +141,6 @@ class _Kinfer:
             options["format"] = closed(schema)
         elif opts.json_object:
             options["format"] = "json"
-        if opts.keep_alive is not None:
-            options["keepAlive"] = opts.keep_alive
         tools = [
             {
                 "type": "function",

@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field
 from served import Served
 
 from kinfer_rpc.host.store import DEFAULT_MODEL
-from kinfer_rpc.integrations.langchain import ChatKinfer, kinfer_messages
+from kinfer_rpc.integrations.langchain import ChatKinfer
+from kinfer_rpc.integrations.langchain_shapes import kinfer_messages
 from kinfer_rpc.integrations.schemas import closed
 
 pytestmark = pytest.mark.anyio  # the standard suites' async tests, on asyncio

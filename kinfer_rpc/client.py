@@ -740,8 +740,16 @@ def _chat_params(
     tools: list[dict[str, Any]] | None,
     tool_choice: str | dict[str, Any] | None,
     options: dict[str, Any],
+    parallel_tool_calls: bool | None = None,
 ) -> dict[str, Any]:
-    return _params(model, _inference_options(options), messages=messages, tools=tools, toolChoice=tool_choice)
+    return _params(
+        model,
+        _inference_options(options),
+        messages=messages,
+        tools=tools,
+        toolChoice=tool_choice,
+        parallelToolCalls=parallel_tool_calls,
+    )
 
 
 def _error(response: dict[str, Any]) -> RpcError:
@@ -1068,6 +1076,11 @@ class Client:
         return self._wire.proc.pid
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it has exited (as AsyncClient's), else None."""
+        return self._wire.proc.poll()
+
+    @property
     def capabilities(self) -> dict[str, Any]:
         capabilities: dict[str, Any] = self.server_info.get("capabilities", {})
         return capabilities
@@ -1199,11 +1212,13 @@ class Client:
         *,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Any,
     ) -> Result:
-        """inference/chat. `tools` (OpenAI's shape) and `tool_choice` ("auto", "none", "required",
-        a function's name or `{"type": "function", "function": {"name": ...}}`) go beside the options."""
-        params = _chat_params(messages, model, tools, tool_choice, options)
+        """inference/chat. `tools` (OpenAI's shape), `tool_choice` ("auto", "none", "required", a
+        function's name or `{"type": "function", "function": {"name": ...}}`) and
+        `parallel_tool_calls` (False: at most one call) go beside the options."""
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
         return Result.from_json(self.request("inference/chat", params))
 
     def stream_generate(
@@ -1231,9 +1246,11 @@ class Client:
         *,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Any,
     ) -> Stream:
-        return Stream(self._wire, "inference/chat", _chat_params(messages, model, tools, tool_choice, options))
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        return Stream(self._wire, "inference/chat", params)
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> int:
@@ -1611,10 +1628,11 @@ class AsyncClient:
         *,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Any,
     ) -> Result:
         """As Client.chat."""
-        params = _chat_params(messages, model, tools, tool_choice, options)
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
         return Result.from_json(await self.request("inference/chat", params))
 
     def stream_generate(
@@ -1641,9 +1659,11 @@ class AsyncClient:
         *,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **options: Any,
     ) -> AsyncStream:
-        return AsyncStream(self, "inference/chat", _chat_params(messages, model, tools, tool_choice, options))
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        return AsyncStream(self, "inference/chat", params)
 
     # -- lifetime ----------------------------------------------------------------------------
     async def aclose(self, timeout: float = 10.0) -> int:

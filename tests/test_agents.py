@@ -276,3 +276,24 @@ def test_unknown_tool_choice_is_invalid_params(tooled):
     with pytest.raises(RpcError) as info:
         tool_chat(tooled, ASK, [WEATHER], "get_time")
     assert info.value.code == -32602
+
+
+def test_parallel_tool_calls_false_is_one_call(tooled):
+    """`parallelToolCalls: false` holds a forced reply to exactly one call (the small model,
+    free to, calls again and again until maxTokens) and keeps only an auto reply's first."""
+    many = tool_chat(tooled, ASK, [WEATHER], "required", maxTokens=80)
+    assert len(many["toolCalls"]) > 1 and many["stopReason"] == "toolCalls"
+    params = {
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "toolChoice": "required",
+        "parallelToolCalls": False,
+        "options": {"maxTokens": 80, "temperature": 0},
+    }
+    one = tooled.call("inference/chat", params, timeout=60)
+    assert len(one["toolCalls"]) == 1 and one["text"] == ""
+    assert one["usage"]["completionTokens"] < 80  # the grammar ended the reply after the call
+    check_calls(one["toolCalls"], [WEATHER, TIME])
+    with pytest.raises(RpcError) as info:
+        tooled.call("inference/chat", {**params, "parallelToolCalls": "no"})
+    assert info.value.code == -32602

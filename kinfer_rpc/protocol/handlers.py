@@ -290,9 +290,10 @@ class Handlers:
         options = f.raw("options")
         tool_list = params.tools(f.raw("tools"))
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)
+        parallel = f.bool("parallelToolCalls", True)
         keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
-        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), keep_alive=keep)
+        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), parallel, keep_alive=keep)
         return reply_json(await self.requests.chat(req, **_call(ctx)))
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:

@@ -49,6 +49,8 @@ class Served:
                     return
             except httpx.HTTPError:
                 time.sleep(0.1)
+        self.proc.kill()  # never left behind by a test that failed here
+        self.proc.wait(10)
         raise AssertionError("the HTTP face did not answer")
 
     def status(self) -> list[dict]:

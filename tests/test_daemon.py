@@ -86,6 +86,13 @@ class Daemon:
         return code
 
 
+@pytest.fixture(autouse=True)
+def _no_daemon_left(tmp_path):
+    """A daemon a test's proxy started under tmp_path never outlives the test, failed or not."""
+    yield
+    subprocess.run(["pkill", "-f", f"--socket {tmp_path}"], check=False)
+
+
 @pytest.fixture
 def daemon(tmp_path):
     d = Daemon(tmp_path)

@@ -708,7 +708,9 @@ def _params(model: str | None, options: dict[str, Any] | None, **fields: Any) ->
 
 def _inference_options(options: dict[str, Any]) -> dict[str, Any]:
     """Request options as given, but a `format` that is a class with `model_json_schema()` (a
-    pydantic model) becomes its JSON schema."""
+    pydantic model) becomes its JSON schema, and `keep_alive` (the request's, not an option) is
+    sent beside the options, as the request's `keepAlive`."""
+    options = {k: v for k, v in options.items() if k != "keep_alive"}
     fmt = options.get("format")
     if fmt is not None and not isinstance(fmt, (str, dict)):
         schema = getattr(fmt, "model_json_schema", None)
@@ -720,7 +722,9 @@ def _inference_options(options: dict[str, Any]) -> dict[str, Any]:
 def _generate_params(
     prompt: str, model: str | None, options: dict[str, Any], suffix: str | None = None
 ) -> dict[str, Any]:
-    return _params(model, _inference_options(options), prompt=prompt, suffix=suffix)
+    return _params(
+        model, _inference_options(options), prompt=prompt, suffix=suffix, keepAlive=options.get("keep_alive")
+    )
 
 
 def _infill_params(
@@ -731,7 +735,14 @@ def _infill_params(
     options: dict[str, Any],
 ) -> dict[str, Any]:
     files = [{"filename": k, "text": v} for k, v in extra.items()] if isinstance(extra, Mapping) else extra
-    return _params(model, _inference_options(options), prefix=prefix, suffix=suffix, extra=files)
+    return _params(
+        model,
+        _inference_options(options),
+        prefix=prefix,
+        suffix=suffix,
+        extra=files,
+        keepAlive=options.get("keep_alive"),
+    )
 
 
 def _chat_params(
@@ -749,6 +760,7 @@ def _chat_params(
         tools=tools,
         toolChoice=tool_choice,
         parallelToolCalls=parallel_tool_calls,
+        keepAlive=options.get("keep_alive"),
     )
 
 

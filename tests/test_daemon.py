@@ -430,3 +430,12 @@ def test_connections_past_the_limit_are_refused_and_the_rest_served(daemon):
     _wait(lambda: "(0 open)" in daemon.text(), 60, "the connections to close")
     with daemon.client() as c:  # served again
         assert c.generate("Hi", maxTokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_the_python_client_sends_a_requests_keep_alive(daemon):
+    with daemon.client() as c:
+        c.generate("Hi", maxTokens=2, temperature=0, keep_alive="7m")
+        (m,) = c.request("model/status", {})["models"]
+        assert m["keepAlive"] == 420
+        c.chat([{"role": "user", "content": "Hi"}], maxTokens=2, keep_alive=-1)
+        assert c.request("model/status", {})["models"][0]["keepAlive"] == -1

@@ -55,7 +55,8 @@ async def completions(client: AsyncClient, model: str, n: int) -> list[float]:
 async def main_async(args: argparse.Namespace, sock: Path, env: dict[str, str], model: str) -> None:
     attach = [str(BIN / "kinfer-rpc"), "--attach", "--socket", str(sock)]
     async with AsyncClient(attach, env=env) as editor:
-        loaded = await editor.load(model, slots=args.slots)
+        extra = {"threads": args.threads} if args.threads else {}
+        loaded = await editor.load(model, slots=args.slots, **extra)
         await completions(editor, loaded.model, 2)  # warm-up
         idle = await completions(editor, loaded.model, args.completions)
         async with AsyncClient(attach, env=env) as agent:
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=64)
     ap.add_argument("--flood-tokens", type=int, default=256)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None, help="the load's threads (default: kinfer's choice)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kinfer-fair-") as tmp:
         home = Path(tmp)

@@ -613,3 +613,33 @@ def test_owners_take_turns_and_one_client_alone_uses_every_slot():
             pass
     finally:
         engine.stop()
+
+
+def test_rows_are_rationed_between_owners_on_the_cpu_and_replies_stay_the_same():
+    engine = make_engine(slots=4, start_ahead=False)  # passes computed in the call, as on a CPU
+    try:
+        engine.share = True
+        prompts = [tokenize(f"Story {i}: once upon a time") for i in range(3)]
+        flood = [_owned(1, p, 12) for p in prompts]
+        editor = _owned(2, tokenize("def add(a, b):"), 12)
+        rows_per_pass: list[dict[int, int]] = []
+        decode = engine.model.decode
+
+        def counted(chunks):
+            mine: dict[int, int] = {}
+            for c in chunks:
+                if len(c.tokens) == 1:  # a reply's row (the prompts' chunks are longer)
+                    owner = next(j.owner for j in flood + [editor] if j.slot == c.seq)
+                    mine[owner] = mine.get(owner, 0) + 1
+            rows_per_pass.append(mine)
+            return decode(chunks)
+
+        engine.model.decode = counted
+        run_until_done(engine, flood + [editor])
+        shared = [m for m in rows_per_pass if len(m) == 2]
+        assert shared and all(m[1] <= 2 for m in shared)  # 4 slots, 2 owners: 2 rows each at most
+        for job, prompt in zip(flood, prompts):
+            assert tuple(job.generated) == alone(prompt, 12, 0.0, 1)[0]  # left out of passes, same reply
+        assert tuple(editor.generated) == alone(tokenize("def add(a, b):"), 12, 0.0, 1)[0]
+    finally:
+        engine.stop()

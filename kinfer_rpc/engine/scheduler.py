@@ -138,6 +138,7 @@ class Job:
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list[int] = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
     owner: int = 0  # the connection that asked for it: slots are shared fairly between owners
+    last_row: int = 0  # the engine step of its last row, while rows are shared (Engine._fair_rows)
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
     # The reply's grammar (llguidance.LLMatcher: format, grammar or regex), at the state after
     # every token taken so far; None: unconstrained.
@@ -264,6 +265,7 @@ class Engine:
         self.start_ahead = start_ahead
         self._ahead = False
         self._steady = False  # the last planned pass: every job one greedy token (_start_next)
+        self._queued_passes = False  # set at load: see _fair_rows
         self._chainable = False  # ... and none of them held to a grammar (_chain)
         # (chunks, owners, wait) of a pass started ahead by _start_next
         self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
@@ -422,6 +424,8 @@ class Engine:
         if ahead is None:
             ahead = isinstance(self.model, AsyncDecode) and self.model.decode_async
         self._ahead = ahead
+        # passes queued on a device (a GPU): more rows cost little, so rows are never rationed
+        self._queued_passes = isinstance(self.model, AsyncDecode) and self.model.decode_async
         # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
         self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
         # slot -> whether the device takes its argmax while its logits come back too (DeviceArgmax)
@@ -630,12 +634,38 @@ class Engine:
                 best = job
         return best
 
+    def _fair_rows(self, decoding: list[Job]) -> list[Job]:
+        """The decoding jobs that get a row in the next pass. While `share` is on and jobs of
+        several owners decode, each owner gets at most its share of the slots' rows a pass (the
+        slots over the owners decoding, at least one); an owner's jobs beyond that take turns,
+        those that waited longest first. On a device whose pass costs each row its share (a CPU)
+        a connection running many replies so cannot slow another's beyond its share; a job left
+        out of a pass keeps its cells and its place, so its reply is the same. A device that
+        queues passes (decode_async: a GPU) computes more rows at about the same cost: there
+        every job gets its row."""
+        if not self.share or len(decoding) < 2 or self._queued_passes:
+            return decoding
+        mine: dict[int, list[Job]] = {}
+        for job in decoding:
+            mine.setdefault(job.owner, []).append(job)
+        if len(mine) < 2:
+            return decoding
+        assert self.model is not None, _LOADED
+        share = max(1, self.model.info.slots // len(mine))
+        kept: set[int] = set()
+        for jobs in mine.values():
+            kept.update(id(j) for j in sorted(jobs, key=lambda j: j.last_row)[:share])
+        chosen = [job for job in decoding if id(job) in kept]
+        for job in chosen:
+            job.last_row = self.steps
+        return chosen
+
     def _plan(self) -> tuple[list[SeqChunk], list[Job]]:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
         assert self.model is not None, _LOADED
         budget = self.batch
         context = self.model.info.context_length
-        decoding = [job for job in self._active if job.state is JobState.GENERATING]
+        decoding = self._fair_rows([job for job in self._active if job.state is JobState.GENERATING])
         drafting = any(job.drafting for job in decoding)
         if drafting:
             # Room for drafts: every decoding job's own token first, then drafts in admission order.

@@ -1490,10 +1490,10 @@ def _doctor(args: argparse.Namespace) -> int:
                         "tokens": r.usage.completion_tokens,
                     }
                 except RpcError as exc:
-                    report["loadCheck"] = {"ok": False, "error": str(exc)}
-                    problems.append(f"loading the default model failed: {exc}")
+                    report["loadCheck"] = {"ok": False, "error": exc.message or str(exc)}
+                    problems.append(f"loading the default model failed: {exc.message or exc}")
     except (OSError, RpcError) as exc:
-        problems.append(f"the server did not start: {exc}")
+        problems.append(f"the server did not start: {getattr(exc, 'message', None) or exc}")
     report.update(_devices())
     report["gpus"] = [d for d in report["devices"] if d["type"] in ("gpu", "igpu", "accel")]
     report["libllama"] = _libllama()
@@ -1941,7 +1941,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_file.read()
     except config_file.ConfigError as exc:
-        _fail(args, advice.Advice(str(exc), ("Fix or remove the file; README's Configuration says what it takes.",)))
+        steps = ('Fix or remove the file; docs/cli.md\'s "The config file" says what it takes.',)
+        _fail(args, advice.Advice(str(exc), steps))
         return 2
     _talking_arguments(args, command)
     _apply_config(args, cfg)

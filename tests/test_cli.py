@@ -86,12 +86,20 @@ def test_piped_stdin_is_the_question():
 
 
 def test_list():
+    # the columns a person needs (at a terminal they fit its width: tests/test_cli_terminal.py);
+    # --wide: every column
     proc = kinfer("list")
     header, *rows = proc.stdout.splitlines()
-    assert header.split()[:3] == ["NAME", "SOURCE", "FORMAT"]
+    assert header.split() == ["NAME", "SOURCE", "SIZE", "PARAMS", "QUANT", "CONTEXT", "NUM_CTX", "PATH"]
     assert any(row.startswith(DEFAULT) and "embedded" in row for row in rows)
     models = json.loads(kinfer("list", "--json").stdout)
     assert any(m["name"] == DEFAULT and m["source"] == "embedded" for m in models)
+    header, *rows = kinfer("list", "--wide").stdout.splitlines()
+    assert header.split() == [
+        *("NAME", "SOURCE", "FORMAT", "SIZE", "ARCH", "PARAMS", "QUANT", "CONTEXT", "NUM_CTX", "PATH")
+    ]
+    (mine,) = [m for m in models if m["name"] == DEFAULT]
+    assert any(row.endswith(mine["path"]) for row in rows)
 
 
 @pytest.mark.model
@@ -213,20 +221,30 @@ def small_store(tmp_path, monkeypatch):
 
 def test_an_unknown_model_is_an_error_with_the_names_to_choose_from(small_store):
     # Never another model answering: the server resolves the name and says why it cannot.
+    # Said in words, with what to do next: the pull line, the models here; no bare code.
     for args in (
         ["run", "qwen3:8b", "Name a colour."],
         ["run", "qwen3:8b"],  # interactive
+        ["run", "-m", "qwen3:8b", "Name a colour."],
         ["chat", "-m", "qwen3:8b", "Name a colour."],
-        ["chat", "--json", "--model", "qwen3:8b", "Name a colour."],
     ):
         proc = kinfer_fails(*args)
         assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)
-        assert "model 'qwen3:8b' not found" in proc.stderr and "-31001" in proc.stderr, proc.stderr
+        assert "model 'qwen3:8b' not found" in proc.stderr and "-31001" not in proc.stderr, proc.stderr
+        assert "kinfer pull qwen3:8b" in proc.stderr, proc.stderr
         for name in (DEFAULT, "tiny-a", "tiny-b"):
-            assert name in proc.stderr.split("available:", 1)[1], proc.stderr
+            assert name in proc.stderr.split("The models here:", 1)[1], proc.stderr
+    # --json: the same as a JSON document on stdout, with the code and the server's data
+    proc = kinfer_fails("chat", "--json", "--model", "qwen3:8b", "Name a colour.")
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == -31001 and error["data"]["model"] == "qwen3:8b"
+    assert "kinfer pull qwen3:8b" in error["steps"][-1] and "not found" in error["message"]
+    # a misspelt name: the closest one (difflib), not the whole list
+    proc = kinfer_fails("run", "tiny-c", "Name a colour.")
+    assert "Did you mean tiny-a or tiny-b?" in proc.stderr, proc.stderr
     proc = kinfer_fails("run", "tiny", "Name a colour.")
     assert proc.returncode == 1 and proc.stdout == ""
-    assert "ambiguous" in proc.stderr and "tiny-a" in proc.stderr and "tiny-b" in proc.stderr, proc.stderr
+    assert "several models" in proc.stderr and "tiny-a" in proc.stderr and "tiny-b" in proc.stderr, proc.stderr
 
 
 def test_chat_takes_one_prompt_and_the_model_by_option():
@@ -321,7 +339,12 @@ CALLS = [
     {"id": "call_1", "type": "function",
      "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}},
 ]
+LONG = ("The sky looks blue because the air scatters the blue part of sunlight much more than the red part, "
+        "so blue light reaches your eyes from every direction of the sky. ") * 3
 MODEL = {"model": "fake", "backend": "fake", "path": "/fake", "source": "path"}
+if os.environ.get("FAKE_ARGV"):
+    with open(os.environ["FAKE_ARGV"], "w") as f:
+        json.dump(sys.argv[1:], f)
 while True:
     m = read()
     method, rid, params = m.get("method"), m.get("id"), m.get("params") or {}
@@ -342,6 +365,14 @@ while True:
         if params["messages"][-1]["content"] == "exit now":  # a server that dies mid-chat
             sys.exit(3)
         token = params.get("partialResultToken")
+        if params["messages"][-1]["content"] == "Why is the sky blue?":  # a long text, streamed
+            for i in range(0, len(LONG), 7):  # pieces that cut words, as tokens do
+                value = {"text": LONG[i : i + 7], "tokens": [1]}
+                send({"jsonrpc": "2.0", "method": "$/progress", "params": {"token": token, "value": value}})
+            result = {"model": "fake", "text": LONG, "tokens": [1], "stopReason": "stop", "seed": 1,
+                      "usage": {"promptTokens": 1, "completionTokens": 1}, "timings": {}}
+            send({"jsonrpc": "2.0", "id": rid, "result": result})
+            continue
         if token is not None:
             value = {"text": "", "tokens": [1], "toolCalls": CALLS}
             send({"jsonrpc": "2.0", "method": "$/progress", "params": {"token": token, "value": value}})
@@ -542,7 +573,7 @@ def test_show_an_unknown_model_fails(pirate_store):
 
 
 def test_list_shows_the_context_a_model_sets(pirate_store):
-    header, *rows = kinfer("list").stdout.splitlines()
+    header, *rows = kinfer("list", "--wide").stdout.splitlines()
     assert header.split()[-2:] == ["NUM_CTX", "PATH"]
     values = {row.split()[0]: row.split()[-2] for row in rows}  # (a size is two words)
     assert values == {DEFAULT: "-", "pirate:latest": "2048"}

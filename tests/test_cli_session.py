@@ -21,6 +21,18 @@ from test_cli import (
 from test_interrupt import Tmux, at_prompt, tmux_binary, wait_until
 
 DEFAULT = "smollm2-135m-instruct"
+VERBOSE = (  # --verbose and /set verbose: Ollama's lines, then the seed and why the reply ended
+    "total duration",
+    "load duration",
+    "prompt eval count",
+    "prompt eval duration",
+    "prompt eval rate",
+    "eval count",
+    "eval duration",
+    "eval rate",
+    "seed",
+    "done reason",
+)
 
 
 @pytest.fixture
@@ -167,13 +179,14 @@ def test_a_server_that_exits_ends_the_chat(term, fake):
     wait_until(term.dead, 30, "kinfer chat to end")
     assert term.exit() == "1"
     screen = term.screen()
-    assert "kinfer: the server exited (-32099)" in screen and "Traceback" not in screen, screen
+    assert "kinfer: The server (kinfer-rpc) exited" in screen and "-32099" not in screen, screen
+    assert "Traceback" not in screen
     # asked once (piped), the same, without waiting for a server that is gone
     start = time.monotonic()
     proc = subprocess.run(
         ["bash", "-c", f"{fake.command} chat"], input="exit now\n", capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 1 and "the server exited" in proc.stderr and proc.stdout == ""
+    assert proc.returncode == 1 and "The server (kinfer-rpc) exited" in proc.stderr and proc.stdout == ""
     assert time.monotonic() - start < 5
 
 
@@ -215,14 +228,25 @@ def test_a_session_with_the_default_model(term):
     answer(term, "/set parameter seed 7", "Set parameter 'seed' to '7'")
     answer(term, "/set verbose", "Set 'verbose' mode.")
     typed(term, "Count from 1 to 100, one number per line.")
-    screen = term.wait_for(lambda s: "tok/s, seed 7" in s and at_prompt(s), "the reply and its timings")
-    assert "\n3 tokens, prompt " in screen and "tok/s, seed 7, length" in screen, screen
+    screen = term.wait_for(lambda s: "done reason:" in s and at_prompt(s), "the reply and its timings")
+    # Ollama's statistics, line by line
+    stats = {}
+    for line in screen.splitlines():
+        key, _, value = line.partition(":")
+        if key in VERBOSE:
+            stats[key] = value.strip()
+    assert list(stats) == list(VERBOSE), screen
+    for key in ("total duration", "load duration", "prompt eval duration", "eval duration"):
+        assert stats[key].endswith(("s", "ms", "µs")), stats
+    assert stats["eval count"] == "3 token(s)" and stats["seed"] == "7", stats
+    assert stats["prompt eval rate"].endswith("tokens/s") and stats["eval rate"].endswith("tokens/s"), stats
+    assert int(stats["prompt eval count"].split()[0]) > 10, stats
 
     # another model; an unknown one is the server's error, and the chat goes on
     assert DEFAULT in answer(term, "/load qwen3:8b", "not found")  # the names to choose from
     answer(term, "/load smollm2-135m", f"Loaded {DEFAULT}")
     typed(term, "Name a colour.")
-    screen = term.wait_for(lambda s: s.count("tok/s, seed 7, length") == 2 and at_prompt(s), "the second reply")
+    screen = term.wait_for(lambda s: s.count("done reason:") == 2 and at_prompt(s), "the second reply")
     assert "Traceback" not in screen
     typed(term, "/bye")
     wait_until(term.dead, 30, "kinfer run to leave")

@@ -10,6 +10,7 @@ Client on a pseudo-terminal (\\x03). The Node and Neovim clients have their own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -248,17 +249,31 @@ class Tmux:
         assert proc.returncode == 0, f"tmux {' '.join(args)}: {proc.stderr}"
         return proc.stdout
 
-    def start(self, command: str) -> int:
-        self("new-session", "-d", "-x", "160", "-y", "40", "-s", "t", command)
+    def start(self, command: str, width: int = 160) -> int:
+        self("new-session", "-d", "-x", str(width), "-y", "40", "-s", "t", command)
         self.pid = int(self.pane("pane_pid"))
         return self.pid
+
+    def restart(self, command: str, width: int = 160) -> int:
+        """Another command in a fresh terminal, once the last one's tmux server has gone."""
+        self.close()
+
+        def gone() -> bool:
+            probe = [self.tmux, "-S", self.socket, "has-session"]
+            return subprocess.run(probe, capture_output=True, timeout=30).returncode != 0
+
+        wait_until(gone, 10, "tmux to exit")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)  # a server that is gone: its socket would only refuse
+        return self.start(command, width)
 
     def pane(self, field: str) -> str:
         return self("display-message", "-p", "-t", "t", f"#{{{field}}}").strip()
 
-    def screen(self) -> str:
-        """The whole pane, its history too, lines joined where they wrapped."""
-        text = self("capture-pane", "-p", "-J", "-S", "-", "-t", "t")
+    def screen(self, joined: bool = True) -> str:
+        """The whole pane, its history too, lines joined where they wrapped (`joined`) or as
+        the terminal shows them."""
+        text = self("capture-pane", "-p", *(["-J"] if joined else []), "-S", "-", "-t", "t")
         return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n")
 
     def keys(self, *keys: str) -> None:

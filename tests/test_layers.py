@@ -7,8 +7,8 @@ The contract is what a plugin may use: `kinfer_rpc` itself (hookimpl, the versio
 right below it and the contract, never one above and never past the next (the protocol reaches
 the engine only through the host, which owns the requests); the built-in plugins import only the contract and each
 other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
-the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI, a tool
-on top of everything, may import any of it.
+the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI
+(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _layer(module: str) -> str:
+    if module == "kinfer_rpc.terminal" or module.startswith("kinfer_rpc.terminal."):
+        return "kinfer_rpc.cli"  # the `kinfer` command's own modules
     for prefix in ("kinfer_rpc.protocol", "kinfer_rpc.host", "kinfer_rpc.engine", "kinfer_rpc.default_plugins"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix
@@ -96,3 +98,6 @@ def test_the_check_catches_an_import_against_the_direction():
     assert _allowed("kinfer_rpc.protocol.server", "kinfer_rpc.host.runtime")
     assert _allowed("kinfer_rpc.host.runtime", "kinfer_rpc.engine.scheduler")
     assert _allowed("kinfer_rpc.default_plugins.llama_mtp", "kinfer_rpc.default_plugins.llama")
+    assert _allowed("kinfer_rpc.terminal.config", "kinfer_rpc.terminal.options")
+    assert _allowed("kinfer_rpc.cli", "kinfer_rpc.terminal.wrap")
+    assert not _allowed("kinfer_rpc.host.store", "kinfer_rpc.terminal.options")

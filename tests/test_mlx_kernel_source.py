@@ -21,7 +21,9 @@ import pytest
 from kinfer_rpc.default_plugins.mlx import attention as att
 from kinfer_rpc.default_plugins.mlx import matmul as mm
 
-nvidia = pytest.importorskip("nvidia", reason="the NVRTC wheels (the test extra, Linux x86-64 only)")
+nvidia = pytest.importorskip(
+    "nvidia", reason="the NVRTC wheels: pip install -e '.[test,nvrtc]' (Linux x86-64 only; CI installs them)"
+)
 ROOT = list(nvidia.__path__)[0]
 LIB = (glob.glob(os.path.join(ROOT, "cuda_nvrtc", "lib", "libnvrtc.so*")) or [None])[0]
 
@@ -72,7 +74,7 @@ def source(dtype: str, D: int, G: int) -> str:
 def compile_sm90(code: str) -> None:
     """NVRTC compiles `code` for sm_90, or the assertion carries its log."""
     if LIB is None:
-        pytest.skip("libnvrtc not installed")
+        pytest.skip("libnvrtc is not installed: pip install -e '.[test,nvrtc]'")
     lib = ctypes.CDLL(LIB)
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"kernel.cu", 0, None, None) == 0
@@ -143,7 +145,7 @@ def test_matmul_source_compiles_for_sm90(dtype, kind, bits, group):
 def test_a_broken_source_fails_to_compile(monkeypatch):
     """The check can fail: the same source with an undefined name does not compile."""
     if LIB is None:
-        pytest.skip("libnvrtc not installed")
+        pytest.skip("libnvrtc is not installed: pip install -e '.[test,nvrtc]'")
     monkeypatch.setattr(
         att, "_SOURCE", att._SOURCE.replace("const float NEG =", "const float NEG = inf_undefined +", 1)
     )

@@ -397,4 +397,4 @@ def test_rm(server, gguf, capsys, tmp_path):
     assert rc == 1 and "Ollama's store" in err and "ollama rm" in err
     assert ollama.is_file()
     rc, _, err = run(capsys, "rm", "nothing:here")
-    assert rc == 1 and "no model kinfer pulled" in err
+    assert rc == 1 and "no model that `kinfer pull` downloaded is named 'nothing:here'" in err

@@ -1,17 +1,22 @@
-"""The README's client examples, run as they are written.
+"""The README's examples, run as they are written.
 
 Every ```python block runs with this interpreter; the "Clients" section's ```js block runs with
 `node` (importing `kinfer-rpc-client` as an installed package would), its ```lua block in a
-headless Neovim, and its ```sh block with bash, with this virtualenv's bin first on PATH. An
-example that names its model by $KINFER_TOOLS_MODEL (the "Agents" section's tools) runs on a copy
-of the embedded model whose chat template takes tools (tests/modelgen/make_tool_model.py), one that
-names it by $KINFER_FIM_MODEL (the "Editors" section) on a copy with fill-in-the-middle tokens
-(tests/modelgen/make_fim_model.py), one that names $KINFER_EMBED_MODEL and $KINFER_RERANK_MODEL (the
-"Embeddings" section) on all-MiniLM-L6-v2 and its reranker copy (tests/modelgen/make_embedding_model.py).
+headless Neovim, and the ```sh blocks (the README's first five minutes, docs/cli.md's commands)
+with bash, with this virtualenv's bin first on PATH, as the README's set-up leaves it.
+
+An example that needs a model other than the embedded one says the `kinfer pull NAME` it needs
+first, in the text before it: the test runs that line, against a registry on 127.0.0.1 that
+serves stand-ins under the names the README pulls (the embedded model's weights with a chat
+template that takes tools, tests/modelgen/make_tool_model.py, or with fill-in-the-middle tokens
+for a coder model, tests/modelgen/make_fim_model.py), then the example as written.
+An example that names $KINFER_EMBED_MODEL and $KINFER_RERANK_MODEL (the "Embeddings" section) runs
+on all-MiniLM-L6-v2 and its reranker copy (tests/modelgen/make_embedding_model.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -24,19 +29,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CLI_DOC = ROOT / "docs" / "cli.md"
 NODE_CLIENT = ROOT / "clients" / "node"
 BIN = os.path.dirname(sys.executable)
 
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.M | re.S)
+PULL = re.compile(r"`kinfer pull ([a-z0-9][a-z0-9.:/_-]*)`")  # a name, not a placeholder (NAME)
 
 
-def blocks(lang: str, section: str | None = None) -> list[str]:
-    text = README.read_text()
+def blocks(lang: str, section: str | None = None, doc: Path = README) -> list[str]:
+    text = doc.read_text()
     if section is not None:
         start = text.index(f"\n## {section}\n")
         end = text.find("\n## ", start + 1)
         text = text[start : end if end != -1 else None]
     return [code for tag, code in FENCE.findall(text) if tag == lang]
+
+
+def pulls_before(code: str) -> list[str]:
+    """The `kinfer pull NAME` lines the README's text says an example needs: in the paragraphs
+    between the block before it and the block itself."""
+    text = README.read_text()
+    at = text.index(code)
+    previous = text.rfind("```", 0, text.rfind("```", 0, at))
+    return PULL.findall(text[max(previous, 0) : at])
 
 
 def env() -> dict:
@@ -49,23 +65,68 @@ def env() -> dict:
 
 
 def test_each_client_has_an_example():
-    assert (
-        blocks("python", "Clients") and blocks("js", "Clients") and blocks("lua", "Clients") and blocks("sh", "Clients")
-    )
+    assert blocks("python", "Clients") and blocks("js", "Clients") and blocks("lua", "Clients")
+    assert blocks("sh", "The first five minutes") and blocks("sh", doc=CLI_DOC)
+
+
+def test_the_set_up_is_two_commands_that_leave_kinfer_on_path():
+    """Two commands for a fresh machine: the main job on the embedded model, and the tests (which
+    .ci/run follows). Each activates the virtualenv, so `kinfer` is on PATH afterwards."""
+    text = README.read_text()
+    section = text[text.index("\n## Set up\n") : text.index("\n## ", text.index("\n## Set up\n") + 1)]
+    commands = [line.strip() for line in section.splitlines() if line.startswith("    ")]
+    assert len(commands) == 2, commands
+    run, test = commands
+    for command in commands:
+        assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install "), command
+    assert run.endswith('kinfer chat "Why is the sky blue? Answer in two sentences."')
+    assert "'.[test]'" in test and test.endswith("bash patches/build_llama.sh && make check")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -e '.[test" in ci and "bash patches/build_llama.sh" in ci and "make lint typecheck" in ci
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> str:
-    from make_tool_model import make_tool_model
-
-    return make_tool_model(tmp_path_factory.mktemp("tools") / "smollm2-tools.gguf")
-
-
-@pytest.fixture(scope="module")
-def fim_model(tmp_path_factory) -> str:
+def registry(tmp_path_factory):
+    """A registry on 127.0.0.1 serving, under each name the README pulls, a stand-in: the tool
+    model, or the fill-in-the-middle one for a coder model."""
     from make_fim_model import make_fim_model
+    from make_tool_model import make_tool_model
+    from test_pull import Server
 
-    return make_fim_model(tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
+    folder = tmp_path_factory.mktemp("stand-ins")
+    made: dict[str, Path] = {}
+    server = Server()
+    for code in [*blocks("python"), *blocks("sh", "The first five minutes")]:
+        for name in re.findall(r"kinfer pull ([a-z0-9][a-z0-9.:/_-]*)", code) + pulls_before(code):
+            kind = "fim" if "coder" in name else "tools"
+            if kind not in made:
+                make = make_fim_model if kind == "fim" else make_tool_model
+                made[kind] = Path(make(folder / f"{kind}.gguf"))
+            model, tag = name.split(":")
+            data = made[kind]
+            digest = "sha256:" + hashlib.sha256(data.read_bytes()).hexdigest()
+            server.model(f"library/{model}", tag, [("model", data, digest)])
+    yield server
+    server.close()
+
+
+def example_env(registry, tmp_path) -> dict:
+    """This virtualenv's, with stores of its own and the stand-in registry."""
+    e = env()
+    e.update(
+        KINFER_REGISTRY=registry.url,
+        KINFER_MODELS=str(tmp_path / "models"),
+        OLLAMA_MODELS=str(tmp_path / "ollama"),
+        KINFER_HOME=str(tmp_path / "home"),
+    )
+    return e
+
+
+def kinfer_pull(name: str, e: dict, cwd: Path) -> None:
+    proc = subprocess.run(
+        ["bash", "-c", f"kinfer pull {name}"], env=e, capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+    assert proc.returncode == 0, f"kinfer pull {name}:\n{proc.stderr}"
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +141,13 @@ def embedding_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.model
 @pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.strip().splitlines()[0][:40])
-def test_python_example(code, tmp_path, request):
+def test_python_example(code, tmp_path, registry, request):
     script = tmp_path / "example.py"
     script.write_text(code)
-    e = env()
-    if "KINFER_TOOLS_MODEL" in code:
-        e["KINFER_TOOLS_MODEL"] = request.getfixturevalue("tool_model")
-    if "KINFER_FIM_MODEL" in code:
-        e["KINFER_FIM_MODEL"] = request.getfixturevalue("fim_model")
+    e = example_env(registry, tmp_path)
+    for name in pulls_before(code):  # what the README says to pull first, then the example as written
+        assert name in code
+        kinfer_pull(name, e, tmp_path)
     if "KINFER_EMBED_MODEL" in code:
         e.update(request.getfixturevalue("embedding_models"))
     proc = subprocess.run(
@@ -101,6 +161,51 @@ def test_python_example(code, tmp_path, request):
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.stdout.strip()
+
+
+@pytest.mark.model
+def test_the_first_five_minutes(tmp_path, registry):
+    (code,) = blocks("sh", "The first five minutes")
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        env=example_env(registry, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "pulled qwen3:0.6b" in proc.stdout and "qwen3:0.6b" in proc.stdout.split("NAME", 1)[1]
+    assert "eval rate:" in proc.stderr and "prompt eval count:" in proc.stderr  # --verbose
+    assert "WARNING" not in proc.stderr  # llama.cpp's warnings stay out
+
+
+@pytest.mark.model
+def test_cli_examples(tmp_path):
+    (code,) = blocks("sh", doc=CLI_DOC)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "\x1b[" not in proc.stdout  # no colours when not on a terminal
+    assert "['llama', 'mlx']" in proc.stdout  # kinfer doctor --json: the backends
+    assert "tok/s" in proc.stdout
+
+
+def test_the_config_example_is_a_config_kinfer_reads(tmp_path):
+    from kinfer_rpc.terminal import config
+
+    (text,) = blocks("toml", doc=CLI_DOC)
+    (tmp_path / "config.toml").write_text(text)
+    cfg = config.read(tmp_path / "config.toml")
+    assert cfg.model == "qwen3:0.6b" and cfg.options["maxTokens"] == 512
 
 
 NPM_OFFLINE = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET", "ENETUNREACH")
@@ -218,19 +323,15 @@ def test_nvim_example(tmp_path):
     assert "tokens" in proc.stdout + proc.stderr  # the example's on_done printed
 
 
-@pytest.mark.model
-def test_cli_example(tmp_path):
-    (code,) = blocks("sh", "Clients")
-    proc = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", code],
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "\x1b[" not in proc.stdout  # no colours when not on a terminal
-    assert "['llama', 'mlx']" in proc.stdout  # kinfer doctor --json: the backends
-    assert "tok/s" in proc.stdout
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_reach_its_sections_and_files():
+    text = README.read_text()
+    anchors = {anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    for target in re.findall(r"\]\(#([^)]+)\)", text):
+        assert target in anchors, target
+    for target in re.findall(r"\]\(((?:docs|spec|patches|clients)/[^)#]+)", text):
+        assert (ROOT / target).exists(), target

@@ -8,7 +8,8 @@ right below it and the contract, never one above and never past the next (the pr
 the engine only through the host, which owns the requests); the built-in plugins import only the contract and each
 other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
 the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI
-(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it.
+(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it, as may the adapters for other tools
+(`kinfer_rpc.integrations`: LangChain's chat model, the `llm` plugin).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 def _layer(module: str) -> str:
     if module == "kinfer_rpc.terminal" or module.startswith("kinfer_rpc.terminal."):
         return "kinfer_rpc.cli"  # the `kinfer` command's own modules
+    if module == "kinfer_rpc.integrations" or module.startswith("kinfer_rpc.integrations."):
+        return "kinfer_rpc.integrations"  # adapters for other tools: clients on top, as the CLI is
     for prefix in ("kinfer_rpc.protocol", "kinfer_rpc.host", "kinfer_rpc.engine", "kinfer_rpc.default_plugins"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix
@@ -67,7 +70,7 @@ def _allowed(importer: str, imported: str) -> bool:
     src, dst = _layer(importer), _layer(imported)
     if dst in CONTRACT or src == dst:
         return True
-    if src == "kinfer_rpc.cli" or src == "kinfer_rpc.__main__":
+    if src in ("kinfer_rpc.cli", "kinfer_rpc.__main__", "kinfer_rpc.integrations"):
         return True
     if src == "kinfer_rpc.client" and imported == "kinfer_rpc.protocol.framing":
         return True

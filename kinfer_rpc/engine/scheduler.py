@@ -635,23 +635,27 @@ class Engine:
         return best
 
     def _fair_rows(self, decoding: list[Job]) -> list[Job]:
-        """The decoding jobs that get a row in the next pass. While `share` is on and jobs of
-        several owners decode, each owner gets at most its share of the slots' rows a pass (the
-        slots over the owners decoding, at least one); an owner's jobs beyond that take turns,
-        those that waited longest first. On a device whose pass costs each row its share (a CPU)
-        a connection running many replies so cannot slow another's beyond its share; a job left
-        out of a pass keeps its cells and its place, so its reply is the same. A device that
-        queues passes (decode_async: a GPU) computes more rows at about the same cost: there
-        every job gets its row."""
+        """The decoding jobs that get a row in the next pass. While `share` is on and several
+        owners have jobs in slots (reading their prompts or decoding), no owner gets more rows a
+        pass than the owner with the fewest jobs has: the same service each, whatever the number
+        of replies each runs. An owner's jobs beyond that take turns, those that waited longest
+        first. On a CPU a pass costs each row about a whole model, so a connection running many
+        replies would otherwise slow every other's in proportion; a job left out of a pass keeps
+        its cells and its place, so its reply is the same. A device that queues passes
+        (decode_async: a GPU) computes more rows at about the same cost: there every job gets
+        its row."""
         if not self.share or len(decoding) < 2 or self._queued_passes:
             return decoding
+        held: dict[int, int] = {}
+        for job in self._active:
+            if job.state is not JobState.DONE:
+                held[job.owner] = held.get(job.owner, 0) + 1
+        if len(held) < 2:
+            return decoding
+        share = min(held.values())
         mine: dict[int, list[Job]] = {}
         for job in decoding:
             mine.setdefault(job.owner, []).append(job)
-        if len(mine) < 2:
-            return decoding
-        assert self.model is not None, _LOADED
-        share = max(1, self.model.info.slots // len(mine))
         kept: set[int] = set()
         for jobs in mine.values():
             kept.update(id(j) for j in sorted(jobs, key=lambda j: j.last_row)[:share])

@@ -262,7 +262,7 @@ def stop(proc: Any) -> None:
 
 
 # -- the engine alone ----------------------------------------------------------------------------
-def engine_rounds(model: str, prompts: list[list[int]], args: Any) -> list[tuple[int, dict[str, Any]]]:
+def engine_rounds(model: str, prompts: list[list[list[int]]], args: Any) -> list[tuple[int, dict[str, Any]]]:
     """kinfer's engine alone, loaded once for these prompts with the options the server loads
     with, warmed up as the servers are (one short request), then each --ntg in turn."""
     import threading
@@ -270,7 +270,7 @@ def engine_rounds(model: str, prompts: list[list[int]], args: Any) -> list[tuple
     from kinfer_rpc.default_plugins.llama import LlamaBackend
     from kinfer_rpc.protocol.options import load_request
 
-    load, extra = load_request(load_params(args, len(prompts))).resolve()
+    load, extra = load_request(load_params(args, len(prompts[0]))).resolve()
     engine = start_engine(
         lambda progress: LlamaBackend().load(model, load, progress),
         batch=load.batch,
@@ -301,10 +301,20 @@ def engine_rounds(model: str, prompts: list[list[int]], args: Any) -> list[tuple
 
     rounds = []
     for ntg in args.ntg:
-        run([prompts[0][:8]], 4)  # warm-up, as each server side's
-        rounds += [(ntg, run(prompts, ntg)) for _ in range(args.rounds)]
+        run([prompts[0][0][:8]], 4)  # warm-up, as each server side's
+        rounds += [(ntg, run(sets, ntg)) for sets in _sets(prompts, args, ntg)]
     engine.stop()
     return rounds
+
+
+def _batches(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
+    return [prompts[i : i + n] for i in range(0, len(prompts), n)]
+
+
+def _sets(prompts: list[list[list[int]]], args: Any, ntg: int) -> list[list[list[int]]]:
+    """The prompt sets of the rounds of one --ntg value (each round its own)."""
+    k = args.ntg.index(ntg)
+    return prompts[k * args.rounds : (k + 1) * args.rounds]
 
 
 def load_params(args: Any, npl: int) -> dict[str, Any]:
@@ -319,7 +329,7 @@ def figures(side: str, npl: int, ntg: int, r: dict[str, Any], args: Any) -> dict
     return out
 
 
-async def kinfer_rounds(args: Any, prompts_of: dict[int, list[list[int]]], results: list[dict[str, Any]]) -> None:
+async def kinfer_rounds(args: Any, prompts_of: dict[int, list[list[list[int]]]], results: list[dict[str, Any]]) -> None:
     env = dict(os.environ)
     trace_file = None
     if args.trace:
@@ -394,15 +404,15 @@ async def _side_rounds(
         for ntg in args.ntg:
             if side == "http":
                 assert daemon is not None
-                await openai_round(daemon.port, name, [prompts[0][:8]], 4, 0.0)  # warm-up
+                await openai_round(daemon.port, name, [prompts[0][0][:8]], 4, 0.0)  # warm-up
             else:
-                await raw_round(rpc, name, [prompts[0][:8]], 4, 0.0)
-            for _ in range(args.rounds):
+                await raw_round(rpc, name, [prompts[0][0][:8]], 4, 0.0)
+            for sets in _sets(prompts, args, ntg):
                 if side == "http":
                     assert daemon is not None
-                    r = await openai_round(daemon.port, name, prompts, ntg, args.temperature)
+                    r = await openai_round(daemon.port, name, sets, ntg, args.temperature)
                 else:
-                    r = await raw_round(rpc, name, prompts, ntg, args.temperature)
+                    r = await raw_round(rpc, name, sets, ntg, args.temperature)
                 rounds.append((ntg, r))
         if side != "raw":  # the daemon keeps it: the next round loads with other slots
             await rpc.request("model/unload", {"model": name})
@@ -412,10 +422,10 @@ async def _side_rounds(
 
     async with AsyncClient(kinfer_rpc_argv(), env=env) as client:
         loaded_model = await client.load(args.model, **load_params(args, npl))
-        await python_round(client, loaded_model.model, [prompts[0][:8]], 4, 0.0)  # warm-up
+        await python_round(client, loaded_model.model, [prompts[0][0][:8]], 4, 0.0)  # warm-up
         for ntg in args.ntg:
-            for _ in range(args.rounds):
-                rounds.append((ntg, await python_round(client, loaded_model.model, prompts, ntg, args.temperature)))
+            for sets in _sets(prompts, args, ntg):
+                rounds.append((ntg, await python_round(client, loaded_model.model, sets, ntg, args.temperature)))
     return rounds
 
 
@@ -423,7 +433,12 @@ async def main_async(args: Any) -> None:
     from kinfer_rpc.host import gguf
 
     vocab = gguf.read(args.model).n_vocab or 32000
-    prompts_of = {npl: distinct_prompts(npl, args.npp, vocab) for npl in args.npl}
+    # Every round of every side its own prompts (the k-th round of each side the same), so that no
+    # side reads a prompt it read before: the prefix pool would serve it.
+    count = len(args.ntg) * args.rounds
+    prompts_of = {
+        npl: [list(p) for p in _batches(distinct_prompts(npl * count, args.npp, vocab), npl)] for npl in args.npl
+    }
     results: list[dict[str, Any]] = []
     if args.engine:
         for npl in args.npl:
@@ -440,10 +455,10 @@ async def main_async(args: Any) -> None:
                 emit(f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": str(exc)})
                 continue
             try:
-                await openai_round(port, "llama-server", [prompts_of[npl][0][:8]], 4, 0.0)  # warm-up
+                await openai_round(port, "llama-server", [prompts_of[npl][0][0][:8]], 4, 0.0)  # warm-up
                 for ntg in args.ntg:
-                    for _ in range(args.rounds):
-                        r = await openai_round(port, "llama-server", prompts_of[npl], ntg, args.temperature)
+                    for sets in _sets(prompts_of[npl], args, ntg):
+                        r = await openai_round(port, "llama-server", sets, ntg, args.temperature)
                         results.append(emit(f"llama-server-{npl}x{ntg}", figures("llama-server", npl, ntg, r, args)))
             except Exception as exc:
                 emit(

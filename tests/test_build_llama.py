@@ -37,6 +37,9 @@ def test_build_llama_says_each_step_and_the_progress(tmp_path):
         (tools / name).chmod(0o755)
     src = tmp_path / "llama.cpp"
     src.mkdir()
+    for part in ("conversion", "gguf-py"):  # the converter the script copies beside the libraries
+        (src / part).mkdir()
+    (src / "convert_hf_to_gguf.py").write_text("")
     env = {
         **os.environ,
         "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
@@ -65,7 +68,9 @@ def test_build_llama_says_each_step_and_the_progress(tmp_path):
         "compiling",
         "compiling",
         "checking",
+        "copying",
         "done:",
     ]
+    assert (dest.parent / "convert" / "convert_hf_to_gguf.py").exists()
     percents = [int(line.split(": ")[1].split("%")[0]) for line in said if line.startswith("  compiling:")]
     assert percents == [3, 14, 27, 33, 48, 51, 66, 72, 88, 95, 100], said  # a line every 10% off a terminal

@@ -154,7 +154,9 @@ def test_fuzzed_bodies_get_a_4xx_or_an_answer_never_a_500(served, data):
     body = data.draw(ENDPOINTS[path])
     if path.startswith("/v1/") and "model" not in body:
         body["model"] = MODEL
-    r = httpx.post(served.url + path, json=body, timeout=60)
+    # json.dumps writes NaN and Infinity as Python's json reads them (httpx refuses to send them)
+    content = json.dumps(body)
+    r = httpx.post(served.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, (path, body, r.text)
     if r.status_code >= 400:
         error = json.loads(r.text.splitlines()[0])["error"]
@@ -163,10 +165,13 @@ def test_fuzzed_bodies_get_a_4xx_or_an_answer_never_a_500(served, data):
         assert r.text  # a stream that ended (an error inside it is its last line)
 
 
+PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)  # printable ASCII
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    name=st.text(min_size=1, max_size=30).filter(lambda s: s.isascii() and s.isprintable() and ":" not in s),
-    value=st.text(max_size=60).filter(lambda s: s.isascii() and s.isprintable()),
+    name=st.text(PRINTABLE.filter(lambda c: c != ":"), min_size=1, max_size=30),
+    value=st.text(PRINTABLE, max_size=60),
 )
 def test_fuzzed_headers_never_a_500(served, name, value):
     try:

@@ -8,8 +8,9 @@ right below it and the contract, never one above and never past the next (the pr
 the engine only through the host, which owns the requests); the built-in plugins import only the contract and each
 other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
 the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI
-(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it, as may the adapters for other tools
-(`kinfer_rpc.integrations`: LangChain's chat model, the `llm` plugin).
+(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it, as
+may the adapters for other tools (`kinfer_rpc.integrations`: LangChain's chat model, the `llm`
+plugin).
 """
 
 from __future__ import annotations

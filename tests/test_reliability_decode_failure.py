@@ -11,6 +11,7 @@ import pytest
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.host.options import LoadRequest
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.host.runtime import Runtime
 from kinfer_rpc.protocol.handlers import Handlers
@@ -24,7 +25,7 @@ def test_a_failed_decode_answers_in_flight_requests_and_unloads_the_model() -> N
     async def main() -> None:
         runtime = Runtime(load_plugins())
         handlers = Handlers(runtime)
-        entry = await runtime.load(None, None, {"contextLength": 256, "slots": 2})
+        entry = await runtime.load(None, None, LoadRequest(context_length=256, slots=2))
         model = entry.engine.model
         assert model is not None
         fail = threading.Event()

@@ -107,6 +107,37 @@ def test_save_and_load_a_conversation(term, fake, tmp_path):  # noqa: F811
     answer(term, "/load", "sky")  # alone: what can be loaded
 
 
+@pytest.mark.model
+def test_the_default_model_wraps_and_a_saved_conversation_goes_on(term):  # noqa: F811
+    """The same, with the real server and the embedded model: a long reply wrapped at words in 80
+    columns, saved, and carried on in another chat."""
+    term.start(f"exec {KINFER} run smollm2 --threads 1 --temperature 0", width=80)
+    term.wait_for(at_prompt, "the prompt")
+    answer(term, "/set parameter num_predict 80", "Set parameter 'num_predict' to '80'")
+    question = "Write a long paragraph about the sea."
+    answer(term, question, "", 120)
+    lines = reply_lines(term.screen(joined=False), question)
+    assert len([line for line in lines if line.strip()]) > 2, lines  # long enough to wrap
+    assert term.screen(joined=False) == term.screen(joined=True), "the terminal cut a line"
+    assert all(len(line) <= 80 for line in lines), lines
+    answer(term, "/save sea", "Saved the conversation (2 messages) as 'sea'")
+    typed(term, "/bye")
+    wait_until(term.dead, 30, "kinfer run to leave")
+    saved = json.loads((Path(os.environ["KINFER_HOME"]) / "conversations" / "sea.json").read_text())
+    said = saved["messages"][1]
+    assert said["role"] == "assistant" and " ".join(said["content"].split()) == " ".join(" ".join(lines).split())
+
+    term.restart(f"exec {KINFER} run smollm2 --threads 1 --temperature 0", width=80)
+    term.wait_for(at_prompt, "the prompt")
+    answer(term, "/load sea", "Loaded the conversation 'sea' (2 messages")
+    answer(term, "/set parameter num_predict 8", "Set parameter")
+    answer(term, "Say it in one line.", "", 120)
+    answer(term, "/save sea2", "Saved the conversation (4 messages) as 'sea2'")
+    assert "Traceback" not in term.screen()
+    typed(term, "/bye")
+    wait_until(term.dead, 30, "kinfer run to leave")
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
 def test_shell_completion(term, shell, monkeypatch):  # noqa: F811
     binary = shutil.which(shell)

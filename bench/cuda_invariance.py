@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kinfer_rpc.default_plugins import llama_native
+from kinfer_rpc.default_plugins.llama import native as llama_native
 
 # llama.cpp through kinfer's loader: the libraries beside LLAMA_CPP_LIB_PATH's libllama, refused
 # (not crashed) when they carry their own C++ runtime and numpy's is already loaded.

@@ -15,7 +15,7 @@
 #   /tmp/lck  kinfer's llama.cpp: the vendored source with patches/llama-*.patch, built here for
 #             CUDA (sm_90) against the shared libstdc++, as a user's `pip install` builds it
 #             (kinfer refuses the prebuilt libraries: they carry a static C++ runtime, see
-#             kinfer_rpc/default_plugins/llama_native.py). LLAMA_CPP_LIB_PATH names it. PATCHED=0: the prebuilt.
+#             kinfer_rpc/default_plugins/llama/native.py). LLAMA_CPP_LIB_PATH names it. PATCHED=0: the prebuilt.
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/lc /tmp/site "$OUT"
 if [ ! -x /tmp/lc/llama-bench ]; then

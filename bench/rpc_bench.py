@@ -37,7 +37,7 @@ from typing import Any
 from harness import emit
 
 from kinfer_rpc.client import Client
-from kinfer_rpc.default_plugins import llama_rpc
+from kinfer_rpc.default_plugins.llama import rpc as llama_rpc
 
 KINFER = os.environ.get("KINFER") or os.path.join(os.path.dirname(sys.executable), "kinfer")
 

@@ -200,7 +200,7 @@ def _server(args: argparse.Namespace) -> list[str]:
     """The command the CLI's client runs: `kinfer-rpc --attach` when the daemon answers (every
     kinfer then shares its models, as `ollama run` talks to `ollama serve`), else a kinfer-rpc
     of its own; with the log level asked for (llama.cpp's warnings are the server's log)."""
-    from kinfer_rpc.protocol.daemon import default_socket, live
+    from kinfer_rpc.protocol.rendezvous import default_socket, live
 
     command = [*server_command(), "--log-level", args.log_level]
     try:
@@ -235,7 +235,7 @@ def _stop(args: argparse.Namespace) -> int:
     import socket
     import struct
 
-    from kinfer_rpc.protocol.daemon import default_socket
+    from kinfer_rpc.protocol.rendezvous import default_socket
 
     path = args.socket or str(default_socket())
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -1318,7 +1318,8 @@ _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 def _devices() -> dict[str, Any]:
     """llama.cpp's (ggml's) backend devices, from the library kinfer loads."""
     try:
-        from kinfer_rpc.default_plugins import llama_buft, llama_native
+        from kinfer_rpc.default_plugins.llama import buft as llama_buft
+        from kinfer_rpc.default_plugins.llama import native as llama_native
 
         llama_cpp = llama_native.load()
         devices = [
@@ -1358,7 +1359,7 @@ def _libllama() -> dict[str, Any]:
     kinfer's patched build where LLAMA_CPP_LIB_PATH names it, or the llama-cpp-python wheel's."""
     import ctypes
 
-    from kinfer_rpc.default_plugins import llama_native
+    from kinfer_rpc.default_plugins.llama import native as llama_native
 
     named = bool(os.environ.get("LLAMA_CPP_LIB_PATH"))
     report: dict[str, Any] = {
@@ -1382,7 +1383,8 @@ def _libllama() -> dict[str, Any]:
 def _rpc_support() -> dict[str, Any]:
     """Whether the libllama kinfer loads can spread a model over RPC servers, and where its
     ggml-rpc-server is."""
-    from kinfer_rpc.default_plugins import llama_native, llama_rpc
+    from kinfer_rpc.default_plugins.llama import native as llama_native
+    from kinfer_rpc.default_plugins.llama import rpc as llama_rpc
 
     ok, why = llama_rpc.build_support()
     folder = llama_native.lib_dir()

@@ -40,8 +40,9 @@ def register_backends(register: Callable[[Backend], None]) -> None:
 def register_draft_policies(register: Callable[[DraftPolicy], None]) -> None:
     """Register draft policies for speculative decoding: call `register(policy)` for each.
 
-    A policy (kinfer_rpc.types.DraftPolicy) has a unique `name` and `propose(history, k)`,
-    returning at most k draft tokens from one request's own tokens. The engine verifies drafts
+    A policy (kinfer_rpc.types.DraftPolicy) has a unique `name` and either `propose(history,
+    k)`, returning at most k draft tokens from one request's own tokens, or `session(target,
+    backend, options)` for state per load (checked at registration: exactly one). The engine verifies drafts
     against the target model in the same decode pass as every other sequence, so a policy can
     change speed but never a reply. Called once at start-up.
     """

@@ -339,17 +339,23 @@ class MachineAware(Protocol):
 
 
 class DraftPolicy(Protocol):
-    """Proposes draft tokens for speculative decoding.
+    """Proposes draft tokens for speculative decoding: a unique `name` and exactly one of
 
-    `propose(history, k)` gets a request's prompt + reply tokens so far and returns at most k
-    draft tokens. It must depend only on that request's own history, so that a reply never
-    depends on its neighbours.
-
-    A policy that needs state per load (a draft model, the target's MTP head) instead has
-    `session(target, backend, options)` returning a DraftSession; the engine makes one per load
-    on its worker thread (at load time when it is the load's default policy) and asks it for
-    every drafting request of a step at once.
+    - `propose(history, k)` (Proposes): a request's prompt + reply tokens so far -> at most k
+      draft tokens, depending only on that request's own history, so that a reply never depends
+      on its neighbours;
+    - `session(target, backend, options)` (SessionPolicy), for a policy that needs state per
+      load (a draft model, the target's MTP head): a DraftSession, which the engine makes once
+      per load on its worker thread (at load time when it is the load's default policy) and asks
+      for every drafting request of a step at once.
     """
+
+    name: str
+
+
+@runtime_checkable
+class Proposes(Protocol):
+    """A DraftPolicy that drafts from one request's history alone: `propose(history, k)`."""
 
     name: str
 
@@ -525,7 +531,7 @@ class Placement(Protocol):
 # capability is all of its protocol's members or none of them.
 CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
     "backend": (Backend, (WeightForms, MachineAware, BackendFeatures)),
-    "draft policy": (DraftPolicy, (SessionPolicy,)),
+    "draft policy": (DraftPolicy, (Proposes, SessionPolicy)),
     "placement": (Placement, ()),
     "model": (
         LoadedModel,
@@ -543,6 +549,10 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
         ),
     ),
 }
+
+
+# Kinds whose objects must have exactly one of these capabilities, whole.
+ONE_OF: dict[str, tuple[type, ...]] = {"draft policy": (Proposes, SessionPolicy)}
 
 
 def members(protocol: type) -> tuple[str, ...]:
@@ -571,6 +581,11 @@ def contract_problems(obj: object, kind: str) -> list[str]:
         if have and len(have) < len(names):
             lacking = ", ".join(n for n in names if n not in have)
             problems.append(f"has {', '.join(have)} but not {lacking} ({capability.__name__} needs all of them)")
+    choices = ONE_OF.get(kind, ())
+    whole = [c for c in choices if all(hasattr(obj, n) for n in members(c))]
+    if choices and len(whole) != 1:
+        named = " or ".join(f"{', '.join(n for n in members(c) if n not in own)} ({c.__name__})" for c in choices)
+        problems.append(f"needs exactly one of {named}, has {len(whole)}")
     absent = sorted(n for n in known if not hasattr(obj, n))
     for attr in dir(obj):
         if attr.startswith("_") or attr in known:

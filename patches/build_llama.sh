@@ -78,9 +78,9 @@ step "compiling ggml-rpc-server"
   -L "$work/build/bin" -lggml -lggml-base -Wl,-rpath,'$ORIGIN' -o "$work/build/bin/ggml-rpc-server" \
   >> "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 # A compiler that links the C++ runtime statically (-static-libstdc++) makes libraries that crash
-# in a process that also loads libstdc++.so.6 (kinfer_rpc/default_plugins/llama_native.py): refuse them here.
+# in a process that also loads libstdc++.so.6 (kinfer_rpc/default_plugins/llama/native.py): refuse them here.
 step "checking that the libraries link the shared C++ runtime"
-"${PYTHON:-python3}" "$here/../kinfer_rpc/default_plugins/llama_native.py" "$work/build/bin" >&2
+"${PYTHON:-python3}" "$here/../kinfer_rpc/default_plugins/llama/native.py" "$work/build/bin" >&2
 mkdir -p "$dest"
 cp -a "$work"/build/bin/lib*.so* "$work/build/bin/ggml-rpc-server" "$dest"/
 # llama.cpp's converter from Hugging Face checkpoints to GGUF, of the same llama.cpp, beside the

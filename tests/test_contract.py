@@ -98,6 +98,31 @@ def test_a_missing_member_a_partial_capability_and_a_misspelling_are_named():
             assert getattr(capability, "_is_runtime_protocol", False)
 
 
+def test_a_draft_policy_drafts_one_way_exactly():
+    """`propose` (from one history) or `session` (state per load), never both, never neither."""
+
+    class Both(Policy):
+        def session(self, target, backend, options):
+            raise AssertionError
+
+    class Neither:
+        name = "neither"
+
+    class Session:
+        name = "session"
+
+        def session(self, target, backend, options):
+            raise AssertionError
+
+    assert contract_problems(Policy(), "draft policy") == []
+    assert contract_problems(Session(), "draft policy") == []
+    for wrong, count in ((Both(), 2), (Neither(), 0)):
+        (problem,) = contract_problems(wrong, "draft policy")
+        assert problem == f"needs exactly one of propose (Proposes) or session (SessionPolicy), has {count}", problem
+    plugins = load_plugins([Entry("both", policy=Both())])
+    assert plugins.draft_policies == {} and "needs exactly one of" in plugins.broken[0]["error"]
+
+
 def test_registering_a_misspelt_plugin_object_skips_that_plugin_with_the_reason():
     plugins = load_plugins([Entry("good", policy=Policy()), Entry("typo", backend=Misspelt())])
     assert [p["name"] for p in plugins.loaded] == ["good"]

@@ -453,10 +453,10 @@ def test_decode_next_is_the_last_pass_one_token_further():
 
 def _patched_llama() -> bool:
     """Whether the loaded libllama has kinfer's argmax patch (patches/build_llama.sh)."""
-    from kinfer_rpc.default_plugins import llama as kinfer_llama
+    from kinfer_rpc.default_plugins.llama import library
 
-    kinfer_llama._llama()
-    return kinfer_llama._set_output_argmax is not None
+    library.load()
+    return library.output_argmax()[0] is not None
 
 
 def test_the_patched_llama_is_loaded_where_it_was_built():

@@ -1,4 +1,4 @@
-"""How llama.cpp's native libraries get into a process (kinfer_rpc/default_plugins/llama_native.py).
+"""How llama.cpp's native libraries get into a process (kinfer_rpc/default_plugins/llama/native.py).
 
 A llama.cpp whose libraries carry their own copy of the C++ runtime (-static-libstdc++) crashes
 once another libstdc++.so.6 is in the process: on the H200 a prebuilt CUDA build segfaulted in
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from rpcclient import RpcClient
 
-from kinfer_rpc.default_plugins import llama_native as native
+from kinfer_rpc.default_plugins.llama import native as native
 
 ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
@@ -66,7 +66,7 @@ def test_loading_a_private_runtime_after_libstdcxx_is_refused_not_crashed(tmp_pa
 def test_before_any_libstdcxx_a_private_runtime_may_load(tmp_path):
     folder = _build(tmp_path / "static", True).parent
     code = (
-        "import sys; from kinfer_rpc.default_plugins import llama_native as n; from pathlib import Path; "
+        "import sys; from kinfer_rpc.default_plugins.llama import native as n; from pathlib import Path; "
         "assert n.loaded_cxx_runtime() is None; print(len(n.check(Path(sys.argv[1]))))"
     )
     out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60)
@@ -96,7 +96,7 @@ def test_the_ggml_beside_libllama_is_loaded_whatever_ld_library_path_says(tmp_pa
     for lib in native._libraries(ours):  # a second copy, as another build's folder would be
         shutil.copy(lib.resolve(), other / lib.name)
     code = (
-        "import json; from kinfer_rpc.default_plugins import llama_native as n; n.load(); "
+        "import json; from kinfer_rpc.default_plugins.llama import native as n; n.load(); "
         "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l})))"
     )
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(ours), "LD_LIBRARY_PATH": str(other)}
@@ -111,7 +111,7 @@ def test_only_the_native_loader_imports_llama_cpp_at_module_level():
     offenders = []
     for folder in ("kinfer_rpc", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
-            if path.name == "llama_native.py":
+            if path.relative_to(ROOT).as_posix() == "kinfer_rpc/default_plugins/llama/native.py":
                 continue
             for node in ast.parse(path.read_text()).body:
                 names = (

@@ -1,6 +1,6 @@
 """The `mtp` draft policy: a model's own multi-token-prediction (NextN) layers draft, through
-llama.cpp's MTP context (kinfer_rpc/default_plugins/llama_mtp.py, the policy in
-kinfer_rpc/default_plugins/llama.py), on the real llama.cpp CPU backend.
+llama.cpp's MTP context (kinfer_rpc/default_plugins/llama/mtp.py, the policy in
+kinfer_rpc/default_plugins/llama/), on the real llama.cpp CPU backend.
 
 The models are tiny glm4moe GGUFs with one NextN block written by tests/modelgen/make_mtp_model.py:
 `random` (the MTP head guesses unrelated tokens: drafts are rejected) and `aligned` (target and

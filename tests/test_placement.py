@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from rpcclient import RpcClient, error_of, result_of
 
-from kinfer_rpc.default_plugins import llama_buft as llama_cpp_buft
 from kinfer_rpc.default_plugins import placements as P
+from kinfer_rpc.default_plugins.llama import buft as llama_cpp_buft
 from kinfer_rpc.host.runtime import model_facts
 from kinfer_rpc.host.store import ModelStore
 from kinfer_rpc.types import GpuInfo, LoadOptions, MachineInfo, ModelFacts, PlacementPlan
@@ -550,38 +550,38 @@ def test_split_options_parse():
 
 # -- the split reaching llama.cpp ----------------------------------------------------------------
 def test_split_params_reach_the_model_params():
-    from kinfer_rpc.default_plugins import llama as kinfer_llama
+    from kinfer_rpc.default_plugins.llama import library, model
 
-    L = kinfer_llama._llama()
+    L = library.load()
     for mode, value in (("none", 0), ("layer", 1), ("row", 2), ("tensor", 3)):
         assert getattr(L, f"LLAMA_SPLIT_MODE_{mode.upper()}") == value
         p = L.llama_model_default_params()
-        keep = kinfer_llama.split_params(L, p, LoadOptions(split_mode=mode, main_gpu=1), local_gpu=True)
+        keep = model.split_params(L, p, LoadOptions(split_mode=mode, main_gpu=1), local_gpu=True)
         assert (p.split_mode, p.main_gpu) == (value, 1) and keep is None
     p = L.llama_model_default_params()
-    keep = kinfer_llama.split_params(L, p, LoadOptions(tensor_split=(0.25, 0.75)), local_gpu=True)
+    keep = model.split_params(L, p, LoadOptions(tensor_split=(0.25, 0.75)), local_gpu=True)
     assert [p.tensor_split[i] for i in range(3)] == [0.25, 0.75, 0.0] and len(keep) == 16
     assert (p.split_mode, p.main_gpu) == (L.LLAMA_SPLIT_MODE_LAYER, 0)  # llama.cpp's defaults kept
     # without a GPU (or RPC server) the mode and main GPU stay llama.cpp's: no main GPU to find
     p = L.llama_model_default_params()
-    kinfer_llama.split_params(L, p, LoadOptions(split_mode="none", main_gpu=1), local_gpu=False)
+    model.split_params(L, p, LoadOptions(split_mode="none", main_gpu=1), local_gpu=False)
     assert (p.split_mode, p.main_gpu) == (L.LLAMA_SPLIT_MODE_LAYER, 0)
 
 
 def test_row_split_needs_split_buffers():
     """The CPU backend has no split buffers; check_row_split refuses a GPU that lacks them, which
     this machine can only show by calling the CPU device one."""
-    from kinfer_rpc.default_plugins import llama as kinfer_llama
+    from kinfer_rpc.default_plugins.llama import library, model
 
-    kinfer_llama._llama()
+    library.load()
     g = llama_cpp_buft.Ggml()
     cpu = next(i for i in range(g.dev_count()) if g.dev_type(g.dev_get(i)) == llama_cpp_buft.DEVICE_CPU)
     assert g.row_split(cpu) is False
-    kinfer_llama.check_row_split(g)  # no GPU here: nothing to refuse
+    model.check_row_split(g)  # no GPU here: nothing to refuse
 
     g.dev_type = lambda dev: llama_cpp_buft.DEVICE_GPU  # every device (the CPU's) taken for a GPU
     with pytest.raises(RuntimeError, match="splitMode row needs split buffers, which .* of CPU does not have"):
-        kinfer_llama.check_row_split(g)
+        model.check_row_split(g)
 
 
 @pytest.mark.model

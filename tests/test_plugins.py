@@ -308,7 +308,7 @@ def test_a_malformed_registration_marks_the_plugin_broken(no_plugin_filter):
         ]
     )
     assert [b["name"] for b in plugins.broken] == ["bad"]
-    assert "lacks propose" in plugins.broken[0]["error"]
+    assert "needs exactly one of propose (Proposes) or session" in plugins.broken[0]["error"]
     assert list(plugins.draft_policies) == ["fine"]
     assert [p["name"] for p in plugins.loaded] == ["good"]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kinfer_rpc.client import Client, RpcError
-from kinfer_rpc.default_plugins import llama, llama_native
+from kinfer_rpc.default_plugins.llama import library
+from kinfer_rpc.default_plugins.llama import native as llama_native
 
 SWITCH = llama_native.CUDA_SWITCH
 
@@ -34,14 +35,14 @@ def test_the_cuda_library_is_recognised_by_the_switch_it_names(tmp_path: Path) -
 
 @pytest.mark.parametrize(("text", "value"), [("0", 0), ("1", 1), (" 12x", 12), ("-3", -3), ("abc", 0), ("", 0)])
 def test_the_switch_is_read_as_ggml_reads_it(text: str, value: int) -> None:
-    assert llama._leading_int(text) == value
+    assert library.leading_int(text) == value
 
 
 @pytest.fixture
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """As if no GPU load had run in this process, with kinfer's CUDA kernels in the library."""
     saved = os.environ.pop(SWITCH, None)
-    monkeypatch.setattr(llama, "_cuda_invariant", None)
+    monkeypatch.setattr(library, "_cuda_invariant", None)
     monkeypatch.setattr(llama_native, "cuda_batch_invariant", lambda folder=None: True)
     yield
     os.environ.pop(SWITCH, None)
@@ -50,27 +51,27 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_the_first_gpu_load_sets_the_kernels_for_the_process(fresh_process: None) -> None:
-    promised, reason = llama._cuda_kernels(None)
+    promised, reason = library.cuda_kernels(None)
     assert promised and "batch-invariant kernels" in reason
     assert SWITCH not in os.environ  # the library's default: on
-    assert llama._cuda_kernels(False)[0], "a later load cannot switch the kernels off"
+    assert library.cuda_kernels(False)[0], "a later load cannot switch the kernels off"
 
 
 def test_a_first_load_asking_for_speed_turns_the_kernels_off(fresh_process: None) -> None:
-    promised, reason = llama._cuda_kernels(False)
+    promised, reason = library.cuda_kernels(False)
     assert not promised and f"{SWITCH}=0" in reason
     assert os.environ[SWITCH] == "0"
-    assert not llama._cuda_kernels(True)[0], "the switch is read once per process"
+    assert not library.cuda_kernels(True)[0], "the switch is read once per process"
 
 
 def test_the_environment_wins_over_the_load(fresh_process: None) -> None:
     os.environ[SWITCH] = "0"
-    assert not llama._cuda_kernels(True)[0]
+    assert not library.cuda_kernels(True)[0]
 
 
 def test_without_kinfers_kernels_a_gpu_load_promises_nothing(fresh_process: None, monkeypatch) -> None:
     monkeypatch.setattr(llama_native, "cuda_batch_invariant", lambda folder=None: None)
-    promised, reason = llama._cuda_kernels(True)
+    promised, reason = library.cuda_kernels(True)
     assert not promised and "chosen by the shape of each pass" in reason
 
 

@@ -18,7 +18,7 @@ import pytest
 from protocol_fixtures import server, spawn  # noqa: F401
 from rpcclient import RpcError
 
-from kinfer_rpc.default_plugins import llama_rpc
+from kinfer_rpc.default_plugins.llama import rpc as llama_rpc
 
 pytestmark = [
     pytest.mark.model,

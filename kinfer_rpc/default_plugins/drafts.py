@@ -75,9 +75,6 @@ class DraftModelPolicy:
 
     name = "draft-model"
 
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        raise RuntimeError("draft-model drafts through a session (kinfer_rpc.types.DraftSession)")
-
     def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> DraftModelSession:
         return DraftModelSession(target, backend, options)
 

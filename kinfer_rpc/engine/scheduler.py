@@ -44,6 +44,7 @@ from kinfer_rpc.types import (
     DraftSession,
     LoadedModel,
     PendingDrafts,
+    Proposes,
     SeqChunk,
     SessionPolicy,
     contract_problems,
@@ -1041,7 +1042,7 @@ class Engine:
             if isinstance(policy, SessionPolicy):
                 grouped.setdefault(policy.name, []).append((job, k))
             else:
-                assert policy is not None and not isinstance(policy, str), "the host settles a job's draft policy"
+                assert isinstance(policy, Proposes), "the host settles a job's draft policy"
                 job.drafts = self._clean(policy.propose(job.prompt + job.generated, k), k, vocab)
         for name, items in grouped.items():
             try:

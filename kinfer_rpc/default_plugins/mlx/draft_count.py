@@ -6,12 +6,8 @@ curve).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from kinfer_rpc.types import SeqChunk
-
-if TYPE_CHECKING:
-    from kinfer_rpc.default_plugins.mlx.model import MlxModel
+from kinfer_rpc.types import LoadedModel, SeqChunk
 
 # Drafts per step when a load names no count, by device and weight form, from the measured cost of
 # a pass over k+1 positions of one sequence (bench/mlx_bench.py --mode curve; pick_drafts at 70%
@@ -22,7 +18,7 @@ if TYPE_CHECKING:
 DEFAULT_DRAFTS = {("gpu", "dense"): 13, ("gpu", "quantized"): 14, ("cpu", "dense"): 2, ("cpu", "quantized"): 2}
 
 
-def step_cost_curve(model: MlxModel, k_max: int = 16, repeats: int = 3, context: int = 64) -> list[float]:
+def step_cost_curve(model: LoadedModel, k_max: int = 16, repeats: int = 3, context: int = 64) -> list[float]:
     """Seconds a pass over one sequence's k+1 positions takes, k = 0..k_max (for the draft count)."""
     costs = []
     prompt = list(range(1, context + 1))

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kinfer_rpc.default_plugins import llama_buft
+from kinfer_rpc.default_plugins.llama import buft
 
 HELLO = 14  # RPC_CMD_HELLO
 PROTOCOL_MAJOR = 7  # RPC_PROTO_MAJOR_VERSION of the vendored ggml
@@ -65,7 +65,7 @@ def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> None:
         )
 
 
-class _Ggml(llama_buft.Ggml):
+class _Ggml(buft.Ggml):
     """The ggml registry functions the RPC backend is reached through."""
 
     def __init__(self) -> None:
@@ -81,9 +81,9 @@ class _Ggml(llama_buft.Ggml):
 def build_support() -> tuple[bool, str]:
     """available()'s answer from the library files alone (nothing loaded): libggml-rpc.so beside
     libllama, with kinfer's patch in it."""
-    from kinfer_rpc.default_plugins import llama_native
+    from kinfer_rpc.default_plugins.llama import native
 
-    folder = llama_native.lib_dir()
+    folder = native.lib_dir()
     lib = folder / "libggml-rpc.so" if folder is not None else None
     if lib is None or not lib.exists():
         return False, "this llama.cpp was built without its RPC backend (GGML_RPC=ON: patches/build_llama.sh)"
@@ -172,7 +172,7 @@ class Servers:
                     _in_use[endpoint] = max(0, _in_use.get(endpoint, 0) - 1)
 
 
-_GPU_TYPES = (llama_buft.DEVICE_GPU, llama_buft.DEVICE_IGPU)
+_GPU_TYPES = (buft.DEVICE_GPU, buft.DEVICE_IGPU)
 
 # llama.cpp's log lines saying where each layer went, collected per loading thread.
 _capture: dict[int, list[str]] = {}

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from kinfer_rpc.default_plugins import llama_buft
-from kinfer_rpc.default_plugins.llama import LlamaVocab, _Batch, _llama
+from kinfer_rpc.default_plugins.llama import buft, library
+from kinfer_rpc.default_plugins.llama.batch import Batch
+from kinfer_rpc.default_plugins.llama.vocab import LlamaVocab
 from kinfer_rpc.types import LoadOptions, ModelInfo, SeqChunk
 
 # llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it (0: none, a generating model)
@@ -37,8 +38,8 @@ class _GgufInitParams(ctypes.Structure):
 def declared_pooling(path: str) -> tuple[str | None, tuple[int, ...]]:
     """The pooling a GGUF file declares (None: none, a model that generates) and the vector sizes
     it may be cut to, from its header alone (ggml's gguf reader: no weights read)."""
-    _llama()  # loads the ggml libraries
-    g = llama_buft.Ggml()
+    library.load()  # loads the ggml libraries
+    g = buft.Ggml()
     fn = g._fn
     init = fn("gguf_init_from_file", [ctypes.c_char_p, _GgufInitParams], ctypes.c_void_p)
     find = fn("gguf_find_key", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int64)
@@ -93,7 +94,7 @@ class LlamaEmbedder(LlamaVocab):
         ):
             if asked:
                 raise ValueError(f"{what} does not apply to an embedding model, which only embeds")
-        L = self.L = _llama()
+        L = self.L = library.load()
         self.pooling = pooling
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
@@ -137,7 +138,7 @@ class LlamaEmbedder(LlamaVocab):
             self.model = None
             raise RuntimeError(f"llama.cpp could not create an embeddings context of {context} tokens")
         self.mem = L.llama_get_memory(self.ctx)  # None for an encoder (BERT): nothing is cached
-        self._batch = _Batch(L, context)
+        self._batch = Batch(L, context)
         self.on_cpu = options.gpu_layers == 0 or not L.llama_supports_gpu_offload()
         bos = L.llama_vocab_bos(self.vocab)
         self.info = ModelInfo(

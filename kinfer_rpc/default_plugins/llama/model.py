@@ -1,13 +1,8 @@
-"""The `llama` backend: llama.cpp through llama-cpp-python's low-level API.
+"""A GGUF model that generates, loaded into one llama.cpp context.
 
 One llama_context per load with `slots` sequences. Each `decode` fills one llama_batch from numpy
 arrays we own (no per-token ctypes calls) and makes one llama_decode call; the logits of the rows
 that asked for them come back in batch order from llama_get_logits.
-
-With `LoadOptions.mtp` the model's multi-token-prediction (NextN) layers load too and a second
-context runs them (llama_mtp.Mtp): after every pass of the target it is caught up with the same tokens,
-each paired with the target's hidden state of the position before, so its memory mirrors the
-target's; the `mtp` draft policy drafts from it.
 """
 
 from __future__ import annotations
@@ -15,152 +10,23 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import kinfer_rpc
-from kinfer_rpc.default_plugins import cpu_share, llama_buft, llama_native, llama_rpc
-from kinfer_rpc.types import (
-    FIM_KEYS,
-    Backend,
-    DraftPolicy,
-    DraftRequest,
-    GpuInfo,
-    LoadedModel,
-    LoadOptions,
-    MachineInfo,
-    ModelInfo,
-    SeqChunk,
-)
+from kinfer_rpc.default_plugins import cpu_share
+from kinfer_rpc.default_plugins.llama import buft, library, rpc
+from kinfer_rpc.default_plugins.llama.batch import Batch
+from kinfer_rpc.default_plugins.llama.vocab import LlamaVocab
+from kinfer_rpc.types import FIM_KEYS, LoadOptions, ModelInfo, SeqChunk
 
 if TYPE_CHECKING:
-    from kinfer_rpc.default_plugins.llama_mtp import Mtp
+    from kinfer_rpc.default_plugins.llama.mtp import Mtp
 
 log = logging.getLogger("kinfer_rpc.llama")
-_init_lock = threading.Lock()
-_initialised = False
-_log_callback: object = None  # kept alive: llama.cpp holds the pointer
 _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
-_cuda_lock = threading.Lock()
-_cuda_invariant: bool | None = None  # the switch as this process's first GPU load found or set it
-
-
-def _cuda_kernels(reproducible: bool | None) -> tuple[bool, str]:
-    """Before a load with every layer on the GPU: whether its kernels will be batch-invariant,
-    and why. ggml-cuda reads its switch once per process, at its first pass; a load asking for
-    speed (reproducible false) turns it off when it is the first and the environment says
-    nothing. Later loads get what the first one set."""
-    global _cuda_invariant
-    if not llama_native.cuda_batch_invariant():
-        return False, (
-            "this llama.cpp's GPU kernels are chosen by the shape of each pass, so a reply depends on what "
-            "else runs (kinfer's llama.cpp build has batch-invariant CUDA kernels: patches/README.md)"
-        )
-    switch = llama_native.CUDA_SWITCH
-    with _cuda_lock:
-        if _cuda_invariant is None:
-            if reproducible is False and switch not in os.environ:
-                os.environ[switch] = "0"
-            value = os.environ.get(switch)
-            _cuda_invariant = value is None or _leading_int(value) != 0
-        on = _cuda_invariant
-    if on:
-        return True, "CUDA with kinfer's batch-invariant kernels, every layer on the GPU, flash attention, f16 KV cells"
-    return False, (
-        f"CUDA with llama.cpp's own kernels ({switch}=0, set for this process by its first GPU load or its "
-        "environment), which are chosen by the shape of each pass"
-    )
-
-
-def _leading_int(text: str) -> int:
-    """C's atoi, as ggml-cuda reads its switch."""
-    digits = text.strip()
-    sign = -1 if digits[:1] == "-" else 1
-    digits = digits.lstrip("+-")
-    n = len(digits) - len(digits.lstrip("0123456789"))
-    return sign * int(digits[:n]) if n else 0
-
-
-def _llama() -> ModuleType:
-    """Import llama_cpp lazily and once: it loads a native library and may print. Through
-    kinfer_llama_native, which refuses a library that would crash this process."""
-    global _initialised, _log_callback
-    L = llama_native.load()
-
-    with _init_lock:
-        if not _initialised:
-
-            def forward(level: int, text: bytes, _user: Any) -> None:
-                # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. Loads log a lot:
-                # keep info at debug so a user sees only what needs them.
-                msg = text.decode("utf-8", "replace").rstrip()
-                llama_rpc.capture_line(msg)
-                if msg:
-                    log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), "%s", msg)
-
-            _log_callback = L.llama_log_callback(forward)
-            L.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            L.llama_backend_init()
-            # llama-cpp-python 0.3.36 leaves tensor_buft_overrides unbound (patches/README.md).
-            llama_buft.apply(L)
-            global _set_output_argmax, _get_output_argmax
-            _set_output_argmax, _get_output_argmax = _bind_output_argmax()
-            _initialised = True
-    return L
-
-
-class _Batch:
-    """A llama_batch whose arrays are numpy buffers we own, so filling it is vectorised."""
-
-    def __init__(self, L: ModuleType, capacity: int) -> None:
-        self.capacity = capacity
-        self.token = np.zeros(capacity, dtype=np.int32)
-        self.pos = np.zeros(capacity, dtype=np.int32)
-        self.n_seq_id = np.ones(capacity, dtype=np.int32)
-        self.seq = np.zeros(capacity, dtype=np.int32)
-        self.logits = np.zeros(capacity, dtype=np.int8)
-        ptr_t = ctypes.POINTER(ctypes.c_int32)
-        self.seq_ptrs = (ptr_t * capacity)()
-        base = self.seq.ctypes.data
-        for i in range(capacity):
-            self.seq_ptrs[i] = ctypes.cast(base + 4 * i, ptr_t)
-        self.batch = L.llama_batch()
-        self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(L.llama_token))
-        self.batch.embd = None
-        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
-        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ptr_t)
-        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ptr_t))
-        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-
-    def fill(self, chunks: Sequence[SeqChunk]) -> int:
-        # One numpy assignment per array for the whole pass: per-chunk slicing costs more than
-        # the pass itself when 128 sequences each bring one token.
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq: list[int] = []
-        out: list[int] = []
-        for c in chunks:
-            k = len(c.tokens)
-            tokens.extend(c.tokens)
-            if k == 1:
-                pos.append(c.pos)
-                seq.append(c.seq)
-                out.append(1 if c.outputs else 0)
-            else:
-                pos.extend(range(c.pos, c.pos + k))
-                seq.extend([c.seq] * k)
-                out.extend([0] * (k - c.outputs) + [1] * c.outputs)
-        n = len(tokens)
-        self.token[:n] = tokens
-        self.pos[:n] = pos
-        self.seq[:n] = seq
-        self.logits[:n] = out
-        self.batch.n_tokens = n
-        return sum(out)
 
 
 def split_params(L: ModuleType, mparams: Any, options: LoadOptions, local_gpu: bool) -> Any:
@@ -187,13 +53,13 @@ def split_params(L: ModuleType, mparams: Any, options: LoadOptions, local_gpu: b
     return shares
 
 
-def check_row_split(g: llama_buft.Ggml) -> None:
+def check_row_split(g: buft.Ggml) -> None:
     """RuntimeError unless every GPU's ggml backend has the split buffers split mode row puts each
     weight matrix in (llama.cpp would fail the load with a bare error). ggml-cuda, as the llama.cpp
     kinfer builds vendors it, has none: it cuts matrices over GPUs with split mode tensor."""
     for i in range(g.dev_count() if g.dev_count else 0):
         dev = g.dev_get(i)
-        if g.dev_type(dev) in (llama_buft.DEVICE_GPU, llama_buft.DEVICE_IGPU) and not g.row_split(i):
+        if g.dev_type(dev) in (buft.DEVICE_GPU, buft.DEVICE_IGPU) and not g.row_split(i):
             name = (g.dev_name(dev) or b"").decode() if g.dev_name else str(i)
             raise RuntimeError(
                 f"splitMode row needs split buffers, which this llama.cpp's backend of {name} does not have; "
@@ -201,94 +67,42 @@ def check_row_split(g: llama_buft.Ggml) -> None:
             )
 
 
-class LlamaVocab:
-    """What a llama.cpp model's file and vocabulary say (metadata, tokens), for the backend's
-    generating and embedding models alike: they set `L`, `model`, `vocab` and `_pieces`."""
-
-    L: Any
-    model: Any
-    vocab: Any
-    _pieces: dict[int, bytes]
-
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
-    def _desc(self) -> str:
-        buf = ctypes.create_string_buffer(256)
-        self.L.llama_model_desc(self.model, buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
-    def _special_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return self.token_bytes(token).decode("utf-8", "replace")
-
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (self.L.llama_token * cap)()
-        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (self.L.llama_token * cap)()
-            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
-
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            piece = self._pieces[token] = buf.raw[:n]
-        return piece
-
-
 class LlamaModel(LlamaVocab):
     """A GGUF model loaded into one llama.cpp context (the LoadedModel contract)."""
 
     def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
-        L = self.L = _llama()
+        L = self.L = library.load()
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
         # (A llama.cpp built with its RPC backend says it supports offload whatever the machine
         # has: ask for this host's GPUs.)
-        gpu_types = (llama_buft.DEVICE_GPU, llama_buft.DEVICE_IGPU)
-        local_gpu = any(d["type"] in gpu_types for d in llama_buft.Ggml().devices())
+        gpu_types = (buft.DEVICE_GPU, buft.DEVICE_IGPU)
+        local_gpu = any(d["type"] in gpu_types for d in buft.Ggml().devices())
         self.on_cpu = (options.gpu_layers == 0 or not local_gpu or not L.llama_supports_gpu_offload()) and not (
             options.rpc_servers and options.gpu_layers != 0
         )
-        self._rpc: llama_rpc.Servers | None = None
+        self._rpc: rpc.Servers | None = None
         self._split: Any = None
         if options.split_mode == "row" and local_gpu:
-            check_row_split(llama_buft.Ggml())
+            check_row_split(buft.Ggml())
         if options.rpc_servers:
             # The servers' devices (after this host's GPUs) take the offloaded layers.
-            self._rpc = llama_rpc.Servers(options.rpc_servers)
+            self._rpc = rpc.Servers(options.rpc_servers)
             mparams.devices = ctypes.cast(self._rpc.array, ctypes.c_void_p)
         self._split = split_params(L, mparams, options, local_gpu)
         # Where the layers went, from llama.cpp's log: over RPC servers, or split over this host's GPUs.
         layer_map = self._rpc is not None or (local_gpu and options.split_mode in ("layer", "row", "tensor"))
         if layer_map:
-            llama_rpc.capture_start()
+            rpc.capture_start()
         # On a GPU llama_decode returns once the pass is queued (see decode).
         self.decode_async = not self.on_cpu
-        self._overrides: llama_buft.Overrides | None = None
+        self._overrides: buft.Overrides | None = None
         if options.host_tensors:
             # Tensors matching these patterns stay in host memory (the CPU buffer type); on a
             # GPU, big passes still run their matrix products there, copying the weights over
             # once per pass. Reading the file into (pinned) buffers instead of mapping it makes
             # those copies faster, as llama.cpp itself advises for CPU overrides.
-            self._overrides = llama_buft.Overrides(L, options.host_tensors, llama_buft.Ggml().cpu_buft())
+            self._overrides = buft.Overrides(L, options.host_tensors, buft.Ggml().cpu_buft())
             mparams.tensor_buft_overrides = self._overrides.pointer
             mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
 
@@ -304,7 +118,7 @@ class LlamaModel(LlamaVocab):
         devices: tuple[dict[str, Any], ...] = ()
         if layer_map:
             names = self._rpc.names if self._rpc is not None else {}
-            devices = llama_rpc.capture_end(names, L.llama_model_n_layer(self.model) if self.model else 0)
+            devices = rpc.capture_end(names, L.llama_model_n_layer(self.model) if self.model else 0)
         if self._rpc is not None:
             if not self.model:
                 self._rpc.release()
@@ -313,7 +127,8 @@ class LlamaModel(LlamaVocab):
             raise RuntimeError(f"llama.cpp could not load {path!r} (not a GGUF file it can read?)")
         self._mtp: Mtp | None = None
         # With the patched llama.cpp the pass takes greedy rows' argmax (set_device_greedy).
-        self.device_greedy = _set_output_argmax is not None
+        self._set_argmax, self._get_argmax = library.output_argmax()
+        self.device_greedy = self._set_argmax is not None
         self._greedy: set[int] = set()  # sequences whose rows' argmax the pass takes
         self._argmax: set[int] = set()  # sequences whose rows' argmax it takes, their logits copied back too
         self._argmax_mode = 0
@@ -362,10 +177,10 @@ class LlamaModel(LlamaVocab):
             L.llama_model_free(self.model)
             raise RuntimeError(f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots")
         self.mem = L.llama_get_memory(self.ctx)
-        self._batch = _Batch(L, options.batch)
+        self._batch = Batch(L, options.batch)
         if options.mtp:
             try:
-                from kinfer_rpc.default_plugins.llama_mtp import Mtp
+                from kinfer_rpc.default_plugins.llama.mtp import Mtp
 
                 self._mtp = Mtp(self, cparams, options.batch, options.kv_unified)
             except BaseException:
@@ -428,7 +243,7 @@ class LlamaModel(LlamaVocab):
             return False, "layers or tensors split between the CPU and the GPU are not made batch-invariant"
         if self.kv_type != "f16":
             return False, f"{self.kv_type} KV cells on the GPU are not covered by the batch-invariant kernels"
-        return _cuda_kernels(options.reproducible)
+        return library.cuda_kernels(options.reproducible)
 
     def reproducible(self) -> tuple[bool, str]:
         return self._reproducible
@@ -501,8 +316,8 @@ class LlamaModel(LlamaVocab):
             taken = greedy | self._argmax
             self._rows_greedy = None if mode == 2 else [c.seq in taken for c in chunks for _ in range(c.outputs)]
             if mode != self._argmax_mode:
-                assert _set_output_argmax is not None, "an argmax mode is set only through it"
-                _set_output_argmax(self.ctx, mode)
+                assert self._set_argmax is not None, "an argmax mode is set only through it"
+                self._set_argmax(self.ctx, mode)
                 self._argmax_mode = mode
         if self._share is not None and (threads := self._share.threads) != (now := self._share.now()):
             log.debug("computing with %d CPU threads instead of %d (the other processes' load)", now, threads)
@@ -549,7 +364,7 @@ class LlamaModel(LlamaVocab):
     # greedy request's rows always take this path while the patch is there, so its reply is
     # still the same whatever runs beside it.
     def set_device_greedy(self, seq: int, on: bool) -> bool:
-        if _set_output_argmax is None:
+        if self._set_argmax is None:
             return False
         self._next_ok = False
         (self._greedy.add if on else self._greedy.discard)(seq)
@@ -559,7 +374,7 @@ class LlamaModel(LlamaVocab):
     def set_device_argmax(self, seq: int, on: bool) -> bool:
         """The DeviceArgmax capability: a mode-1 pass takes every output row's argmax and still
         copies the logits back, so a row that is masked first (a grammar) reads both."""
-        if _set_output_argmax is None:
+        if self._set_argmax is None:
             return False
         self._next_ok = False
         (self._argmax.add if on else self._argmax.discard)(seq)
@@ -568,12 +383,12 @@ class LlamaModel(LlamaVocab):
 
     def _argmax_joins(self, on: bool) -> None:
         if on and not self._argmax_mode:
-            assert _set_output_argmax is not None, "called only with the patched library"
-            _set_output_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
+            assert self._set_argmax is not None, "called only with the patched library"
+            self._set_argmax(self.ctx, 1)  # the argmax joins the graph (llama.cpp plans it again)
             self._argmax_mode = 1
         elif not self._greedy and not self._argmax and self._argmax_mode:
-            assert _set_output_argmax is not None, "called only with the patched library"
-            _set_output_argmax(self.ctx, 0)  # no sequence greedy: the graph leaves the argmax out
+            assert self._set_argmax is not None, "called only with the patched library"
+            self._set_argmax(self.ctx, 0)  # no sequence greedy: the graph leaves the argmax out
             self._argmax_mode = 0
 
     def sampled_tokens(self) -> list[int]:
@@ -581,8 +396,8 @@ class LlamaModel(LlamaVocab):
         n_out = self._n_out
         if not self._argmax_mode or not n_out:
             return [-1] * n_out
-        assert _get_output_argmax is not None, "an argmax mode is set only with the patched library"
-        ptr = _get_output_argmax(self.ctx)
+        assert self._get_argmax is not None, "an argmax mode is set only with the patched library"
+        ptr = self._get_argmax(self.ctx)
         if not ptr:
             return [-1] * n_out
         ids: list[int] = np.ctypeslib.as_array(ptr, shape=(n_out,)).tolist()
@@ -624,103 +439,3 @@ class LlamaModel(LlamaVocab):
             self.model = None
         if self._rpc is not None:
             self._rpc.release()
-
-
-def _bind_output_argmax() -> tuple[Callable[[Any, int], None] | None, Callable[[Any], Any] | None]:
-    """llama_set_output_argmax / llama_get_output_argmax where the loaded libllama has them
-    (patches/llama-output-argmax.patch), else None."""
-    import llama_cpp.llama_cpp as raw
-
-    lib = raw._lib
-    try:
-        set_fn, get_fn = lib.llama_set_output_argmax, lib.llama_get_output_argmax
-    except AttributeError:
-        return None, None
-    set_fn.argtypes, set_fn.restype = [ctypes.c_void_p, ctypes.c_int32], None
-    get_fn.argtypes, get_fn.restype = [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)
-    return set_fn, get_fn
-
-
-# (ctx, mode) and (ctx) -> the rows' int32 token ids; None without the patch
-_set_output_argmax: Callable[[Any, int], None] | None = None
-_get_output_argmax: Callable[[Any], Any] | None = None
-
-
-class LlamaBackend:
-    """llama.cpp: reads GGUF."""
-
-    name = "llama"
-    formats: tuple[str, ...] = ("gguf",)
-
-    def machine(self) -> MachineInfo:
-        """Each GPU's memory as ggml's devices report it, in llama.cpp's device order (that of
-        tensor_split and main_gpu), and the host's available memory."""
-        L = _llama()
-        gpus = [d for d in llama_buft.Ggml().devices() if d["type"] == llama_buft.DEVICE_GPU]
-        if not L.llama_supports_gpu_offload():
-            gpus = []
-        return MachineInfo.of_gpus(
-            (GpuInfo(d["name"], d["free"], d["total"]) for d in gpus), host_free_bytes=MachineInfo.host_available()
-        )
-
-    def load(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> LoadedModel:
-        """A model that generates, or one that embeds where its GGUF declares a pooling
-        (llama_embed): llama.cpp runs the two in different kinds of context."""
-        from kinfer_rpc.default_plugins.llama_embed import LlamaEmbedder, declared_pooling
-
-        pooling, dimensions = declared_pooling(path)
-        if pooling is not None:
-            return LlamaEmbedder(path, options, progress, pooling, dimensions)
-        return LlamaModel(path, options, progress)
-
-    def features(self) -> dict[str, Any]:
-        """Whether its llama.cpp can spread a model over RPC servers (options.rpcServers), found
-        from the library files, without loading them; and that it embeds (a GGUF that declares a
-        pooling loads as an embedding model or reranker: llama_embed)."""
-        ok, why = llama_rpc.build_support()
-        return {"rpc": ok, **({"rpcUnavailable": why} if not ok else {}), "embeddings": True}
-
-
-class MtpPolicy:
-    """`mtp`: the target model's own multi-token-prediction layers draft (GLM-4.5-style NextN
-    blocks, loaded with model/load's draftPolicy "mtp"). One session per load; every step it
-    drafts k tokens for all drafting requests, one MTP pass per draft position."""
-
-    name = "mtp"
-
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        raise RuntimeError("mtp drafts through a session (kinfer_rpc.types.DraftSession)")
-
-    def session(self, target: LoadedModel, backend: Backend, options: LoadOptions) -> MtpSession:
-        return MtpSession(target)
-
-
-class MtpSession:
-    def __init__(self, target: LoadedModel) -> None:
-        if not isinstance(target, LlamaModel):
-            raise ValueError("draftPolicy mtp needs the llama backend (llama.cpp's multi-token-prediction API)")
-        if target._mtp is None:
-            raise ValueError(
-                "draftPolicy mtp needs the model loaded with its multi-token-prediction layers "
-                '(model/load with draftPolicy "mtp")'
-            )
-        self.target: LlamaModel = target
-
-    def propose_many(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        mtp = self.target._mtp
-        if mtp is None:
-            raise RuntimeError("the model's multi-token-prediction context is closed")
-        return mtp.propose_many(requests)
-
-    def close(self) -> None:
-        pass  # the MTP context belongs to the model (its mirror follows every pass); it closes with it
-
-
-@kinfer_rpc.hookimpl
-def register_backends(register: Callable[[Backend], None]) -> None:
-    register(LlamaBackend())
-
-
-@kinfer_rpc.hookimpl
-def register_draft_policies(register: Callable[[DraftPolicy], None]) -> None:
-    register(MtpPolicy())

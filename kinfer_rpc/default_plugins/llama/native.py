@@ -173,7 +173,7 @@ def load() -> ModuleType:
 
 
 def main(argv: list[str]) -> int:
-    """`python kinfer_llama_native.py DIR`: list DIR's llama.cpp libraries; exit 1 if any carries
+    """`python native.py DIR`: list DIR's llama.cpp libraries; exit 1 if any carries
     its own C++ runtime (build_llama.sh runs it on what it built)."""
     folder = Path(argv[1] if len(argv) > 1 else lib_dir() or ".")
     libs = _libraries(folder)

@@ -1,5 +1,5 @@
 """The `llama` backend's multi-token-prediction context (LoadOptions.mtp; the `mtp` draft policy
-in kinfer_llama drafts from it): the target model's NextN layers in a llama.cpp context of their
+in backend.py drafts from it): the target model's NextN layers in a llama.cpp context of their
 own, whose memory mirrors the target's."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kinfer_rpc.default_plugins.llama import LlamaModel, _Batch
+from kinfer_rpc.default_plugins.llama.batch import Batch
 from kinfer_rpc.types import SeqChunk
 
 if TYPE_CHECKING:
@@ -20,8 +20,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kinfer_rpc.llama")
 
 
-class MtpBatch(_Batch):
-    """A _Batch that also carries one row of floats per token: llama.cpp's MTP passes take both
+class MtpTarget(Protocol):
+    """What the MTP context reads of the model it drafts for (model.LlamaModel): the library,
+    the model and its context (their hidden states), the vocabulary's size."""
+
+    L: Any
+    model: Any
+    ctx: Any
+    n_vocab: int
+
+
+class MtpBatch(Batch):
+    """A Batch that also carries one row of floats per token: llama.cpp's MTP passes take both
     the token and the target's hidden state of the position before (a legacy llama_batch may
     carry both; llama_decode turns it into the MTP graph's inputs)."""
 
@@ -54,7 +64,7 @@ class Mtp:
 
     KEPT_ROWS = 64
 
-    def __init__(self, target: LlamaModel, cparams: Any, capacity: int, unified: bool) -> None:
+    def __init__(self, target: MtpTarget, cparams: Any, capacity: int, unified: bool) -> None:
         from llama_cpp import llama_cpp_ext as LX
 
         L = self.L = target.L

@@ -51,7 +51,7 @@ def apply(L: Any) -> type[ctypes.Structure]:  # L: the llama_cpp module, patched
     names = [f[0] for f in fields]
     if "tensor_buft_overrides" not in names:
         raise RuntimeError(
-            "llama_model_params has no tensor_buft_overrides field: revisit kinfer_rpc/default_plugins/llama_buft.py"
+            "llama_model_params has no tensor_buft_overrides field: revisit kinfer_rpc/default_plugins/llama/buft.py"
         )
     i = names.index("tensor_buft_overrides")
     if fields[i][1] is not ctypes.c_void_p:

@@ -67,7 +67,7 @@ def test_unknown_fields_are_refused_by_name(served):
 
 
 def test_a_body_over_the_limit_is_413(served):
-    from kinfer_rpc.protocol.http import MAX_BODY
+    from kinfer_rpc.protocol.web import MAX_BODY
 
     with socket.create_connection(("127.0.0.1", served.port)) as s:  # the length alone says too much
         s.sendall(

@@ -27,7 +27,7 @@ def command(attach: bool | None = None, socket: str | os.PathLike[str] | None = 
     `attach=None` attaches when a daemon answers on `socket` (default: the daemon's own)."""
     base = server_command()
     if attach is None:
-        from kinfer_rpc.protocol.daemon import default_socket, live
+        from kinfer_rpc.protocol.rendezvous import default_socket, live
 
         try:
             attach = live(Path(socket) if socket is not None else default_socket(), timeout=1.0)

@@ -24,8 +24,8 @@ from typing import Any
 
 from kinfer_rpc import errors
 from kinfer_rpc.host.store import kinfer_home
-from kinfer_rpc.protocol.daemon import default_socket, live, start_lock
 from kinfer_rpc.protocol.framing import encode
+from kinfer_rpc.protocol.rendezvous import default_socket, live, start_lock
 
 log = logging.getLogger("kinfer_rpc.attach")
 

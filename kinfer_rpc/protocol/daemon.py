@@ -22,16 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import signal
 import socket
-import stat
 import struct
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,9 +36,9 @@ import attrs
 from anyio.abc import SocketAttribute, SocketStream
 
 from kinfer_rpc import __version__, errors
-from kinfer_rpc.host.store import kinfer_home
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, encode
 from kinfer_rpc.protocol.params import keep_alive as parse_keep_alive
+from kinfer_rpc.protocol.rendezvous import Unsafe, default_socket, live, own_folder, start_lock
 from kinfer_rpc.protocol.server import LOG_LEVELS, Service, Session
 
 if TYPE_CHECKING:
@@ -50,62 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kinfer_rpc.daemon")
 
-SOCKET_NAME = "kinfer.sock"
-LOCK_NAME = "kinfer.lock"
 MAX_CONNECTIONS = 256  # connections at once; one more is answered with an error and closed
 DEFAULT_KEEP_ALIVE = "5m"  # as Ollama's OLLAMA_KEEP_ALIVE
-
-
-def default_socket() -> Path:
-    """$XDG_RUNTIME_DIR/kinfer/kinfer.sock, else $KINFER_HOME/run/kinfer.sock."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
-        return Path(runtime) / "kinfer" / SOCKET_NAME
-    return kinfer_home() / "run" / SOCKET_NAME
-
-
-class Unsafe(Exception):
-    """The socket's folder is not one only this user can reach."""
-
-
-def own_folder(folder: Path) -> None:
-    """Make `folder` (0700) or check it is a real directory of this user that nobody else can
-    enter: never a symbolic link, never group- or world-accessible."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise Unsafe(f"{folder} is not a directory (a symbolic link?)")
-    if st.st_uid != os.getuid():
-        raise Unsafe(f"{folder} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        os.chmod(folder, 0o700)  # our own folder, made loose by someone: tighten it
-
-
-def live(path: Path, timeout: float = 2.0) -> bool:
-    """Whether a daemon answers on the socket at `path`."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
-            return False
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
-                return False
-            raise
-        return True
-
-
-@contextlib.contextmanager
-def start_lock(path: Path) -> Iterator[None]:
-    """The lock that serializes starting a daemon on `path` (kinfer.lock beside the socket)."""
-    own_folder(path.parent)
-    fd = os.open(path.parent / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def peer(stream: SocketStream) -> tuple[int, int]:

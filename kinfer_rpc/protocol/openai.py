@@ -27,7 +27,7 @@ from kinfer_rpc.host.embeddings import Embed
 from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.requests import Chat, Generate, Infill, Logprob, Piece, Reply
 from kinfer_rpc.protocol import params
-from kinfer_rpc.protocol.http import ApiError, Flow, Owners, read_json, unsupported
+from kinfer_rpc.protocol.web import ApiError, Flow, Owners, read_json, unsupported
 
 T = TypeVar("T")
 

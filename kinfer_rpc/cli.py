@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -700,6 +701,9 @@ class _Chat:
         self.say(f"Loaded the conversation '{name}' ({len(self.turns)} messages, {self.loaded.model}).")
 
 
+HISTORY_BYTES = 16 << 20  # a history file larger than this is neither read nor kept
+
+
 def _history_file() -> str:
     from kinfer_rpc.host.store import kinfer_home
 
@@ -717,17 +721,33 @@ def _line_editing() -> Callable[[], None]:
         # GNU readline: pasted lines are one message, as a terminal's bracketed paste marks them
         # (Python turns it off)
         readline.parse_and_bind("set enable-bracketed-paste on")
-    path = _history_file()
+    from pathlib import Path
+
+    from kinfer_rpc.host import files
+
+    path = Path(_history_file())
+    # readline reads and writes by name: only a regular file (never a link, a FIFO that would
+    # block the chat, or a device), read within a bound; saved whole through a file of its own.
     try:
-        readline.read_history_file(path)
+        files.read_regular(path, HISTORY_BYTES, follow=False)
+        readline.read_history_file(str(path))
     except OSError:
         pass
     readline.set_history_length(1000)
 
     def save() -> None:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            readline.write_history_file(path)
+            if not files.regular_or_absent(path):
+                return  # a link or something else planted there: left alone
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".history.")  # O_EXCL, 0600
+            os.close(fd)
+            try:
+                readline.write_history_file(tmp)
+                os.replace(tmp, path)  # a link made at `path` meanwhile is replaced, not followed
+            except BaseException:
+                os.unlink(tmp)
+                raise
         except OSError:
             pass
 

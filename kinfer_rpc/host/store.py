@@ -62,6 +62,9 @@ class ModelRef:
     ignored: tuple[tuple[str, str], ...] = ()
     unsupported: str | None = None  # why this model cannot be served, if it cannot
     blobs: tuple[tuple[str, str], ...] = ()  # (tensor name, blob path) of an Ollama safetensors model
+    # An Ollama model's vision projector (its projector layer's blob): the model loads and
+    # answers text; images are not read (a request with one is refused, naming the field).
+    projector: str | None = None
 
 
 def embedded_default_path() -> str:
@@ -276,9 +279,9 @@ class ModelStore:
         model_layers = [x for x, m in zip(layers, media) if m == _MEDIA + "model"]
         tensors = [x for x, m in zip(layers, media) if m.endswith(".tensor")]
         unsupported = None
-        for kind, what in (("projector", "a vision projector"), ("adapter", "a LoRA adapter")):
-            if _MEDIA + kind in media:
-                unsupported = f"{display} uses {what} ({_MEDIA}{kind} layer), which kinfer does not support"
+        if _MEDIA + "adapter" in media:
+            unsupported = f"{display} uses a LoRA adapter ({_MEDIA}adapter layer), which kinfer does not support"
+        projectors = [x for x, m in zip(layers, media) if m == _MEDIA + "projector"]
         if model_layers:
             fmt, path, digest = "gguf", str(blob(model_layers[0])), model_layers[0]["digest"]
         elif tensors:
@@ -309,6 +312,7 @@ class ModelStore:
             ignored=tuple(ignored),
             unsupported=unsupported,
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
+            projector=str(blob(projectors[0])) if projectors else None,
         )
 
     @staticmethod

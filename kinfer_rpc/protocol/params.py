@@ -31,6 +31,12 @@ def messages(value: object) -> list[dict[str, Any]]:
             raise errors.invalid_params(f"{where} must be an object with string role and content")
         role = m["role"]
         check_text(role, f"{where}.role")
+        if m.get("images"):
+            raise errors.KinferError(
+                errors.NOT_SUPPORTED,
+                f"{where}.images: this server does not read images yet (a model with a vision projector answers text)",
+                {"field": f"{where}.images"},
+            )
         calls = m.get("toolCalls")
         if calls == []:  # as OpenAI's clients send with no calls
             calls = None

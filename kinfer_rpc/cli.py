@@ -62,11 +62,12 @@ from kinfer_rpc.client import (
     LoadedModel,
     Result,
     RpcError,
+    Thought,
     ToolCall,
     server_command,
 )
 from kinfer_rpc.client import Progress as WorkProgress
-from kinfer_rpc.terminal import advice, columns, conversations
+from kinfer_rpc.terminal import advice, columns, conversations, thinking
 from kinfer_rpc.terminal import config as config_file
 from kinfer_rpc.terminal import options as request_options
 from kinfer_rpc.terminal.completion import SHELLS
@@ -280,6 +281,13 @@ def _format_arg(value: str) -> str | dict[str, Any]:
     return schema
 
 
+def _think_arg(value: str) -> bool | str:
+    try:
+        return thinking.think_value(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _tool_arg(path: str) -> list[dict[str, Any]]:
     """--tool: a file holding one tool definition or a list of them."""
     tools = _json_file(path)
@@ -306,23 +314,28 @@ def _line_buffer() -> str:
 
 
 def _result_json(result: Result) -> dict[str, Any]:
-    return {
-        "model": result.model,
-        "text": result.text,
-        "tokens": result.tokens,
-        "stopReason": result.stop_reason,
-        "seed": result.seed,
-        "usage": {
-            "promptTokens": result.usage.prompt_tokens,
-            "completionTokens": result.usage.completion_tokens,
-        },
-        "timings": {
-            "queueMs": result.timings.queue_ms,
-            "promptMs": result.timings.prompt_ms,
-            "generateMs": result.timings.generate_ms,
-            "tokensPerSecond": result.timings.tokens_per_second,
-        },
-    } | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
+    return (
+        {
+            "model": result.model,
+            "text": result.text,
+            "tokens": result.tokens,
+            "stopReason": result.stop_reason,
+            "seed": result.seed,
+            "usage": {
+                "promptTokens": result.usage.prompt_tokens,
+                "completionTokens": result.usage.completion_tokens,
+                "reasoningTokens": result.usage.reasoning_tokens,
+            },
+            "timings": {
+                "queueMs": result.timings.queue_ms,
+                "promptMs": result.timings.prompt_ms,
+                "generateMs": result.timings.generate_ms,
+                "tokensPerSecond": result.timings.tokens_per_second,
+            },
+        }
+        | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
+        | ({"reasoning": result.reasoning} if result.reasoning is not None else {})
+    )
 
 
 def _option_arg(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -357,12 +370,15 @@ _HELP = """Available commands:
                              (/set parameter alone lists them all)
   /set system TEXT           the system message (/set system alone: none)
   /set format json           hold replies to JSON (/set noformat: free text)
+  /set think [LEVEL]         a thinking model reasons first (LEVEL: low,
+                             medium, high); /set nothink: it does not
   /set verbose               timings after each reply (/set quiet: none)
   /set wordwrap              wrap replies at words (/set nowordwrap: don't)
   /show info                 the model
   /show parameters           the options this chat sends, and the model's own
   /show system               the system message
   /show template             the template chats render with
+  /show thinking             the last reply's reasoning, folded after it ran
   /save NAME                 keep this conversation under NAME
   /load NAME                 a saved conversation, or another model (then the
                              conversation starts over)
@@ -376,6 +392,7 @@ _SET_HELP = """Available /set commands:
   /set parameter NAME VALUE  a request option (/set parameter alone lists them)
   /set system TEXT           the system message
   /set format json           hold replies to JSON; /set noformat to stop
+  /set think [LEVEL]         reason first (low, medium, high); /set nothink
   /set verbose, /set quiet   timings after each reply, or not
   /set wordwrap              wrap replies at words (/set nowordwrap: don't)"""
 
@@ -383,10 +400,22 @@ _SHOW_HELP = """Available /show commands:
   /show info                 the model
   /show parameters           the options this chat sends, and the model's own
   /show system               the system message
-  /show template             the template chats render with"""
+  /show template             the template chats render with
+  /show thinking             the last reply's reasoning"""
 
 _COMMANDS = ["/set", "/show", "/load", "/save", "/clear", "/bye", "/exit", "/quit", "/help", "/?"]
-_SET_WORDS = ["parameter", "system", "format", "noformat", "verbose", "quiet", "wordwrap", "nowordwrap"]
+_SET_WORDS = [
+    "parameter",
+    "system",
+    "format",
+    "noformat",
+    "think",
+    "nothink",
+    "verbose",
+    "quiet",
+    "wordwrap",
+    "nowordwrap",
+]
 
 
 def _fill(text: str) -> str:
@@ -458,6 +487,9 @@ class _Chat:
         # "none": the tools are not offered, the reply is text
         self.calling = self.tools is not None and args.tool_choice != "none"
         self.load_seconds = load_seconds  # the next reply's load duration (--verbose)
+        self.think: bool | str | None = args.think  # None: as the model's template does
+        self.hide_thinking: bool = args.hidethinking
+        self.last_reasoning: str | None = None  # the last reply's, for /show thinking
 
     def say(self, text: str) -> None:
         """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
@@ -470,8 +502,16 @@ class _Chat:
         args = self.args
         start = time.perf_counter()
         stream = self.kinfer.stream_chat(
-            messages, self.loaded.model, tools=self.tools, tool_choice=args.tool_choice, **self.options
+            messages,
+            self.loaded.model,
+            tools=self.tools,
+            tool_choice=args.tool_choice,
+            think=self.think,
+            **self.options,
         )
+        # At a terminal a thinking model's reasoning streams dimmed, then folds into one line
+        shown = sys.stdout.isatty() and not self.hide_thinking and not args.json
+        reasoning = thinking.Reasoning(_write_out, out.width, out.height) if shown else None
         try:
             if args.json:
                 result = stream.wait()
@@ -480,6 +520,9 @@ class _Chat:
                 # Streamed pieces are the raw reply, call markup included: print the result's
                 # text (the reply without the calls), then the calls.
                 result = stream.wait()
+                if reasoning is not None and result.reasoning:
+                    reasoning.write(result.reasoning)
+                    reasoning.fold()
                 if result.text or not result.tool_calls:
                     _write_out(result.text + "\n")
                 for call in result.tool_calls:
@@ -488,7 +531,15 @@ class _Chat:
                 # At a terminal, words are never cut at its edge (as `ollama run` wraps them)
                 wrap = WordWrap(_write_out, out.width) if self.wordwrap and sys.stdout.isatty() else None
                 for piece in stream:
+                    if isinstance(piece, Thought):
+                        if reasoning is not None:
+                            reasoning.write(piece)
+                        continue
+                    if reasoning is not None:
+                        reasoning.fold()
                     (wrap.write if wrap else _write_out)(piece)
+                if reasoning is not None:
+                    reasoning.fold()
                 if wrap:
                     wrap.end()
                 _write_out("\n")
@@ -501,10 +552,13 @@ class _Chat:
         except KeyboardInterrupt:
             # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on serving;
             # the question and its cut reply stay out of the conversation.
+            if reasoning is not None:
+                reasoning.interrupted()
             stream.close()
             _write_out("\n")
             return None
-        self.turns += [messages[-1], result.message]  # the reply with its toolCalls, if it made any
+        self.turns += [messages[-1], result.message]  # the reply with its toolCalls and reasoning
+        self.last_reasoning = result.reasoning
         return result
 
     # -- the commands of an interactive chat ---------------------------------------------------
@@ -576,6 +630,16 @@ class _Chat:
         elif what == "noformat":
             self.options.pop("format", None)
             self.say("Disabled format.")
+        elif what == "think":
+            try:
+                self.think = thinking.think_value(words[1]) if len(words) > 1 else True
+            except ValueError as exc:
+                self.error(f"/set think: {exc}")
+                return
+            self.say("Set 'think' mode." if self.think is True else f"Set 'think' mode to '{self.think}'.")
+        elif what == "nothink":
+            self.think = False
+            self.say("Set 'nothink' mode.")
         elif what == "verbose":
             self.verbose = True
             self.say("Set 'verbose' mode.")
@@ -604,6 +668,8 @@ class _Chat:
                     return "(a JSON schema)"
                 return value if isinstance(value, str) else json.dumps(value)
 
+            if self.think is not None:
+                self.say(f"Thinking: {thinking.shown(self.think)}")
             if self.options:
                 lines = [f"  {k:<20} {shown(k, v)}" for k, v in self.options.items()]
                 self.say("Parameters set in this chat:\n" + "\n".join(lines))
@@ -621,6 +687,11 @@ class _Chat:
                 self.say(f"The model's own system message:\n{own}")
             else:
                 self.say("No system message was set in this chat, and the model has none of its own.")
+        elif what == "thinking":
+            if self.last_reasoning:
+                self.say(self.last_reasoning)
+            else:
+                self.say("The last reply had no reasoning (a thinking model's, with think on).")
         elif what == "template":
             facts = self.facts()
             if not facts:
@@ -1828,6 +1899,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar=("NAME", "VALUE"),
         help="any request option: -o top_k 20, -o num_predict 64, -o stop END (repeatable)",
     )
+    talking.add_argument(
+        "--think",
+        type=_think_arg,
+        default=None,
+        metavar="[=LEVEL]",
+        help="a thinking model reasons first: --think, --think=high (low, medium), --think=false",
+    )
+    talking.add_argument(
+        "--hidethinking", action="store_true", help="don't show a thinking model's reasoning (it still reasons)"
+    )
     talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply, as Ollama's")
     talking.add_argument(
         "--nowordwrap", action="store_true", help="don't wrap replies at words (at a terminal they are by default)"
@@ -2019,6 +2100,9 @@ def _talking_arguments(args: argparse.Namespace, command: argparse.ArgumentParse
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    # --think alone is --think=true: its level goes after "=", as Ollama's, so that the words after
+    # it stay the prompt's
+    words = ["--think=true" if w == "--think" else w for w in words]
     _Parser.json_errors = "--json" in words
     parser, commands = build_parser()
     args, extra = parser.parse_known_args(words)

@@ -20,8 +20,13 @@ that time (the whole run: prompts, decoding, streaming every token to the client
   starts;
 - `http`: OpenAI's `/v1/completions` on that daemon's HTTP face, streamed (the same token ids as
   the prompt, `ignore_eos`), through a minimal HTTP client that counts the usage it is sent;
+- `rawchat`: the raw client's `inference/chat` on a kinfer-rpc of its own, one user message a
+  request (words, about --npp tokens; each request its own);
+- `chat`: OpenAI's `/v1/chat/completions` on the daemon's HTTP face with the same messages,
+  streamed (`ignore_eos`), through the minimal HTTP client;
 - `llama-server`: llama.cpp's server with `-np N` (the same model, context per slot and flash
-  attention), through that same HTTP client and endpoint (`cache_prompt` off).
+  attention), through that same HTTP client and endpoint (`cache_prompt` off); with `chat` among
+  the clients, also its `/v1/chat/completions` with the same messages (`llama-server-chat`).
 
 With --trace DIR the server runs with KINFER_TRACE, and each round of a kinfer client gets a
 summary of where its time went (bench/trace_summary.py): time to first token, the prompt passes
@@ -182,18 +187,19 @@ async def python_round(
 
 
 # -- llama-server through the same minimal client ------------------------------------------------
-async def openai_stream(port: int, body: dict[str, Any], headers: str = "") -> int:
-    """One streamed /v1/completions through a minimal HTTP client; the tokens its usage says."""
+async def openai_stream(port: int, body: dict[str, Any], path: str = "/v1/completions") -> int:
+    """One streamed OpenAI request (PATH) through a minimal HTTP client; the tokens its usage says."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
     data = json.dumps(body).encode()
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data) + data
+        b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" % path.encode()
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data)
+        + data
     )
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
-        raise RuntimeError(f"/v1/completions answered {status!r}: {(await reader.read(2000))!r}")
+        raise RuntimeError(f"{path} answered {status!r}: {(await reader.read(2000))!r}")
     tokens = 0
     while line := await reader.readline():
         if line.startswith(b"data: {"):
@@ -219,6 +225,60 @@ async def openai_round(port: int, model: str, prompts: list[list[int]], ntg: int
 
     t0 = time.perf_counter()
     tokens = await asyncio.gather(*(openai_stream(port, body(i, p)) for i, p in enumerate(prompts)))
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
+
+
+# -- chat: one user message of words a request ----------------------------------------------------
+WORDS = (
+    "river stone cloud paper garden window bridge engine silver orange planet market winter candle "
+    "forest ladder signal harbor lemon circuit meadow pocket thunder velvet anchor basket compass"
+).split()
+
+
+def chat_text(ids: list[int]) -> str:
+    """A user message of words made from a prompt's ids: distinct prompts, distinct messages."""
+    return " ".join(WORDS[t % len(WORDS)] for t in ids)
+
+
+async def chat_round(port: int, model: str, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
+    def body(i: int, ids: list[int]) -> dict[str, Any]:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": chat_text(ids)}],
+            "max_tokens": ntg,
+            "temperature": temperature,
+            "seed": 1000 + i,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            **({"cache_prompt": False} if model == "llama-server" else {}),
+        }
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(
+        *(openai_stream(port, body(i, p), "/v1/chat/completions") for i, p in enumerate(prompts))
+    )
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
+
+
+async def rawchat_round(
+    rpc: RawRpc, model: str, prompts: list[list[int]], ntg: int, temperature: float
+) -> dict[str, Any]:
+    async def one(i: int, ids: list[int]) -> int:
+        token = f"c{time.perf_counter_ns()}-{i}"
+        messages = [{"role": "user", "content": chat_text(ids)}]
+        params = {"model": model, "messages": messages, "options": options(ntg, temperature, i)}
+        answer = await rpc.request("inference/chat", {**params, "partialResultToken": token})
+        if "error" in answer:
+            raise RuntimeError(f"request {i}: {answer['error']}")
+        rpc.progress.pop(token, None)
+        rpc.first.pop(token, None)
+        return int(answer["result"]["usage"]["completionTokens"])
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     t1 = time.perf_counter()
     return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
 
@@ -338,7 +398,7 @@ async def kinfer_rounds(args: Any, prompts_of: dict[int, list[list[list[int]]]],
         if os.path.exists(trace_file):
             os.unlink(trace_file)
         env["KINFER_TRACE"] = trace_file
-    daemon = Daemon(env) if {"attach", "http"} & set(args.clients) else None
+    daemon = Daemon(env) if {"attach", "http", "chat"} & set(args.clients) else None
     try:
         for npl in args.npl:
             prompts = prompts_of[npl]
@@ -392,8 +452,9 @@ async def _side_rounds(
     side: str, args: Any, npl: int, prompts: list[list[int]], env: dict[str, str], daemon: Daemon | None
 ) -> list[tuple[int, dict[str, Any]]]:
     rounds: list[tuple[int, dict[str, Any]]] = []
-    if side in ("raw", "attach", "http"):
-        argv = daemon.argv() if side != "raw" and daemon is not None else kinfer_rpc_argv()
+    if side in ("raw", "attach", "http", "rawchat", "chat"):
+        argv = daemon.argv() if side not in ("raw", "rawchat") and daemon is not None else kinfer_rpc_argv()
+        rounder = {"http": openai_round, "chat": chat_round}.get(side)
         rpc = await RawRpc.spawn(argv, env)
         await rpc.request("initialize", {"processId": os.getpid(), "capabilities": {}})
         rpc.send({"jsonrpc": "2.0", "method": "initialized", "params": {}})
@@ -401,20 +462,18 @@ async def _side_rounds(
         if "error" in loaded:
             raise RuntimeError(f"model/load: {loaded['error']}")
         name = loaded["result"]["model"]
-        for ntg in args.ntg:
-            if side == "http":
+
+        async def one_round(sets: list[list[int]], ntg: int) -> dict[str, Any]:
+            if rounder is not None:
                 assert daemon is not None
-                await openai_round(daemon.port, name, [prompts[0][0][:8]], 4, 0.0)  # warm-up
-            else:
-                await raw_round(rpc, name, [prompts[0][0][:8]], 4, 0.0)
+                return await rounder(daemon.port, name, sets, ntg, args.temperature)
+            return await (rawchat_round if side == "rawchat" else raw_round)(rpc, name, sets, ntg, args.temperature)
+
+        for ntg in args.ntg:
+            await one_round([prompts[0][0][:8]], 4)  # warm-up
             for sets in _sets(prompts, args, ntg):
-                if side == "http":
-                    assert daemon is not None
-                    r = await openai_round(daemon.port, name, sets, ntg, args.temperature)
-                else:
-                    r = await raw_round(rpc, name, sets, ntg, args.temperature)
-                rounds.append((ntg, r))
-        if side != "raw":  # the daemon keeps it: the next round loads with other slots
+                rounds.append((ntg, await one_round(sets, ntg)))
+        if side not in ("raw", "rawchat"):  # the daemon keeps it: the next round loads with other slots
             await rpc.request("model/unload", {"model": name})
         await rpc.close()
         return rounds
@@ -460,6 +519,10 @@ async def main_async(args: Any) -> None:
                     for sets in _sets(prompts_of[npl], args, ntg):
                         r = await openai_round(port, "llama-server", sets, ntg, args.temperature)
                         results.append(emit(f"llama-server-{npl}x{ntg}", figures("llama-server", npl, ntg, r, args)))
+                        if "chat" in args.clients:
+                            r = await chat_round(port, "llama-server", sets, ntg, args.temperature)
+                            side = "llama-server-chat"
+                            results.append(emit(f"{side}-{npl}x{ntg}", figures(side, npl, ntg, r, args)))
             except Exception as exc:
                 emit(
                     f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": f"{type(exc).__name__}: {exc}"}
@@ -477,6 +540,12 @@ async def main_async(args: Any) -> None:
             ratio["over_engine"] = round(tps / med[("engine", npl, ntg)], 3)
         if side in ("python", "raw") and ("llama-server", npl, ntg) in med:
             ratio["over_llama_server"] = round(tps / med[("llama-server", npl, ntg)], 3)
+        if side in ("chat", "rawchat") and ("llama-server-chat", npl, ntg) in med:
+            ratio["over_llama_server_chat"] = round(tps / med[("llama-server-chat", npl, ntg)], 3)
+        if side == "chat" and ("rawchat", npl, ntg) in med:
+            ratio["over_stdio_chat"] = round(tps / med[("rawchat", npl, ntg)], 3)
+        if side in ("attach", "http") and ("raw", npl, ntg) in med:
+            ratio["over_raw"] = round(tps / med[("raw", npl, ntg)], 3)
         if len(ratio) > 4:
             emit("ratio", ratio)
 
@@ -491,9 +560,9 @@ def main() -> None:
     ap.add_argument(
         "--clients",
         default="python,raw",
-        help="kinfer's sides, comma-separated: python, raw (each a kinfer-rpc of its own); attach (the raw "
-        "client through kinfer-rpc --attach to a daemon) and http (OpenAI's /v1/completions, streamed, on the "
-        "daemon's HTTP face)",
+        help="kinfer's sides, comma-separated: python, raw, rawchat (each a kinfer-rpc of its own); attach (the "
+        "raw client through kinfer-rpc --attach to a daemon), http (OpenAI's /v1/completions, streamed, on the "
+        "daemon's HTTP face) and chat (its /v1/chat/completions; llama-server's too)",
     )
     ap.add_argument("--engine", action="store_true", help="also kinfer's engine alone")
     ap.add_argument("--llama-server", default=None, help="also this llama-server binary with -np N")

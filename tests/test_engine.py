@@ -643,3 +643,37 @@ def test_rows_are_rationed_between_owners_on_the_cpu_and_replies_stay_the_same()
         assert tuple(editor.generated) == alone(tokenize("def add(a, b):"), 12, 0.0, 1)[0]
     finally:
         engine.stop()
+
+
+def test_a_light_connection_reads_its_prompt_alone_on_the_cpu_and_replies_stay_the_same():
+    engine = make_engine(slots=4, start_ahead=False)  # passes computed in the call, as on a CPU
+    try:
+        engine.share = True
+        prompts = [tokenize(f"Story {i}: once upon a time") for i in range(3)]
+        flood = [_owned(1, p, 12) for p in prompts]
+        editor = _owned(2, tokenize("def add(a, b):"), 6)
+        passes: list[list[tuple[int, int]]] = []  # (owner, tokens) of each chunk
+        decode = engine.model.decode
+
+        def counted(chunks):
+            jobs = flood + [editor]
+            passes.append([(next(j.owner for j in jobs if j.slot == c.seq), len(c.tokens)) for c in chunks])
+            return decode(chunks)
+
+        engine.model.decode = counted
+        for job in flood:
+            engine.submit(job)
+        for _ in range(3):  # the flood reads its prompts and decodes
+            engine.step()
+        assert all(job.state is JobState.GENERATING for job in flood)
+        engine.submit(editor)
+        while engine.step():
+            pass
+        editor_prompt = [p for p in passes if (2, len(editor.prompt)) in p]
+        assert editor_prompt and all(owner == 2 for p in editor_prompt for owner, _ in p)  # alone
+        assert any(len({owner for owner, _ in p}) == 2 for p in passes)  # then shared again
+        for job, prompt in zip(flood, prompts):
+            assert tuple(job.generated) == alone(prompt, 12, 0.0, 1)[0]  # waited a pass, same reply
+        assert tuple(editor.generated) == alone(tokenize("def add(a, b):"), 6, 0.0, 1)[0]
+    finally:
+        engine.stop()

@@ -651,23 +651,29 @@ class Engine:
                 best = job
         return best
 
-    def _fair_rows(self, decoding: list[Job]) -> list[Job]:
-        """The decoding jobs that get a row in the next pass. While `share` is on and several
-        owners have jobs in slots (reading their prompts or decoding), no owner gets more rows a
-        pass than the owner with the fewest jobs has: the same service each, whatever the number
-        of replies each runs. An owner's jobs beyond that take turns, those that waited longest
-        first. On a CPU a pass costs each row about a whole model, so a connection running many
-        replies would otherwise slow every other's in proportion; a job left out of a pass keeps
-        its cells and its place, so its reply is the same. A device that queues passes
-        (decode_async: a GPU) computes more rows at about the same cost: there every job gets
-        its row."""
-        if not self.share or len(decoding) < 2 or self._queued_passes:
-            return decoding
+    def _held(self) -> dict[int, int]:
+        """Jobs in slots per owner, when owners share the passes (several connections, several
+        owners in slots, passes computed in the call as on a CPU); empty otherwise. See
+        _fair_rows and _plan."""
+        if not self.share or self._queued_passes:
+            return {}
         held: dict[int, int] = {}
         for job in self._active:
             if job.state is not JobState.DONE:
                 held[job.owner] = held.get(job.owner, 0) + 1
-        if len(held) < 2:
+        return held if len(held) > 1 else {}
+
+    def _fair_rows(self, decoding: list[Job], held: dict[int, int]) -> list[Job]:
+        """The decoding jobs that get a row in the next pass. While owners share the passes
+        (`held`, from _held), no owner gets more rows a pass than the owner with the fewest jobs
+        in slots (reading their prompts or decoding) has: the same service each, whatever the
+        number of replies each runs. An owner's jobs beyond that take turns, those that waited
+        longest first. On a CPU a pass costs each row about a whole model, so a connection
+        running many replies would otherwise slow every other's in proportion; a job left out of
+        a pass keeps its cells and its place, so its reply is the same. A device that queues
+        passes (decode_async: a GPU) computes more rows at about the same cost: there every job
+        gets its row."""
+        if not held or len(decoding) < 2:
             return decoding
         share = min(held.values())
         mine: dict[int, list[Job]] = {}
@@ -681,12 +687,31 @@ class Engine:
             job.last_row = self.steps
         return chosen
 
+    def _favoured(self, decoding: list[Job], held: dict[int, int]) -> tuple[list[Job], list[Job]]:
+        """The decoding rows and the jobs whose prompts are read in the next pass. While owners
+        share the passes (`held`), the owners holding the fewest slots read their prompts alone:
+        the others' rows and prompts wait that pass (on a CPU a prompt pass beside other rows
+        costs each row about a whole model again: an editor's completion would wait on a
+        flood's rows). Nobody waits long: a prompt takes a pass or a few, and a job left out of
+        a pass keeps its cells and its place, so its reply is the same."""
+        reading = [job for job in self._active if len(job.prompt) > job.n_past]
+        if not held or not reading:
+            return decoding, reading
+        fewest = min(held.values())
+        favoured = {owner for owner, n in held.items() if n == fewest}
+        first = [job for job in reading if job.owner in favoured]
+        if not first or len(favoured) == len(held):
+            return decoding, reading
+        return [job for job in decoding if job.owner in favoured], first
+
     def _plan(self) -> tuple[list[SeqChunk], list[Job]]:
         """Chunks for one pass: every running reply's last token, then prompt chunks."""
         assert self.model is not None, _LOADED
         budget = self.batch
         context = self.model.info.context_length
-        decoding = self._fair_rows([job for job in self._active if job.state is JobState.GENERATING])
+        held = self._held()
+        decoding = self._fair_rows([job for job in self._active if job.state is JobState.GENERATING], held)
+        decoding, reading = self._favoured(decoding, held)
         drafting = any(job.drafting for job in decoding)
         if drafting:
             # Room for drafts: every decoding job's own token first, then drafts in admission order.
@@ -714,9 +739,9 @@ class Engine:
         )
         self._chainable = self._steady and all(j.plain for j in decoding)
         owners = decoding[:]
-        for job in self._active:
+        for job in reading:
             left = len(job.prompt) - job.n_past
-            if left > 0 and budget > 0:
+            if budget > 0:
                 take = min(left, budget)
                 ends = take == left
                 chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))

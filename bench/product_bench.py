@@ -444,7 +444,8 @@ class Daemon:
 
 
 def _kinfer() -> str:
-    found = shutil.which("kinfer", path=os.path.dirname(sys.executable))
+    """The CLI as users find it: $KINFER, the kinfer beside this Python, else the one on PATH."""
+    found = os.environ.get("KINFER") or shutil.which("kinfer", path=os.path.dirname(sys.executable))
     return found or "kinfer"
 
 

@@ -21,7 +21,7 @@ that time (the whole run: prompts, decoding, streaming every token to the client
 - `http`: OpenAI's `/v1/completions` on that daemon's HTTP face, streamed (the same token ids as
   the prompt, `ignore_eos`), through a minimal HTTP client that counts the usage it is sent;
 - `rawchat`: the raw client's `inference/chat` on a kinfer-rpc of its own, one user message a
-  request (words, about --npp tokens; each request its own);
+  request (its prompt's ids as text: about --npp tokens);
 - `chat`: OpenAI's `/v1/chat/completions` on the daemon's HTTP face with the same messages,
   streamed (`ignore_eos`), through the minimal HTTP client;
 - `llama-server`: llama.cpp's server with `-np N` (the same model, context per slot and flash
@@ -229,16 +229,22 @@ async def openai_round(port: int, model: str, prompts: list[list[int]], ntg: int
     return {"t0": t0, "t1": t1, "tokens": sum(tokens)}
 
 
-# -- chat: one user message of words a request ----------------------------------------------------
-WORDS = (
-    "river stone cloud paper garden window bridge engine silver orange planet market winter candle "
-    "forest ladder signal harbor lemon circuit meadow pocket thunder velvet anchor basket compass"
-).split()
+# -- chat: one user message a request, the prompt's ids as text ------------------------------------
+CHAT_TEXT: dict[tuple[int, ...], str] = {}  # the prompts' ids -> their text (main_async fills it)
+
+
+def chat_texts(model: str, prompts: list[list[int]]) -> None:
+    """Each prompt's ids detokenized by the model's own vocabulary: a user message of about
+    --npp tokens, distinct for each prompt, the same for every side."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    for ids in prompts:
+        CHAT_TEXT[tuple(ids)] = vocab.detokenize(ids).decode("utf-8", "replace")
 
 
 def chat_text(ids: list[int]) -> str:
-    """A user message of words made from a prompt's ids: distinct prompts, distinct messages."""
-    return " ".join(WORDS[t % len(WORDS)] for t in ids)
+    return CHAT_TEXT.get(tuple(ids)) or "Say something."
 
 
 async def chat_round(port: int, model: str, prompts: list[list[int]], ntg: int, temperature: float) -> dict[str, Any]:
@@ -378,7 +384,7 @@ def _sets(prompts: list[list[list[int]]], args: Any, ntg: int) -> list[list[list
 
 
 def load_params(args: Any, npl: int) -> dict[str, Any]:
-    return {"gpuLayers": args.gpu_layers, "slots": npl, "contextLength": args.npp + max(args.ntg) + 16}
+    return {"gpuLayers": args.gpu_layers, "slots": npl, "contextLength": args.npp + max(args.ntg) + 80}
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -499,6 +505,8 @@ async def main_async(args: Any) -> None:
     prompts_of = {
         npl: [list(p) for p in _batches(distinct_prompts(npl * count, args.npp, vocab), npl)] for npl in args.npl
     }
+    if {"chat", "rawchat"} & set(args.clients):
+        chat_texts(args.model, [p for sets in prompts_of.values() for batch in sets for p in batch])
     results: list[dict[str, Any]] = []
     if args.engine:
         for npl in args.npl:
@@ -509,7 +517,7 @@ async def main_async(args: Any) -> None:
         for npl in args.npl:
             try:
                 proc, port = await start_llama_server(
-                    args.llama_server, args.model, npl, args.npp + max(args.ntg) + 16, args.gpu_layers
+                    args.llama_server, args.model, npl, args.npp + max(args.ntg) + 80, args.gpu_layers
                 )
             except Exception as exc:  # the anchor failed: kinfer's figures still stand
                 emit(f"llama-server-{npl}", {"side": "llama-server", "npl": npl, "error": str(exc)})

@@ -7,11 +7,12 @@ docs/reliability.md lists the limits and what was measured."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rpcclient import RpcClient
+from rpcclient import RpcClient, _key
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import LlamaBackend
@@ -294,3 +295,22 @@ def test_the_server_answers_deep_and_wide_inputs_and_goes_on(server, case):
     answer = generate(server, **{kind: source})
     assert "result" in answer or answer["error"]["code"] == errors.INVALID_PARAMS
     assert server.call("model/status", timeout=10)["models"]
+
+
+@pytest.mark.model
+def test_slow_compiles_hold_up_no_other_request_and_a_cancel_answers_at_once(server):
+    """Schemas within the limits that take seconds to compile (9,000 properties): a plain
+    request on the same model is answered while they compile (they once held its tokenizing
+    thread), and a cancelled one is answered at once, its compile left to end on its own."""
+    slow = {"format": properties(9000), "maxTokens": 1, "temperature": 0}
+    heavy = [server.request_async("inference/generate", {"prompt": "Say", "options": slow}) for _ in range(4)]
+    time.sleep(0.5)  # the first compiles are running
+    plain = server.request_async("inference/generate", {"prompt": "Say", "options": {"maxTokens": 3}})
+    assert "result" in server.response(plain, timeout=30)
+    assert not any(_key(rid) in server.responses for rid in heavy[1:])  # still compiling
+    server.cancel(heavy[-1])
+    cancelled = server.response(heavy[-1], timeout=5)
+    assert cancelled["error"]["code"] == errors.REQUEST_CANCELLED
+    assert not any(_key(rid) in server.responses for rid in heavy[1:-1])  # answered before them
+    for rid in heavy[:-1]:
+        assert "result" in server.response(rid, timeout=120)

@@ -148,6 +148,10 @@ class Grammars:
 
 _T = TypeVar("_T")
 _stack_size = threading.Lock()  # threading.stack_size is the process's: one thread started at a time
+# Compiles running at once in the process, those whose requests were cancelled included (their
+# threads end on their own); a compile past this waits for one to end
+COMPILES = 8
+_compiling = threading.BoundedSemaphore(COMPILES)
 
 
 def on_compile_stack(compile: Callable[[], _T]) -> _T:
@@ -164,13 +168,17 @@ def on_compile_stack(compile: Callable[[], _T]) -> _T:
             outcome.append((True, compile()))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             outcome.append((False, exc))
+        finally:
+            _compiling.release()
 
+    _compiling.acquire()
     with _stack_size:
         before = threading.stack_size(grammar_limits.COMPILE_STACK)
         try:
             thread = threading.Thread(target=run, name="kinfer-grammar", daemon=True)
             thread.start()
         except RuntimeError as exc:  # the stack could not be mapped
+            _compiling.release()
             raise errors.KinferError(
                 errors.INTERNAL_ERROR, f"the grammar compiler's thread could not start: {exc}"
             ) from None

@@ -382,7 +382,13 @@ class Requests:
     ) -> Reply:
         """Run a job, sending its pieces to `sink` as they come (with the tool calls each
         completed, when `calls` reads them). `received`: when the request arrived (traces)."""
-        constraint = await anyio.to_thread.run_sync(entry.constrain, opts, limiter=entry.tokenizer)
+        # A cancel answers at once: an abandoned compile ends on its own thread (bounded by the
+        # grammar limits and grammar.COMPILES), its matcher dropped.
+        constraint = None
+        if opts.constraint is not None:
+            constraint = await anyio.to_thread.run_sync(
+                entry.constrain, opts, limiter=entry.compiler, abandon_on_cancel=True
+            )
         model = entry.engine.model
         if model is None:  # unloaded (model/unload, shutdown) while the constraint compiled
             raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")

@@ -63,6 +63,9 @@ class Loaded:
     # One tokenizing thread a model: requests reach the engine in the order they came.
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
+    # Compiles of a model's constraints at once: apart from its tokenizing thread, so that a slow
+    # schema holds up no other request's prompt
+    compiler: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(2))
     fim: dict[str, int] | None = None  # the model's fill-in-the-middle tokens, once asked for
     # how the model marks its reasoning (host.reasoning.Markers, None: it does not), once asked for
     thinks: tuple[reasoning.Markers | None] | None = None

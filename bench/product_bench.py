@@ -240,7 +240,13 @@ def chat_texts(model: str, prompts: list[list[int]]) -> None:
 
     vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
     for ids in prompts:
-        CHAT_TEXT[tuple(ids)] = vocab.detokenize(ids).decode("utf-8", "replace")
+        n = len(ids)
+        while True:  # a vocabulary of random pieces reads its text back as more tokens: fewer ids
+            text = vocab.detokenize(ids[:n]).decode("utf-8", "replace")
+            if n <= 1 or len(vocab.tokenize(text.encode(), add_bos=False, special=False)) <= len(ids):
+                break
+            n = n * 3 // 4
+        CHAT_TEXT[tuple(ids)] = text
 
 
 def chat_text(ids: list[int]) -> str:

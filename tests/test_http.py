@@ -328,3 +328,29 @@ def test_langchain_openai_and_ollama(served):
     assert isinstance(structured, Person)
     ol = ChatOllama(base_url=served.url, model=MODEL, temperature=0, num_predict=8)
     assert ol.invoke("Say hi").content == reply.content  # the same model, prompt and options
+
+
+def test_a_lone_session_beside_an_idle_http_face_keeps_every_slot(tmp_path):
+    """The faces count as a client only while an HTTP request runs: a daemon serving HTTP once
+    held back a lone session's last slot for a client that never came (32 requests at once ran
+    31, then 1: two thirds of the speed)."""
+    from rpcclient import RpcClient
+
+    s = Served(tmp_path)
+    c = RpcClient.spawn("--attach", "--socket", str(s.socket), env=s.env, executable=str(BIN / "kinfer-rpc"))
+    try:
+        c.initialize()
+        c.load_model(slots=2, contextLength=512)
+        opts = {"maxTokens": 400, "ignoreEos": True, "temperature": 0}
+        rids = [c.request_async("inference/generate", {"prompt": f"Count to {i}", "options": opts}) for i in (3, 4)]
+        deadline = time.monotonic() + 30
+        while c.call("model/status")["models"][0]["slotsBusy"] < 2:
+            assert time.monotonic() < deadline, "the second request never got the model's last slot"
+            time.sleep(0.05)
+        for rid in rids:
+            c.cancel(rid)
+            c.response(rid, timeout=30)
+        c.close(check=False)
+    finally:
+        c.kill()
+        assert s.stop() == 0

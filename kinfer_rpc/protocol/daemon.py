@@ -90,7 +90,6 @@ class Daemon:
             from kinfer_rpc.protocol.http import Http
 
             self.http = Http(self.service, http.host, http.port, api_key=http.api_key, cors=http.cors)
-            self.service.faces += 1
 
     async def _refuse(self, stream: SocketStream, message: str) -> None:
         """One error answer (id null) and the connection closed."""

@@ -71,6 +71,21 @@ class Auth:
         await self.app(scope, receive, send)
 
 
+class InFlight:
+    """Counts the HTTP requests in flight for the service (Service.face_request)."""
+
+    def __init__(self, app: Any, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with self.service.face_request():
+            await self.app(scope, receive, send)
+
+
 def make_app(service: Service, *, api_key: str | None = None, cors: list[str] | None = None) -> Starlette:
     """The Starlette app of both faces over `service`."""
     owners = Owners(service)
@@ -80,7 +95,7 @@ def make_app(service: Service, *, api_key: str | None = None, cors: list[str] | 
         return Response("kinfer is running", media_type="text/plain")
 
     routes.append(Route("/", root, methods=["GET", "HEAD"]))
-    middleware = [Middleware(Auth, api_key=api_key)]
+    middleware = [Middleware(InFlight, service=service), Middleware(Auth, api_key=api_key)]
     if cors:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -107,14 +107,32 @@ class Service:
         self.sessions: set[Session] = set()
         self.socket = socket
         self._ids = itertools.count(1)
-        # HTTP faces serving: each counts as a client beside the sessions (many, really)
-        self.faces = 0
+        # HTTP requests in flight: while there are, the faces count as a client beside the
+        # sessions (many, really; each HTTP connection is an owner of its own)
+        self.face_requests = 0
+
+    def _share(self) -> None:
+        self.runtime.share(len(self.sessions) + (1 if self.face_requests else 0))
 
     def open(self, session: Session) -> int:
         """A session starts: its owner id (the models it holds, its share of their slots)."""
         self.sessions.add(session)
-        self.runtime.share(len(self.sessions) + self.faces)
+        self._share()
         return next(self._ids)
+
+    @contextlib.contextmanager
+    def face_request(self) -> Iterator[None]:
+        """An HTTP request, while it runs. Faces that serve no request share no slots: a lone
+        session beside an idle HTTP face keeps every slot of its model (its last one too)."""
+        self.face_requests += 1
+        if self.face_requests == 1:
+            self._share()
+        try:
+            yield
+        finally:
+            self.face_requests -= 1
+            if not self.face_requests:
+                self._share()
 
     def new_owner(self) -> int:
         """An owner id for a client that is not a session (an HTTP face's connection)."""
@@ -124,7 +142,7 @@ class Service:
         """A session ended: the models it held stay for their keep-alive, held by the others."""
         self.sessions.discard(session)
         self.runtime.release(session.owner)
-        self.runtime.share(len(self.sessions) + self.faces)
+        self._share()
 
     async def background(self) -> None:
         """Until cancelled: the status file, and models unloaded once idle past their keep-alive."""

@@ -364,3 +364,61 @@ def test_cancel_unload_and_exit_stop_a_render_at_once(bounded):
     assert c.proc.wait(5) == 0 and time.monotonic() - t < 2
     time.sleep(0.2)
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")]
+
+
+# -- render workers shared in turns between connections -------------------------------------------
+def test_render_turns_keep_a_worker_for_another_client_while_several_are_connected():
+    import anyio
+
+    from kinfer_rpc.host.render import _Turns
+
+    async def main() -> None:
+        turns = _Turns(2)
+        order: list[str] = []
+        release = anyio.Event()
+
+        async def render(client: int, share: bool, name: str) -> None:
+            async with turns.turn(client, share):
+                order.append(name)
+                await release.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(render, 1, True, "a1")
+            tg.start_soon(render, 1, True, "a2")  # the last worker: kept for another client
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(render, 2, True, "b1")
+            await anyio.wait_all_tasks_blocked()
+            assert order == ["a1", "b1"]
+            release.set()
+        assert order == ["a1", "b1", "a2"]
+        alone = _Turns(2)  # one client connected: every worker is its own
+        async with alone.turn(1, False), alone.turn(1, False):
+            assert alone.running == {1: 2}
+
+    anyio.run(main)
+
+
+def test_a_connection_whose_renders_hang_keeps_no_other_waiting(tmp_path):
+    from served import BIN, Served
+
+    path = str(tmp_path / "bounded.gguf")
+    gguf_with_string(embedded_gguf(), path, "tokenizer.chat_template", hostile_template("", BOUNDED))
+    served = Served(tmp_path, env={"KINFER_RENDER_SECONDS": "6"})
+    attach = ("--attach", "--socket", str(served.socket))
+    a = RpcClient.spawn(*attach, env=served.env, executable=str(BIN / "kinfer-rpc"))
+    b = RpcClient.spawn(*attach, env=served.env, executable=str(BIN / "kinfer-rpc"))
+    try:
+        for c in (a, b):
+            c.initialize()
+            c.call("model/load", {"model": path, "options": {"contextLength": 256, "slots": 2}}, timeout=60)
+        t0 = time.monotonic()
+        hung = [a.request_async("inference/chat", _probe_params(path, "slow")) for _ in range(4)]
+        time.sleep(0.5)  # every worker a may take is rendering
+        assert result_of(b.request("inference/chat", _probe_params(path, "benign"), timeout=5))
+        assert time.monotonic() - t0 < 5.5  # before a's first render reached its limit
+        for rid in hung:
+            assert error_of(a.response(rid, timeout=60))["code"] == INVALID_PARAMS  # over the limit
+    finally:
+        a.kill()
+        b.kill()
+        assert served.stop() == 0

@@ -12,7 +12,11 @@ in a worker process, which the server can kill:
   capped while it renders, so a template that builds a huge string fails the same way;
 - cancelling the request, unloading the model or the server's exit kill the worker at once;
 - at most RENDER_WORKERS renders run at once (the others wait their turn), and none of them on
-  the event loop: the protocol keeps answering while they run.
+  the event loop: the protocol keeps answering while they run;
+- the workers are shared in turns between clients (connections): a waiting render of the client
+  running the fewest goes first, and while several clients are connected, no client takes the
+  last free worker when every busy one is its own, so a client whose renders hang cannot keep
+  another's waiting (its own later renders wait behind its hung ones).
 
 Workers are started when first needed and reused; each is `python -m kinfer_rpc.host.render`,
 reading one JSON request a line on stdin and answering one JSON line on stdout.
@@ -20,10 +24,12 @@ reading one JSON request a line on stdin and answering one JSON line on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -80,12 +86,62 @@ class _Worker:
             pass
 
 
+class _Turns:
+    """Render workers handed out in turns between clients (Renderer's docstring says how)."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.running: dict[int, int] = {}  # client -> renders it runs
+        self.waiting: list[tuple[int, bool, anyio.Event]] = []  # (client, share, granted) in arrival order
+
+    def _may(self, client: int, share: bool) -> bool:
+        busy = sum(self.running.values())
+        free = self.workers - busy
+        mine = self.running.get(client, 0)
+        return free > 0 and not (share and free == 1 and mine > 0 and mine == busy)
+
+    def _grant(self) -> None:
+        while True:
+            fit = [w for w in self.waiting if self._may(w[0], w[1])]
+            if not fit:
+                return
+            chosen = min(fit, key=lambda w: self.running.get(w[0], 0))  # the first of the fewest
+            self.waiting.remove(chosen)
+            self.running[chosen[0]] = self.running.get(chosen[0], 0) + 1
+            chosen[2].set()
+
+    def _release(self, client: int) -> None:
+        self.running[client] -= 1
+        if not self.running[client]:
+            del self.running[client]
+        self._grant()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, client: int, share: bool) -> AsyncIterator[None]:
+        entry = (client, share, anyio.Event())
+        self.waiting.append(entry)
+        self._grant()
+        if not entry[2].is_set():
+            try:
+                await entry[2].wait()
+            except BaseException:
+                if entry in self.waiting:
+                    self.waiting.remove(entry)
+                else:  # granted as it was cancelled: the turn goes to the next
+                    self._release(client)
+                raise
+        try:
+            yield
+        finally:
+            self._release(client)
+
+
 class Renderer:
     """The server's render workers."""
 
     def __init__(self, workers: int = RENDER_WORKERS, seconds: float = RENDER_SECONDS):
         self.seconds = seconds
-        self._slots = anyio.Semaphore(workers)
+        self._turns = _Turns(workers)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._closed = False
@@ -100,9 +156,12 @@ class Renderer:
         eos: str = "",
         tools: Any = None,
         variables: dict[str, Any] | None = None,
+        client: int = 0,
+        share: bool = False,
     ) -> str:
         """The template's prompt for these messages (`variables`: the switches a request sets).
-        `owner` (the loaded model) is what stop() names to end its renders early."""
+        `owner` (the loaded model) is what stop() names to end its renders early; `client`: the
+        connection that asked, `share`: whether several are connected (the turns)."""
         request = json.dumps(
             {
                 "template": template,
@@ -115,7 +174,7 @@ class Renderer:
             ensure_ascii=False,
         ).encode("utf-8", "surrogatepass")
         limit = render_limit(len(request))
-        async with self._slots:
+        async with self._turns.turn(client, share):
             if self._closed:
                 raise errors.KinferError(errors.INTERNAL_ERROR, "the server is exiting")
             try:

@@ -331,6 +331,8 @@ class Requests:
             eos=model.info.eos_text,
             tools=tool_list if calling else None,
             variables=reasoning.switches(found, req.think) if found is not None else None,
+            client=owner,
+            share=self.runtime.connections > 1,
         )
         if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
             raise errors.KinferError(

@@ -7,6 +7,9 @@ docs/reliability.md lists the limits and what was measured."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
 
 import pytest
@@ -314,3 +317,15 @@ def test_slow_compiles_hold_up_no_other_request_and_a_cancel_answers_at_once(ser
     assert not any(_key(rid) in server.responses for rid in heavy[1:-1])  # answered before them
     for rid in heavy[:-1]:
         assert "result" in server.response(rid, timeout=120)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have a niceness of their own on Linux")
+def test_a_compile_runs_below_the_server():
+    from kinfer_rpc.engine.grammar import COMPILE_NICE, on_compile_stack
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    here = niceness()
+    assert on_compile_stack(niceness) == min(19, here + COMPILE_NICE)
+    assert niceness() == here  # the server's own threads keep theirs

@@ -317,6 +317,13 @@ def test_a_render_over_the_time_limit_is_32602_and_the_protocol_keeps_answering(
         assert "result" in c.request("model/status", timeout=3)
         worst = max(worst, time.monotonic() - t)
     assert worst < 0.1, worst
+    from kinfer_rpc.host.render import WORKER_NICE
+
+    server_nice = os.getpriority(os.PRIO_PROCESS, c.proc.pid)
+    workers = _render_workers(c.proc.pid)
+    assert workers
+    for pid in workers:  # below the server: a spinning template yields to it
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, server_nice + WORKER_NICE)
     for rid in rids:
         err = error_of(c.response(rid, timeout=10))
         assert err["code"] == INVALID_PARAMS and "limit of 1 s" in err["message"], err

@@ -16,7 +16,9 @@ in a worker process, which the server can kill:
 - the workers are shared in turns between clients (connections): a waiting render of the client
   running the fewest goes first, and while several clients are connected, no client takes the
   last free worker when every busy one is its own, so a client whose renders hang cannot keep
-  another's waiting (its own later renders wait behind its hung ones).
+  another's waiting (its own later renders wait behind its hung ones);
+- the workers run WORKER_NICE below the server: a spinning template takes the CPU only from
+  what the server's own threads leave.
 
 Workers are started when first needed and reused; each is `python -m kinfer_rpc.host.render`,
 reading one JSON request a line on stdin and answering one JSON line on stdout.
@@ -40,6 +42,7 @@ from kinfer_rpc import errors
 
 RENDER_SECONDS = float(os.environ.get("KINFER_RENDER_SECONDS", "10"))
 RENDER_WORKERS = max(1, min(4, os.cpu_count() or 1))
+WORKER_NICE = 10  # the render workers' niceness, added to the server's
 _MEMORY_HEADROOM = 512 << 20  # address space a render may add to the worker's, beyond its input
 
 
@@ -245,6 +248,10 @@ def _serve() -> None:
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the pipe
+    # Below the server's threads: a template that spins until its time limit takes the CPU only
+    # from what the machine does not need (on a CPU, the engine's passes come first)
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     out.write(b"ready\n")
     out.flush()

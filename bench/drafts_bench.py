@@ -23,8 +23,9 @@ from harness import emit, run_one, start_engine
 
 from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host import templates as chat
 from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.protocol.results import reply_json

@@ -20,8 +20,9 @@ import os
 import numpy as np
 from harness import PhaseTimer, emit
 
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.types import ModelInfo
 
 

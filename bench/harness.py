@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 
 Record = dict[str, Any]
 

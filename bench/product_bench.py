@@ -53,8 +53,8 @@ from typing import Any
 from harness import distinct_prompts, emit, start_engine
 from trace_summary import summarize
 
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 
 
 def kinfer_rpc_argv() -> list[str]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from kinfer_rpc.engine import grammar
 from kinfer_rpc.engine.grammar import Grammars
+from kinfer_rpc.engine.job import Job
 from kinfer_rpc.engine.sampling import logprob
-from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.types import SeqChunk
 
 pytestmark = pytest.mark.model  # every test here runs the real model

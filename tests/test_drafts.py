@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kinfer_rpc.default_plugins.drafts import NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
-from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.engine.job import Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
 

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import LlamaBackend
+from kinfer_rpc.engine.job import GenerateOptions, Job, JobState
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import GenerateOptions, Job, JobState
 from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.protocol.results import engine_status, reply_json

@@ -28,8 +28,9 @@ from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402
 from kinfer_rpc.default_plugins import mlx as kinfer_mlx  # noqa: E402
 from kinfer_rpc.default_plugins.llama import LlamaBackend  # noqa: E402
 from kinfer_rpc.default_plugins.mlx import MlxBackend  # noqa: E402
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine  # noqa: E402
 from kinfer_rpc.host.store import ModelStore, embedded_default_path  # noqa: E402
 from kinfer_rpc.types import DraftRequest, LoadOptions, SeqChunk  # noqa: E402
 

@@ -170,8 +170,9 @@ def test_moe_gguf_replies_alone_equal_among_others(root, arch, qtype):
     over steps."""
     from engine_helpers import run_until_done
 
+    from kinfer_rpc.engine.job import GenerateOptions, Job
     from kinfer_rpc.engine.sampling import SamplingOptions
-    from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+    from kinfer_rpc.engine.scheduler import Engine
 
     path = _gguf(root, arch, qtype)
     opts = LoadOptions(context_length=CTX, slots=4, batch=64, drafts=0, weights="quantized" if qtype != "F32" else None)

@@ -25,8 +25,9 @@ from protocol_fixtures import server, spawn  # noqa: E402,F401
 
 from kinfer_rpc.default_plugins import drafts as kinfer_drafts  # noqa: E402
 from kinfer_rpc.default_plugins.mlx import MlxBackend  # noqa: E402
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions  # noqa: E402
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job  # noqa: E402
+from kinfer_rpc.engine.scheduler import Engine  # noqa: E402
 from kinfer_rpc.host.store import ModelStore  # noqa: E402
 from kinfer_rpc.types import LoadOptions  # noqa: E402
 

@@ -19,8 +19,9 @@ import pytest
 from engine_helpers import run_until_done
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.protocol.results import engine_status, reply_json

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kinfer_rpc.engine.grammar import Grammars
+from kinfer_rpc.engine.job import Job
 from kinfer_rpc.engine.reasoning import Reasoning
-from kinfer_rpc.engine.scheduler import Engine, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host import reasoning
 
 pytestmark = pytest.mark.model

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine.scheduler import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.host.options import LoadRequest
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.host.runtime import Runtime

@@ -13,8 +13,8 @@ from collections.abc import Collection
 from typing import Any, overload
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine.job import GenerateOptions
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import GenerateOptions
 from kinfer_rpc.types import LoadOptions
 
 DEFAULT_SLOTS = 4

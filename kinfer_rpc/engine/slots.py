@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from kinfer_rpc.types import common_prefix
 
 if TYPE_CHECKING:
-    from kinfer_rpc.engine.scheduler import Job
+    from kinfer_rpc.engine.job import Job
     from kinfer_rpc.types import LoadedModel
 
 MIN_SHARED = 8  # shorter shared prefixes are recomputed rather than copied across streams

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import attrs
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine.job import GenerateOptions
 from kinfer_rpc.engine.sampling import SamplingOptions
-from kinfer_rpc.engine.scheduler import GenerateOptions
 from kinfer_rpc.types import LoadOptions
 
 DEFAULT_SLOTS = 4

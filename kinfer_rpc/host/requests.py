@@ -17,9 +17,9 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine import trace as tracing
+from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.reasoning import Reasoning
 from kinfer_rpc.engine.sampling import TokenLogprob
-from kinfer_rpc.engine.scheduler import GenerateOptions, Job
 from kinfer_rpc.host import embeddings, reasoning, tools
 from kinfer_rpc.host import infill as fill
 from kinfer_rpc.host.options import SEED_BITS, RequestOptions

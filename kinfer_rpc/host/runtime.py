@@ -17,7 +17,8 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.grammar import Grammars
-from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.engine.scheduler import EngineStats as EngineStats  # what model/status reports
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host import infill, reasoning

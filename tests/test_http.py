@@ -17,6 +17,8 @@ import ollama
 import openai
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from make_fim_model import make_fim_model
 from make_tool_model import make_tool_model
 from served import Served
@@ -354,3 +356,14 @@ def test_a_lone_session_beside_an_idle_http_face_keeps_every_slot(tmp_path):
     finally:
         c.kill()
         assert s.stop() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_a_streamed_piece_is_the_same_bytes_as_its_chunk_encoded_whole(text):
+    from kinfer_rpc.protocol.openai import _event, _Template
+
+    def make(content: str) -> dict:
+        return {"id": "chatcmpl-1", "model": 'm"\u00e9', "choices": [{"delta": {"content": content}}], "usage": None}
+
+    assert _Template(make)(text) == _event(make(text))

@@ -467,7 +467,9 @@ class _Events:
 
     streaming = True
 
-    def __init__(self, emit: Callable[[bytes], Awaitable[None]], chunk: Callable[[Piece], dict[str, Any] | None]):
+    def __init__(
+        self, emit: Callable[[bytes], Awaitable[None]], chunk: Callable[[Piece], bytes | dict[str, Any] | None]
+    ):
         self._emit = emit
         self._chunk = chunk
 
@@ -477,7 +479,22 @@ class _Events:
     async def piece(self, piece: Piece) -> None:
         chunk = self._chunk(piece)
         if chunk is not None:
-            await self._emit(_event(chunk))
+            await self._emit(chunk if isinstance(chunk, bytes) else _event(chunk))
+
+
+class _Template:
+    """A stream's event for one string field, encoded once around a mark: each event then costs
+    the string's own encoding (the rest of the chunk is the same for every piece). The bytes are
+    exactly those of _event(make(text))."""
+
+    _MARK = "\x00kinfer-mark\x00"
+
+    def __init__(self, make: Callable[[str], dict[str, Any]]):
+        head, _, tail = _event(make(self._MARK)).partition(json.dumps(self._MARK).encode())
+        self._head, self._tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return self._head + json.dumps(text).encode() + self._tail
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -530,13 +547,17 @@ def routes(service: Service, owners: Owners) -> list[Route]:
                         await send(_event(base({"role": "assistant", "content": ""})))
                     await send(data)
 
-                def chunk(piece: Piece) -> dict[str, Any] | None:
+                content = _Template(lambda text: base({"content": text}))
+
+                def chunk(piece: Piece) -> bytes | dict[str, Any] | None:
                     # With tools on offer the reply's text may be call markup: its content and
                     # calls are sent once the reply is read whole (its reasoning as it comes).
                     if calling:
                         return base({"reasoning_content": piece.reasoning}) if piece.reasoning else None
                     if not piece.text and not piece.logprobs and not piece.reasoning:
                         return None
+                    if not piece.reasoning and not call.logprobs:
+                        return content(piece.text)  # the usual piece: text alone
                     lp = {"content": [_logprob_entry(e) for e in piece.logprobs or ()]} if call.logprobs else None
                     delta: dict[str, Any] = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
                     if piece.text or not piece.reasoning:
@@ -595,9 +616,13 @@ def routes(service: Service, owners: Owners) -> list[Route]:
                 return chunk
 
             async def stream(emit: Callable[[bytes], Awaitable[None]]) -> bytes:
-                def chunk(piece: Piece) -> dict[str, Any] | None:
+                text = _Template(lambda text: base(text))
+
+                def chunk(piece: Piece) -> bytes | dict[str, Any] | None:
                     if not piece.text and not piece.logprobs:
                         return None
+                    if not call.logprobs:
+                        return text(piece.text)
                     lp = _legacy_logprobs(piece.logprobs or ()) if call.logprobs else None
                     return base(piece.text, logprobs=lp)
 

@@ -106,14 +106,21 @@ class Loaded:
         return self.fim
 
     def infill_prompt(
-        self, prefix: str, suffix: str, extra: list[tuple[str, str]], n_predict: int, spm: bool = False
+        self,
+        prefix: str,
+        suffix: str,
+        extra: list[tuple[str, str]],
+        n_predict: int,
+        spm: bool = False,
+        middle: str | None = None,
     ) -> infill.Prompt:
         """A fill-in-the-middle prompt for this model (its FIM tokens known to be there), with the
         model held open, off the event loop."""
         fim = self.fim_tokens()
         with self.engine.hold() as model:
-            budget = infill.Budget.of(self.options.batch, model.info.context_length, n_predict)
-            return infill.build(model, fim, prefix, suffix, extra, budget, _piece(model), spm=spm)
+            context = model.info.context_length
+            budget = infill.Budget.of(self.options.batch, context, n_predict, middle=middle is not None)
+            return infill.build(model, fim, prefix, suffix, extra, budget, _piece(model), spm=spm, middle=middle)
 
     def constrain(self, opts: GenerateOptions) -> Any:
         """The matcher of a request's format, grammar or regex (None without one), compiled

@@ -86,6 +86,9 @@ class GenerateOptions:
     # ("format" | "grammar" | "regex" | "tools", source): what the host compiles into the job's
     # constraint ("tools": the Lark grammar of a reply made of tool calls)
     constraint: tuple[str, str] | None = None
+    # Reuse chunks of at least this many cached tokens that moved, by shifting their cells (0:
+    # never; the prefix pool's Slots.take): the reply then depends on what was cached before
+    cache_reuse: int = 0
 
 
 class JobState(enum.Enum):

@@ -173,6 +173,8 @@ class RequestOptions:
     )
     # infill's: whether the prompt puts the suffix before the prefix (models trained that way)
     spm: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.spm")))
+    # reuse cached chunks of at least this many tokens that moved, shifting their cells (0: never)
+    cache_reuse: int | None = attrs.field(default=None, metadata=_meta(_int("options.cacheReuse", lo=0)))
 
     def __attrs_post_init__(self) -> None:
         _check(self)
@@ -206,6 +208,7 @@ class RequestOptions:
             constraint=self.constraint,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             stop_at_line=bool(self.stop_at_line),
+            cache_reuse=self.cache_reuse or 0,
         )
 
 

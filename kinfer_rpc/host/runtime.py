@@ -34,6 +34,7 @@ from kinfer_rpc.types import (
     PlacementPlan,
     Reproducible,
     SessionPolicy,
+    ShiftsCells,
     WeightForms,
 )
 
@@ -129,6 +130,24 @@ class Loaded:
             return None
         with self.engine.hold() as model:
             return self.grammars.matcher(model, *opts.constraint)
+
+
+def _check_cache_reuse(entry: Loaded) -> None:
+    """-32602 unless the load can reuse cached chunks that moved (options.cacheReuse): the prefix
+    pool is on and the backend shifts cells for this model."""
+    model = entry.engine.model
+    why = ""
+    if entry.engine.prefix < 0:
+        why = "the load has no prefix pool (prefix -1)"
+    elif not isinstance(model, ShiftsCells):
+        why = f"its backend ({entry.backend}) cannot shift KV cells"
+    elif not model.can_shift():
+        why = "its KV cells cannot be shifted (the architecture's positions, or a multi-token-prediction head)"
+    if why:
+        raise errors.invalid_params(
+            f"options.cacheReuse: {entry.name!r} cannot reuse cached chunks that moved: {why}",
+            {"field": "options.cacheReuse"},
+        )
 
 
 def _piece(model: LoadedModel) -> int:
@@ -704,6 +723,8 @@ class Runtime:
     ) -> Job:
         """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
         compiled from them) to the entry's engine."""
+        if opts.cache_reuse:
+            _check_cache_reuse(entry)
         job = Job(
             ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint, owner=owner
         )

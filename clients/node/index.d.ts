@@ -55,6 +55,8 @@ export interface GenerateOptions {
   logprobs?: boolean;
   /** 0..20: and this many most likely tokens of each position; needs `logprobs: true`. */
   topLogprobs?: number;
+  /** Reuse cached chunks of at least this many tokens that moved, by shifting KV cells (0: never); gives up the same reply. */
+  cacheReuse?: number;
   [option: string]: unknown;
 }
 /** inference/infill's options: generate's, and `stopAtLine`. */

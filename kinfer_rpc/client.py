@@ -54,10 +54,18 @@ fit. `stopAtLine=True` completes one line:
 
     done = kinfer.infill("def add(a, b):\n    return ", "\n", stopAtLine=True, maxTokens=32)
     done.text, done.dropped.prefix
+
+Thinking models (Qwen3, DeepSeek-R1...): `chat(messages, think=True)` (or False, or "low",
+"medium", "high") and `maxReasoningTokens=N`; the Result's `reasoning` is apart from its `text`,
+and a stream's reasoning pieces are `Thought`s (a str):
+
+    for piece in kinfer.stream_chat(messages, think=True):
+        print(("(" + piece + ")") if isinstance(piece, Thought) else piece, end="")
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -240,6 +248,7 @@ class Usage:
     draft_tokens: int = 0
     draft_accepted: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of a thinking model's reasoning
 
     @classmethod
     def from_json(cls, u: dict[str, Any]) -> Usage:
@@ -249,6 +258,7 @@ class Usage:
             u.get("draftTokens", 0),
             u.get("draftAccepted", 0),
             u.get("cachedTokens", 0),
+            u.get("reasoningTokens", 0),
         )
 
 
@@ -333,6 +343,27 @@ class ToolCall:
         return {"role": "tool", "toolCallId": self.id, "name": self.name, "content": text}
 
 
+class Thought(str):
+    """A streamed piece of a thinking model's reasoning (a str): a stream's pieces are these
+    and pieces of the answer, in the order they came. `stream.reasoning` gathers these,
+    `stream.text` the others."""
+
+
+def _take_piece(stream: Stream | AsyncStream, value: dict[str, Any]) -> None:
+    """A partial result's calls, logprobs, reasoning and text, onto the stream (its pieces to
+    hand out in `pending`)."""
+    stream.tool_calls += _tool_calls(value.get("toolCalls"))
+    stream.logprobs += _logprobs(value.get("logprobs"))
+    thought = value.get("reasoning")
+    if isinstance(thought, str) and thought:
+        stream.reasoning += thought
+        stream.pending.append(Thought(thought))
+    text = value.get("text")
+    if isinstance(text, str) and text:
+        stream.text += text
+        stream.pending.append(text)
+
+
 def _tool_calls(v: Any) -> list[ToolCall]:
     return [ToolCall.from_json(c) for c in v or [] if isinstance(c, dict)]
 
@@ -343,9 +374,11 @@ def _logprobs(v: Any) -> list[TokenLogprob]:
 
 @attrs.frozen
 class Result:
-    """A finished reply. `tool_calls`: the calls the model made (chat with tools; then
-    `stop_reason` is "toolCalls"); `logprobs`: one per token, None unless asked for; `dropped`:
-    what an infill (or a generate with a suffix) left out of a short context, None otherwise."""
+    """A finished reply. `reasoning`: a thinking model's reasoning, apart from `text` (None
+    when the reply began in no reasoning block); `tool_calls`: the calls the model made (chat
+    with tools; then `stop_reason` is "toolCalls"); `logprobs`: one per token, None unless asked
+    for; `dropped`: what an infill (or a generate with a suffix) left out of a short context, None
+    otherwise."""
 
     text: str
     tokens: list[int]
@@ -357,6 +390,7 @@ class Result:
     tool_calls: list[ToolCall] = attrs.field(factory=list)
     logprobs: list[TokenLogprob] | None = None
     dropped: Dropped | None = None
+    reasoning: str | None = None
 
     @classmethod
     def from_json(cls, r: dict[str, Any]) -> Result:
@@ -371,12 +405,16 @@ class Result:
             _tool_calls(r.get("toolCalls")),
             _logprobs(r["logprobs"]) if r.get("logprobs") is not None else None,
             Dropped.from_json(r["dropped"]) if isinstance(r.get("dropped"), dict) else None,
+            r.get("reasoning"),
         )
 
     @property
     def message(self) -> dict[str, Any]:
-        """The assistant's message, to append to the conversation (with its `toolCalls`)."""
+        """The assistant's message, to append to the conversation (with its `toolCalls`, and
+        its `reasoning`, which the model's template keeps or drops)."""
         m: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            m["reasoning"] = self.reasoning
         if self.tool_calls:
             m["toolCalls"] = [c.to_json() for c in self.tool_calls]
         return m
@@ -756,6 +794,7 @@ def _chat_params(
     tool_choice: str | dict[str, Any] | None,
     options: dict[str, Any],
     parallel_tool_calls: bool | None = None,
+    think: bool | str | None = None,
 ) -> dict[str, Any]:
     return _params(
         model,
@@ -764,6 +803,7 @@ def _chat_params(
         tools=tools,
         toolChoice=tool_choice,
         parallelToolCalls=parallel_tool_calls,
+        think=think,
         keepAlive=options.get("keep_alive"),
     )
 
@@ -1000,6 +1040,8 @@ class Stream:
         q = self._queue  # the callback must not hold the stream: a dropped stream is collected, and cancels
         self.response.add_done_callback(lambda _: q.put(_DONE))
         self.text = ""
+        self.reasoning = ""  # a thinking model's reasoning streamed so far (its pieces are Thoughts)
+        self.pending: collections.deque[str] = collections.deque()  # pieces taken, not yet handed out
         self.tool_calls: list[ToolCall] = []  # the calls streamed so far (chat with tools)
         self.logprobs: list[TokenLogprob] = []  # the logprobs streamed so far (with logprobs)
         self.result: Result | None = None
@@ -1010,6 +1052,8 @@ class Stream:
         return self
 
     def __next__(self) -> str:
+        if self.pending:
+            return self.pending.popleft()
         if self._finished:
             raise StopIteration
         try:
@@ -1023,12 +1067,9 @@ class Stream:
                     raise StopIteration
                 if not isinstance(value, dict):
                     continue
-                self.tool_calls += _tool_calls(value.get("toolCalls"))
-                self.logprobs += _logprobs(value.get("logprobs"))
-                if value.get("text"):
-                    piece: str = value["text"]
-                    self.text += piece
-                    return piece
+                _take_piece(self, value)
+                if self.pending:
+                    return self.pending.popleft()
         except (StopIteration, RpcError):
             raise
         except BaseException:  # Ctrl-C while waiting
@@ -1232,12 +1273,14 @@ class Client:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        think: bool | str | None = None,
         **options: Any,
     ) -> Result:
         """inference/chat. `tools` (OpenAI's shape), `tool_choice` ("auto", "none", "required", a
-        function's name or `{"type": "function", "function": {"name": ...}}`) and
-        `parallel_tool_calls` (False: at most one call) go beside the options."""
-        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        function's name or `{"type": "function", "function": {"name": ...}}`),
+        `parallel_tool_calls` (False: at most one call) and `think` (a thinking model: True,
+        False or "low", "medium", "high"; `maxReasoningTokens=` bounds it) go beside the options."""
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls, think)
         return Result.from_json(self.request("inference/chat", params))
 
     def stream_generate(
@@ -1266,9 +1309,10 @@ class Client:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        think: bool | str | None = None,
         **options: Any,
     ) -> Stream:
-        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls, think)
         return Stream(self._wire, "inference/chat", params)
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -1314,6 +1358,8 @@ class AsyncStream:
 
         self.id = client._request_nowait(method, {**params, "partialResultToken": token}, on_response)
         self.text = ""
+        self.reasoning = ""  # a thinking model's reasoning streamed so far (its pieces are Thoughts)
+        self.pending: collections.deque[str] = collections.deque()  # pieces taken, not yet handed out
         self.tool_calls: list[ToolCall] = []  # the calls streamed so far (chat with tools)
         self.logprobs: list[TokenLogprob] = []  # the logprobs streamed so far (with logprobs)
         self.result: Result | None = None
@@ -1328,6 +1374,8 @@ class AsyncStream:
         return self
 
     async def __anext__(self) -> str:
+        if self.pending:
+            return self.pending.popleft()
         if self._finished:
             raise StopAsyncIteration
         try:
@@ -1344,12 +1392,9 @@ class AsyncStream:
                     raise StopAsyncIteration
                 if not isinstance(value, dict):
                     continue
-                self.tool_calls += _tool_calls(value.get("toolCalls"))
-                self.logprobs += _logprobs(value.get("logprobs"))
-                if value.get("text"):
-                    piece: str = value["text"]
-                    self.text += piece
-                    return piece
+                _take_piece(self, value)
+                if self.pending:
+                    return self.pending.popleft()
         except (StopAsyncIteration, RpcError):
             raise
         except BaseException:  # our task was cancelled
@@ -1649,10 +1694,11 @@ class AsyncClient:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        think: bool | str | None = None,
         **options: Any,
     ) -> Result:
         """As Client.chat."""
-        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls, think)
         return Result.from_json(await self.request("inference/chat", params))
 
     def stream_generate(
@@ -1680,9 +1726,10 @@ class AsyncClient:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        think: bool | str | None = None,
         **options: Any,
     ) -> AsyncStream:
-        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls)
+        params = _chat_params(messages, model, tools, tool_choice, options, parallel_tool_calls, think)
         return AsyncStream(self, "inference/chat", params)
 
     # -- lifetime ----------------------------------------------------------------------------

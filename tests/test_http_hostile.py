@@ -122,6 +122,9 @@ OPENAI_CHAT = [
     "n",
     "presence_penalty",
     "parallel_tool_calls",
+    "reasoning_effort",
+    "thinking_token_budget",
+    "chat_template_kwargs",
 ]
 OLLAMA_CHAT = ["model", "messages", "tools", "format", "options", "stream", "keep_alive", "think"]
 
@@ -140,7 +143,8 @@ ENDPOINTS = {
     "/v1/embeddings": _fuzzed(["model", "input", "encoding_format", "dimensions"], {}),
     "/api/chat": _fuzzed(OLLAMA_CHAT, {"options": {"num_predict": 2}}),
     "/api/generate": _fuzzed(
-        ["model", "prompt", "suffix", "system", "raw", "format", "stream", "images"], {"options": {"num_predict": 2}}
+        ["model", "prompt", "suffix", "system", "raw", "format", "stream", "images", "think"],
+        {"options": {"num_predict": 2}},
     ),
     "/api/embed": _fuzzed(["model", "input", "truncate", "dimensions"], {}),
     "/api/show": _fuzzed(["model", "name", "verbose"], {}),

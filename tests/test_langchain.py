@@ -238,3 +238,23 @@ async def test_async_tool_call_stream(daemon):
         full = chunk if full is None else full + chunk
     (call,) = full.tool_calls
     assert call["name"] == "get_weather" and json.dumps(call["args"])
+
+
+@pytest.mark.model
+def test_a_thinking_models_reasoning_goes_to_reasoning_content(daemon, tmp_path):
+    from make_think_model import make_think_model
+
+    model = str(make_think_model(tmp_path / "smollm2-think.gguf"))
+    params = {**PARAMS, "model": model, "max_tokens": 20, "model_kwargs": {"maxReasoningTokens": 6}}
+    chat = ChatKinfer(**params, reasoning=True)
+    whole = chat.invoke("Name a city.")
+    thought = whole.additional_kwargs["reasoning_content"]
+    assert thought and thought not in whole.content
+    assert whole.usage_metadata["output_token_details"]["reasoning"] == 7
+    full = None
+    for chunk in chat.stream("Name a city."):
+        full = chunk if full is None else full + chunk
+    assert full.additional_kwargs["reasoning_content"] == thought and full.content == whole.content
+    # the reasoning goes back with the history; off, there is none
+    off = ChatKinfer(**params).invoke(["Name a city.", whole, "Another?"], reasoning=False)
+    assert "reasoning_content" not in off.additional_kwargs

@@ -50,6 +50,9 @@ def home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("llm-plugin")
     (home / "models").mkdir()
     make_tool_model(home / "models" / "smollm2-tools.gguf")
+    from make_think_model import make_think_model
+
+    make_think_model(home / "models" / "smollm2-think.gguf")
     return home
 
 
@@ -225,3 +228,14 @@ def test_llms_python_api(daemon, env, tmp_path):
     assert call[0] == "get_weather" and set(call[1]) == {"city"}
     text, chunks = out["async"]
     assert text == out["text"] and "".join(chunks) == text
+
+
+@pytest.mark.model
+def test_a_thinking_models_reasoning_is_a_reasoning_part(daemon, env):
+    args = ["-o", "think", "true", "-o", "max_reasoning_tokens", "6", "-o", "temperature", "0"]
+    args += ["-o", "max_tokens", "120"]
+    out = llm(env, "-m", "kinfer/smollm2-think", "--schema", "name, country", "Name a city.", *args)
+    assert set(json.loads(out)) == {"name", "country"}  # the schema holds the answer, after the reasoning
+    log = last_log(env)
+    assert log["reasoning"] and log["reasoning"] not in out
+    assert json.loads(log["token_details"])["reasoning_tokens"] == 7

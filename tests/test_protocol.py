@@ -179,6 +179,9 @@ def test_bad_initialize_params_leave_the_server_uninitialized(spawn):
     assert err["code"] == INVALID_PARAMS and "logLevel" in err["message"]
     err = error_of(c.request("initialize", {"processId": "me"}))
     assert err["code"] == INVALID_PARAMS and err["data"] == {"field": "params.processId"}
+    for wrong in ([], "", 0, False):  # only an object (or nothing) is options
+        err = error_of(c.request("initialize", {"initializationOptions": wrong}))
+        assert err["code"] == INVALID_PARAMS and "initializationOptions must be an object" in err["message"], wrong
     err = error_of(c.request("initialize", {"processId": None, "colour": "blue"}))
     assert err["code"] == INVALID_PARAMS and err["data"] == {"unknown": ["colour"]}
     assert error_of(c.request("model/list"))["code"] == SERVER_NOT_INITIALIZED
@@ -932,3 +935,33 @@ def test_progress_token_must_be_integer_or_string(loaded):
         loaded.request("inference/generate", {"prompt": "hi", "options": FAST, "partialResultToken": {"a": 1}})
     )
     assert err["code"] == INVALID_PARAMS
+
+
+BAD_PARAMS = [None, [], "x", 5, {"x": 1}, [1, 2], {"id": {"a": 1}}, {"settings": []}, {"textDocument": 5}]
+NOTIFICATIONS = [
+    "initialized",
+    "$/cancelRequest",
+    "$/setTrace",
+    "$/progress",
+    "workspace/didChangeConfiguration",
+    "textDocument/didOpen",
+    "textDocument/didChange",
+    "textDocument/didClose",
+    "textDocument/didSave",
+    "window/workDoneProgress/cancel",
+    "$/unknown",
+]
+
+
+def test_bad_notifications_are_a_log_line_each_never_a_traceback():
+    """Notifications have no answer: a bad one is at most one line on stderr, and the server goes on."""
+    with RpcClient.spawn("--log-level", "info") as c:
+        c.initialize()
+        for method in NOTIFICATIONS:
+            for params in BAD_PARAMS:
+                c.notify(method, params)
+        assert "result" in c.request("model/list")
+        time.sleep(0.5)
+        said = c.stderr_tail(1 << 20)
+    assert "Traceback" not in said, said[-3000:]
+    assert len(said.splitlines()) <= len(NOTIFICATIONS) * len(BAD_PARAMS) + 10, said[-3000:]

@@ -108,6 +108,7 @@ def stores(tmp_path_factory, gguf):
     ollama.manifest("registry.ollama.ai/someone/smollm2/135m", [model])
     ollama.manifest("example.com:5000/team/smollm2/latest", [model])
     ollama.manifest("registry.ollama.ai/library/llava/7b", [model, ollama.blob(b"\0" * 64, "projector")])
+    ollama.manifest("registry.ollama.ai/library/tuned/latest", [model, ollama.blob(b"\0" * 64, "adapter")])
     ollama.manifest(
         "registry.ollama.ai/library/mlxmodel/latest",
         [
@@ -235,7 +236,8 @@ def test_model_list_metadata_from_the_gguf_header(store, gguf):
     assert entries["smollm2:135m"]["source"] == "ollama" and entries["tiny-kinfer"]["source"] == "kinfer"
     assert entries["mlxmodel:latest"]["format"] == "mlx"
     assert "(truncated?)" in entries["half"]["error"] and entries["half"]["architecture"] is None
-    assert "not support" in entries["llava:7b"]["error"]
+    assert "not support" in entries["tuned:latest"]["error"]
+    assert "error" not in entries["llava:7b"] and entries["llava:7b"]["architecture"] == "llama"
 
 
 def test_gguf_header_reader(gguf):
@@ -314,8 +316,11 @@ def test_a_missing_blob_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_unsupported_layers(store):
-    err = _error(store.resolve, "llava:7b")
-    assert err.code == errors.NOT_SUPPORTED and "projector" in err.message
+    err = _error(store.resolve, "tuned")
+    assert err.code == errors.NOT_SUPPORTED and "LoRA adapter" in err.message
+    vision = store.resolve("llava:7b")  # a vision model serves text; its projector is known
+    assert vision.unsupported is None and vision.projector is not None
+    assert Path(vision.projector).parent.name == "blobs" and Path(vision.projector).read_bytes() == b"\0" * 64
     ref = store.resolve("mlxmodel")
     assert ref.format == "mlx" and [n for n, _ in ref.blobs] == ["model.embed_tokens.weight", "lm_head.weight"]
 
@@ -436,11 +441,22 @@ def test_server_chats_with_an_ollama_model_by_name(server):
     assert {m["name"]: m["loaded"] for m in server.call("model/list")["models"]}["smollm2:135m"] is True
 
 
+@pytest.mark.model
+def test_a_vision_model_answers_text_and_refuses_images(server):
+    reply = server.call("inference/generate", {"model": "llava:7b", "prompt": "Hello", "options": {"maxTokens": 2}})
+    assert reply["usage"]["completionTokens"] >= 1
+    err = server.request(
+        "inference/chat",
+        {"model": "llava:7b", "messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]},
+    )["error"]
+    assert err["code"] == errors.NOT_SUPPORTED and err["data"] == {"field": "messages[0].images"}, err
+
+
 def test_server_errors_are_answers_not_crashes(server):
     cases = [
         ("half", errors.LOAD_FAILED, "(truncated?)"),
         ("mlxmodel", errors.LOAD_FAILED, "loading mlxmodel:latest failed"),  # the mlx backend reads its blobs
-        ("llava:7b", errors.NOT_SUPPORTED, "projector"),
+        ("tuned", errors.NOT_SUPPORTED, "LoRA adapter"),
         ("smollm", errors.MODEL_NOT_FOUND, "ambiguous"),
         ("qwen3:8b", errors.MODEL_NOT_FOUND, "smollm2:135m"),
     ]

@@ -24,6 +24,7 @@ export interface ChatMessage {
   toolCalls?: ToolCall[]; // an assistant message's calls, as a result gave them
   toolCallId?: string; // a 'tool' message: the id of the call it answers
   name?: string; // a 'tool' message: the function's name
+  reasoning?: string; // an assistant message's reasoning, as a result gave it (the template keeps or drops it)
 }
 export interface TopLogprob { token: number; text: string; logprob: number }
 /** A generated token's natural log probability, from the raw logits (before sampling and any grammar). */
@@ -55,6 +56,8 @@ export interface GenerateOptions {
   logprobs?: boolean;
   /** 0..20: and this many most likely tokens of each position; needs `logprobs: true`. */
   topLogprobs?: number;
+  /** A thinking model (chat): the most tokens its reasoning takes before its end is forced. */
+  maxReasoningTokens?: number;
   /** Reuse cached chunks of at least this many tokens that moved, by shifting KV cells (0: never); gives up the same reply. */
   cacheReuse?: number;
   [option: string]: unknown;
@@ -68,6 +71,7 @@ export interface InfillOptions extends GenerateOptions {
 export interface PartialResult {
   text: string;
   tokens: number[];
+  reasoning?: string; // a thinking model's new reasoning (`text` is then the answer's alone)
   logprobs?: TokenLogprob[]; // with options.logprobs
   toolCalls?: ToolCall[]; // with tools: the calls completed since the previous value
 }
@@ -79,8 +83,18 @@ export interface InferenceResult {
   stopReason: string;
   seed: number;
   /** draftTokens / draftAccepted: drafted tokens and those kept; cachedTokens: prompt tokens whose cells came from the prefix pool. */
-  usage: { promptTokens: number; completionTokens: number; draftTokens: number; draftAccepted: number; cachedTokens: number };
+  usage: {
+    promptTokens: number;
+    completionTokens: number;
+    draftTokens: number;
+    draftAccepted: number;
+    cachedTokens: number;
+    /** Of completionTokens, those of a thinking model's reasoning (its end included). */
+    reasoningTokens: number;
+  };
   timings: { queueMs: number; promptMs: number; generateMs: number; tokensPerSecond: number };
+  /** A thinking model's reasoning, apart from `text` (present when the reply began in a reasoning block). */
+  reasoning?: string;
   /** With options.logprobs: one entry per token. */
   logprobs?: TokenLogprob[];
   /** Chat with tools: the calls the model made (absent when none). */
@@ -102,6 +116,10 @@ export interface ChatCallOptions extends CallOptions {
   /** Functions the model may call; sent beside `options`. */
   tools?: Tool[];
   toolChoice?: ToolChoice;
+  /** A thinking model: whether it reasons first, or how much; default: as its template does. */
+  think?: boolean | 'low' | 'medium' | 'high';
+  /** A stream's reasoning pieces, as they come (the iterator gives the answer's). */
+  onReasoning?: (text: string) => void;
 }
 export interface GenerateCallOptions extends CallOptions {
   /** Ollama's suffix: the prompt is the text before a gap, this the text after it (an infill). */
@@ -144,6 +162,8 @@ export interface Stream extends AsyncIterableIterator<string> {
   readonly toolCalls: ToolCall[];
   /** The logprobs streamed so far (with options.logprobs). */
   readonly logprobs: TokenLogprob[];
+  /** A thinking model's reasoning streamed so far (the pieces are the answer's). */
+  readonly reasoning: string;
   cancel(): void;
 }
 

@@ -34,9 +34,14 @@ export { CancellationTokenSource, ResponseError };
 /** The error code of a cancelled request (LSP's RequestCancelled). */
 export const REQUEST_CANCELLED = -32800;
 
-/** inference/chat's params: the messages, and the tools beside the options. */
-function chatFields(messages, { tools, toolChoice } = {}) {
-  return { messages, ...(tools ? { tools } : {}), ...(toolChoice != null ? { toolChoice } : {}) };
+/** inference/chat's params: the messages, and the tools and `think` beside the options. */
+function chatFields(messages, { tools, toolChoice, think } = {}) {
+  return {
+    messages,
+    ...(tools ? { tools } : {}),
+    ...(toolChoice != null ? { toolChoice } : {}),
+    ...(think != null ? { think } : {}),
+  };
 }
 
 /** inference/generate's params: the prompt, and Ollama's `suffix` when given. */
@@ -58,22 +63,25 @@ const progressType = new ProgressType();
 let tokens = 0;
 
 /**
- * @typedef {{ role: string, content?: string, toolCalls?: ToolCall[], toolCallId?: string, name?: string }} ChatMessage
+ * @typedef {{ role: string, content?: string, toolCalls?: ToolCall[], toolCallId?: string, name?: string,
+ *             reasoning?: string }} ChatMessage
  * @typedef {{ id: string, type: 'function', function: { name: string, arguments: Record<string, unknown> } }} ToolCall
  * @typedef {{ token: number, text: string, logprob: number,
  *             topLogprobs: Array<{ token: number, text: string, logprob: number }> }} TokenLogprob
  * @typedef {{ text: string, tokens: number[], stopReason: string, seed: number,
  *             usage: { promptTokens: number, completionTokens: number, draftTokens: number,
- *                      draftAccepted: number, cachedTokens: number },
+ *                      draftAccepted: number, cachedTokens: number, reasoningTokens: number },
  *             timings: { queueMs: number, promptMs: number, generateMs: number, tokensPerSecond: number },
- *             model: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[],
+ *             model: string, reasoning?: string, logprobs?: TokenLogprob[], toolCalls?: ToolCall[],
  *             dropped?: { prefix: number, suffix: number, extra: number } }} InferenceResult
- * @typedef {{ text: string, tokens: number[], logprobs?: TokenLogprob[], toolCalls?: ToolCall[] }} PartialResult
+ * @typedef {{ text: string, tokens: number[], reasoning?: string, logprobs?: TokenLogprob[],
+ *             toolCalls?: ToolCall[] }} PartialResult
  * @typedef {{ model?: string, options?: Record<string, unknown>,
  *             onPiece?: (text: string, value: PartialResult) => void,
  *             token?: import('vscode-jsonrpc').CancellationToken }} CallOptions
  * @typedef {CallOptions & { tools?: Array<Record<string, unknown>>,
- *             toolChoice?: string | { type: 'function', function: { name: string } } }} ChatCallOptions
+ *             toolChoice?: string | { type: 'function', function: { name: string } },
+ *             think?: boolean | 'low' | 'medium' | 'high' }} ChatCallOptions
  * @typedef {CallOptions & { suffix?: string }} GenerateCallOptions
  * @typedef {CallOptions & { prefix: string, suffix?: string,
  *             extra?: Array<{ filename?: string, text: string }> }} InfillParams
@@ -219,8 +227,10 @@ export class KinferClient {
   }
 
   /**
-   * inference/chat. With `onPiece`, pieces are streamed to it as they come. `tools` and
-   * `toolChoice` go beside `options`; the result's `toolCalls` are the calls the model made.
+   * inference/chat. With `onPiece`, pieces are streamed to it as they come. `tools`,
+   * `toolChoice` and `think` (a thinking model: true, false, 'low', 'medium', 'high') go beside
+   * `options`; the result's `toolCalls` are the calls the model made, its `reasoning` a thinking
+   * model's reasoning (`text` is then the answer alone).
    * @param {ChatMessage[]} messages
    * @param {ChatCallOptions} [opts]
    * @returns {Promise<InferenceResult>}
@@ -232,7 +242,9 @@ export class KinferClient {
   /**
    * `for await (const piece of kinfer.streamChat(messages, opts))`. Breaking out of the loop
    * cancels the request; `.result` is the promise of the final result; `.cancel()` cancels;
-   * `.toolCalls` and `.logprobs` collect what the partial results carried.
+   * `.toolCalls`, `.logprobs` and `.reasoning` collect what the partial results carried (the
+   * pieces are the answer's text; a thinking model's reasoning goes to `.reasoning` and to
+   * `onReasoning`, as it comes).
    * @param {ChatMessage[]} messages
    * @param {ChatCallOptions} [opts]
    */
@@ -260,7 +272,9 @@ export class KinferClient {
     if (!onPiece) return this.request(method, params, token);
     const partialResultToken = `stream-${++tokens}`;
     const handler = this.connection.onProgress(progressType, partialResultToken, (value) => {
-      if (value?.text || value?.toolCalls?.length || value?.logprobs?.length) onPiece(value.text ?? '', value);
+      if (value?.text || value?.reasoning || value?.toolCalls?.length || value?.logprobs?.length) {
+        onPiece(value.text ?? '', value);
+      }
     });
     try {
       return await this.request(method, { ...params, partialResultToken }, token);
@@ -275,6 +289,7 @@ export class KinferClient {
     const queue = [];
     const toolCalls = [];
     const logprobs = [];
+    let reasoning = '';
     let wake = null;
     let finished = false;
     let failure = null;
@@ -284,6 +299,10 @@ export class KinferClient {
       onPiece: (text, value) => {
         if (value?.toolCalls) toolCalls.push(...value.toolCalls);
         if (value?.logprobs) logprobs.push(...value.logprobs);
+        if (value?.reasoning) {
+          reasoning += value.reasoning;
+          opts.onReasoning?.(value.reasoning);
+        }
         if (!text) return;
         queue.push(text);
         wake?.();
@@ -297,6 +316,9 @@ export class KinferClient {
       result,
       toolCalls,
       logprobs,
+      get reasoning() {
+        return reasoning;
+      },
       cancel: () => source.cancel(),
       [Symbol.asyncIterator]() {
         return this;

@@ -28,6 +28,7 @@ import numpy as np
 from kinfer_rpc import errors
 from kinfer_rpc.engine import CPUS, grammar
 from kinfer_rpc.engine import trace as tracing
+from kinfer_rpc.engine.reasoning import Reasoning, Thinking
 from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob, logprob, sample, sample_many
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.engine.text import TextStream
@@ -86,6 +87,9 @@ class GenerateOptions:
     # ("format" | "grammar" | "regex" | "tools", source): what the host compiles into the job's
     # constraint ("tools": the Lark grammar of a reply made of tool calls)
     constraint: tuple[str, str] | None = None
+    # The reply begins inside the model's reasoning block (kinfer_rpc.engine.reasoning): the
+    # constraint holds only what follows the block; None: no reasoning block
+    reasoning: Reasoning | None = None
     # Reuse chunks of at least this many cached tokens that moved, by shifting their cells (0:
     # never; the prefix pool's Slots.take): the reply then depends on what was cached before
     cache_reuse: int = 0
@@ -158,13 +162,25 @@ class Job:
     greedy: bool = attrs.field(init=False, default=False)
     plain: bool = attrs.field(init=False, default=False)  # greedy and unconstrained: a row's argmax
     drafting: bool = attrs.field(init=False, default=False)  # has a draft policy and a count
+    # The reasoning block the reply begins in, while and after it runs (None: none); it holds the
+    # constraint until the block closes
+    thinking: Thinking | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.stream = TextStream(self.options.stop, stop_at_line=self.options.stop_at_line)
+        if self.options.reasoning is not None:
+            self.thinking = Thinking(self.options.reasoning, deferred=self.constraint)
+            self.constraint = None
         sampling = self.options.sampling
         self.greedy = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and self.options.logprobs is None
         self.plain = self.greedy and self.constraint is None
         self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
+
+    def reasoned(self) -> None:
+        """The reasoning block has closed: the constraint it held applies from the next token."""
+        assert self.thinking is not None and not self.thinking.inside
+        self.constraint, self.thinking.deferred = self.thinking.deferred, None
+        self.plain = self.greedy and self.constraint is None
 
     def move(self, to: JobState) -> None:
         """The one way a job changes state; anything but the moves of JobState's story is a bug."""
@@ -754,6 +770,13 @@ class Engine:
                 continue
             if not job.t_first:
                 job.t_first = now
+            if job.thinking is not None and (forced := job.thinking.next_forced()) is not None:
+                # the end of a reasoning block whose budget is spent: taken, not sampled (no drafts)
+                if job.options.logprobs is not None:
+                    job.logprobs.append(logprob(logits[r], forced, job.options.logprobs))
+                produced += 1
+                self._append(job, forced, job.n_past, events)
+                continue
             if is_plain and chunk.outputs == 1 and not job.drafts:  # the usual row: its argmax
                 produced += 1
                 self._append(job, best[r], job.n_past, events)
@@ -786,7 +809,11 @@ class Engine:
                 taken += 1
                 # The sampled token will sit right after the row's own token.
                 next_pos = base + len(chunk.tokens) - chunk.outputs + i + 1
-                if not self._append(job, token, next_pos, events):
+                if not self._append(job, token, next_pos, events, logits[r + i] if not is_plain else None):
+                    break
+                if job.thinking is not None and job.thinking.changed:
+                    # the reasoning block closed (its constraint holds the next token) or its end
+                    # is forced from here: outputs drafted past this one are not taken
                     break
                 if job.constraint is not None and job.constraint.is_stopped():
                     # The grammar is complete: nothing but the end of generation may follow.
@@ -986,19 +1013,31 @@ class Engine:
                 or job.stop_reason is not None
                 or token < 0  # a grammar failed on this row
                 or (job.constraint is not None and job.constraint.is_stopped())  # its grammar is complete
+                or (job.thinking is not None and not job.thinking.steady(token))  # its reasoning block changes
                 or ends(job, token)
                 or full(job, len(job.generated) + 1, chunk.pos + 1)
             ):
                 return False
         return True
 
-    def _append(self, job: Job, token: int, next_pos: int, events: list[_Event]) -> bool:
-        """Take one sampled token (to be fed at `next_pos`); False when it ended the job."""
+    def _append(self, job: Job, token: int, next_pos: int, events: list[_Event], row: np.ndarray | None = None) -> bool:
+        """Take one sampled token (to be fed at `next_pos`); False when it ended the job. `row`:
+        the token's logits, where the job has them (the logprob of a token taken in its place)."""
+        thinking = job.thinking
         if self._ends(job, token):
-            self._text(job, events)
-            self._finish(job, "stop", events)
-            return False
+            if thinking is None or not thinking.holds_end():
+                self._text(job, events)
+                self._finish(job, "stop", events)
+                return False
+            # a reply held to a constraint does not end inside its reasoning: the block ends instead
+            token = thinking.close_now(job.generated)
+            if job.options.logprobs is not None and row is not None:
+                job.logprobs.append(logprob(row, token, job.options.logprobs))
         job.generated.append(token)
+        if thinking is not None:
+            thinking.changed = thinking.took(job.generated)
+            if thinking.changed and not thinking.inside:
+                job.reasoned()
         if not self._pending or self._pending[-1] is not job:
             self._pending.append(job)
         if self._full(job, len(job.generated), next_pos):
@@ -1021,7 +1060,7 @@ class Engine:
     def _draft_count(self, job: Job, room: int) -> int:
         """How many drafts this job checks this step (0: none)."""
         opts = job.options
-        if not job.drafting or room <= 0:
+        if not job.drafting or room <= 0 or (job.thinking is not None and job.thinking.next_forced() is not None):
             return 0
         if job.draft_pause:
             job.draft_pause -= 1
@@ -1230,6 +1269,9 @@ class Engine:
             piece = job.stream.push(model.token_bytes(token))
             if piece:
                 job.text += piece
+            if (thinking := job.thinking) is not None and thinking.closed_at == job.n_text:
+                end = b"".join(model.token_bytes(t) for t in thinking.options.end).decode("utf-8", "replace")
+                thinking.mark_text(job.n_text, len(job.stream.text), len(end))
             if job.on_piece:
                 events.append((job.on_piece, piece, [token]))
             if job.stream.stopped:

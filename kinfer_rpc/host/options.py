@@ -173,6 +173,10 @@ class RequestOptions:
     )
     # infill's: whether the prompt puts the suffix before the prefix (models trained that way)
     spm: bool | None = attrs.field(default=None, metadata=_meta(_bool("options.spm")))
+    # a chat's: the most tokens a model's reasoning block may take before its end is forced
+    max_reasoning_tokens: int | None = attrs.field(
+        default=None, metadata=_meta(_int("options.maxReasoningTokens", lo=0))
+    )
     # reuse cached chunks of at least this many tokens that moved, shifting their cells (0: never)
     cache_reuse: int | None = attrs.field(default=None, metadata=_meta(_int("options.cacheReuse", lo=0)))
 

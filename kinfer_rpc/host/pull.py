@@ -27,6 +27,7 @@ import http.client
 import json
 import os
 import re
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -37,7 +38,8 @@ from typing import IO, Any
 
 import attrs
 
-from kinfer_rpc.host.store import OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG, _read_regular, kinfer_dir, ollama_dir
+from kinfer_rpc.host.files import read_regular, write_whole
+from kinfer_rpc.host.store import OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG, kinfer_dir, ollama_dir
 
 DEFAULT_REGISTRY = "https://registry.ollama.ai"
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
@@ -152,8 +154,18 @@ def blob_path(root: Path, digest: str) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[IO[bytes]]:
-    """The partial file, opened for appending, held by this process alone."""
-    fh = open(path, "ab")
+    """The partial file, opened for appending (never through a link, never a FIFO or device),
+    held by this process alone."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        raise PullError(f"cannot write {path} (a symbolic link is not followed): {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PullError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    fh = os.fdopen(fd, "a+b")
     try:
         try:
             import fcntl
@@ -196,9 +208,10 @@ def fetch_blob(
             done = 0
         sha = hashlib.sha256()
         if done:
-            with open(partial, "rb") as old:
-                while chunk := old.read(_CHUNK):
-                    sha.update(chunk)
+            at = 0
+            while at < done and (chunk := os.pread(fh.fileno(), min(_CHUNK, done - at), at)):
+                sha.update(chunk)
+                at += len(chunk)
         if progress:
             progress(label, done, size)
         attempt = 0
@@ -299,10 +312,7 @@ def _layers(doc: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _write_manifest(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_whole(path, data)
 
 
 def _registry_base(name: Name, registry: str | None, insecure: bool) -> str:
@@ -487,7 +497,7 @@ def _find(root: Path, name: Name) -> Path | None:
 def _digests(manifest: Path) -> set[str]:
     """The blobs a manifest references (a broken manifest references none that can be named)."""
     try:
-        doc = json.loads(_read_regular(manifest, _MANIFEST_LIMIT))
+        doc = json.loads(read_regular(manifest, _MANIFEST_LIMIT))
     except (OSError, ValueError):
         return set()
     layers = list(doc.get("layers") or []) if isinstance(doc, dict) else []

@@ -99,11 +99,20 @@ class Renderer:
         bos: str = "",
         eos: str = "",
         tools: Any = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
-        """The template's prompt for these messages. `owner` (the loaded model) is what stop()
-        names to end its renders early."""
+        """The template's prompt for these messages (`variables`: the switches a request sets).
+        `owner` (the loaded model) is what stop() names to end its renders early."""
         request = json.dumps(
-            {"template": template, "messages": messages, "bos": bos, "eos": eos, "tools": tools}, ensure_ascii=False
+            {
+                "template": template,
+                "messages": messages,
+                "bos": bos,
+                "eos": eos,
+                "tools": tools,
+                "variables": variables,
+            },
+            ensure_ascii=False,
         ).encode("utf-8", "surrogatepass")
         limit = render_limit(len(request))
         async with self._slots:
@@ -196,6 +205,7 @@ def _serve() -> None:
                     eos=request["eos"],
                     tools=request["tools"],
                     max_chars=limit,
+                    variables=request.get("variables"),
                 )
             finally:
                 if base:

@@ -17,9 +17,10 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine import trace as tracing
+from kinfer_rpc.engine.reasoning import Reasoning
 from kinfer_rpc.engine.sampling import TokenLogprob
 from kinfer_rpc.engine.scheduler import GenerateOptions, Job
-from kinfer_rpc.host import embeddings, tools
+from kinfer_rpc.host import embeddings, reasoning, tools
 from kinfer_rpc.host import infill as fill
 from kinfer_rpc.host.options import SEED_BITS, RequestOptions
 from kinfer_rpc.host.render import Renderer
@@ -68,6 +69,9 @@ class Chat:
     # False: at most one call (a grammar of one call where the calls are forced; else the first)
     parallel_tool_calls: bool = True
     keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
+    # Whether the model reasons first (True, False, or a level: "low", "medium", "high"); None:
+    # as its template does by default (kinfer_rpc.host.reasoning)
+    think: reasoning.Think = attrs.field(default=None, validator=lambda _s, _a, v: reasoning.check_think(v))
 
 
 @attrs.frozen
@@ -97,6 +101,7 @@ class Usage:
     cached_tokens: int = 0
     draft_tokens: int = 0
     draft_accepted: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning block (its end included)
 
 
 @attrs.frozen
@@ -121,6 +126,8 @@ class Reply:
     logprobs: tuple[Logprob, ...] | None = None  # when the request asked for them
     tool_calls: tuple[dict[str, Any], ...] | None = None  # the calls a chat's reply made
     dropped: dict[str, int] | None = None  # an infill's context left out to fit (host.infill.Prompt)
+    # the model's reasoning, apart from `text` (None: the reply began in no reasoning block)
+    reasoning: str | None = None
 
 
 @attrs.frozen
@@ -132,6 +139,7 @@ class Piece:
     tokens: tuple[int, ...]
     logprobs: tuple[Logprob, ...] | None = None
     tool_calls: tuple[dict[str, Any], ...] = ()
+    reasoning: str = ""  # new reasoning text (`text` is then the answer's alone)
 
 
 @attrs.frozen
@@ -159,13 +167,18 @@ def reply_of(job: Job, model: str = "", text_of: Callable[[int], str] | None = N
     prompt_s = (job.t_first - job.t_start) if job.t_first else 0.0
     gen_s = (t_end - job.t_first) if job.t_first else 0.0
     n = len(job.generated)
+    text, thought, thought_tokens = job.text, None, 0
+    if (thinking := job.thinking) is not None:
+        thought, text = reasoning.split(job.text, thinking.reasoning_chars, thinking.answer_chars)
+        thought_tokens = min(n, thinking.closed_at if thinking.closed_at is not None else n)
     return Reply(
         model=model,
-        text=job.text,
+        text=text,
+        reasoning=thought,
         tokens=tuple(job.generated),
         stop_reason=job.stop_reason or "cancelled",
         seed=job.options.sampling.seed,
-        usage=Usage(len(job.prompt), n, job.cached, job.drafted, job.accepted),
+        usage=Usage(len(job.prompt), n, job.cached, job.drafted, job.accepted, thought_tokens),
         timings=Timings(
             queue_ms=round(max(0.0, (job.t_start or t_end) - job.t_submit) * 1000, 3),
             prompt_ms=round(prompt_s * 1000, 3),
@@ -204,10 +217,15 @@ class Requests:
         self.renderer = renderer or Renderer()
 
     async def _options(
-        self, name: str | None, given: RequestOptions, owner: int, keep_alive: float | None
+        self, name: str | None, given: RequestOptions, owner: int, keep_alive: float | None, chat: bool = False
     ) -> tuple[Loaded, GenerateOptions]:
         """The request's model (held by its connection) and its options over the model's
         defaults, resolved once."""
+        if not chat and given.max_reasoning_tokens is not None:
+            raise errors.invalid_params(
+                "options.maxReasoningTokens applies to inference/chat, where the chat template opens the reasoning",
+                {"field": "options.maxReasoningTokens"},
+            )
         seed = random.getrandbits(SEED_BITS)
         entry = await self.runtime.model_for(name, owner or None, keep_alive)
         embeddings.refuse_generation(entry)
@@ -279,7 +297,11 @@ class Requests:
     async def chat(
         self, req: Chat, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
     ) -> Reply:
-        entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
+        entry, opts = await self._options(req.model, req.options, owner, req.keep_alive, chat=True)
+        template = entry.engine.template
+        found = await anyio.to_thread.run_sync(entry.reasoning_markers, limiter=entry.tokenizer)
+        budget = req.options.over(entry.defaults).max_reasoning_tokens
+        reasoning.refuse(found, template, entry.name, req.think, budget)
         messages = list(req.messages)
         if entry.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": entry.system}, *messages]
@@ -316,11 +338,17 @@ class Requests:
             bos=model.info.bos_text,
             eos=model.info.eos_text,
             tools=tool_list if calling else None,
+            variables=reasoning.switches(found, req.think) if found is not None else None,
         )
         if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
             raise errors.KinferError(
                 errors.REQUEST_CANCELLED, "the model was unloaded during its chat template's render"
             )
+        if found is not None:
+            text, inside = reasoning.prompt_end(found, text, req.think)
+            if inside:
+                end = await anyio.to_thread.run_sync(entry.tokenize, found.close, False, True, limiter=entry.tokenizer)
+                opts = attrs.evolve(opts, reasoning=Reasoning(tuple(end), budget))
         add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
         ids = await anyio.to_thread.run_sync(
             entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
@@ -372,6 +400,7 @@ class Requests:
 
         logprobs = opts.logprobs is not None
         sent = 0  # tokens whose logprobs went out in pieces
+        splitter = reasoning.Splitter() if opts.reasoning is not None else None
         done = anyio.Event()
         pieces: list[tuple[str, list[int]]] = []
         wake = anyio.Event()
@@ -409,8 +438,12 @@ class Requests:
                     if logprobs:  # (a token's logprob is in job.logprobs before its piece is sent)
                         lps = _logprobs(job.logprobs[sent : sent + len(toks)], text_of)
                         sent += len(toks)
+                    thought = ""
+                    if splitter is not None and (thinking := job.thinking) is not None:
+                        # (where the block ends is set before the piece that ends it is sent)
+                        thought, text = splitter.feed(text, thinking.reasoning_chars, thinking.answer_chars)
                     completed = tuple(calls.feed(text)) if calls is not None else ()
-                    await sink.piece(Piece(text, toks, lps, completed))
+                    await sink.piece(Piece(text, toks, lps, completed, thought))
                     continue
                 await wake.wait()
                 wake = anyio.Event()

@@ -20,7 +20,7 @@ from kinfer_rpc.engine.grammar import Grammars
 from kinfer_rpc.engine.scheduler import Engine, GenerateOptions, Job
 from kinfer_rpc.engine.scheduler import EngineStats as EngineStats  # what model/status reports
 from kinfer_rpc.host import gguf as gguf_meta
-from kinfer_rpc.host import infill
+from kinfer_rpc.host import infill, reasoning
 from kinfer_rpc.host.options import LoadRequest, RequestOptions
 from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
@@ -65,6 +65,8 @@ class Loaded:
     tokenizer: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     grammars: Grammars = attrs.field(factory=Grammars)  # compiles requests' formats, grammars, regexes
     fim: dict[str, int] | None = None  # the model's fill-in-the-middle tokens, once asked for
+    # how the model marks its reasoning (host.reasoning.Markers, None: it does not), once asked for
+    thinks: tuple[reasoning.Markers | None] | None = None
     # -- sharing (one runtime, many connections) --
     request: LoadRequest = LoadRequest()  # the load's options as given (a later load must agree)
     holders: set[int] = attrs.field(factory=set)  # the connections that loaded it or ran requests on it
@@ -105,6 +107,17 @@ class Loaded:
             with self.engine.hold() as model:
                 self.fim = infill.fim_tokens(model)
         return self.fim
+
+    def reasoning_markers(self) -> reasoning.Markers | None:
+        """How the model marks its reasoning (kinfer_rpc.host.reasoning), found once."""
+        if self.thinks is None:
+            with self.engine.hold() as model:
+
+                def one_token(text: str) -> bool:
+                    return len(model.tokenize(text, False, True)) == 1
+
+                self.thinks = (reasoning.markers(self.engine.template, one_token),)
+        return self.thinks[0]
 
     def infill_prompt(
         self,

@@ -2,10 +2,12 @@
 
 Each server answers only its own client, so what it is doing is written where other processes on
 the machine can read it: {pid, startedAt, models: [{name, state (loading | ready | failed),
-slotsBusy, slots, queued}], requestsRunning, updatedAt}. The file is replaced atomically (a
-temporary file, then os.replace), at most every half second and only when something changed,
-and removed at exit. Writing it never raises: the first failure is logged at debug, and the
-server goes on without it.
+slotsBusy, slots, queued}], requestsRunning, updatedAt}. The file is replaced whole
+(host/files.py: a temporary file of its own, never through a link, in a 0700 folder of this
+user), at most every half second and only when something changed, and removed at exit. Writing
+it never raises: the first failure is logged at debug, and the server goes on without it.
+Readers take only regular files of at most MAX_BYTES (a FIFO or a link planted in the folder is
+skipped, never waited on), and remove the files of processes that are gone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kinfer_rpc.host.files import Unsafe, private_dir, read_regular, write_private
 from kinfer_rpc.host.store import kinfer_home
 
 if TYPE_CHECKING:
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INTERVAL = 0.5  # seconds between looks at the runtime (and the least between two writes)
+MAX_BYTES = 1 << 20  # a status file is a few hundred bytes
 
 
 def run_dir() -> Path:
@@ -87,12 +91,8 @@ class StatusFile:
             return False
         self._last = doc
         try:
-            path = self.path
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump({**doc, "updatedAt": round(time.time(), 3)}, fh)
-            os.replace(tmp, path)
+            data = json.dumps({**doc, "updatedAt": round(time.time(), 3)}).encode()
+            write_private(self.path, data, sync=False)
             self._written = True
             return True
         except Exception as exc:  # noqa: BLE001 - the status is for `kinfer ps`, never worth failing for
@@ -106,7 +106,6 @@ class StatusFile:
         try:
             path = self.path
             path.unlink(missing_ok=True)
-            path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001
             log.debug("cannot remove the status file: %s", exc)
             return
@@ -121,7 +120,11 @@ def read_all(folder: Path | None = None) -> dict[int, dict[str, Any]]:
     folder = folder or run_dir()
     found: dict[int, dict[str, Any]] = {}
     try:
+        private_dir(folder, create=False)  # not a link, not another user's
         entries = list(folder.iterdir())
+    except Unsafe as exc:
+        log.warning("not reading the status files: %s", exc)
+        return found
     except OSError:
         return found
     for entry in entries:
@@ -136,9 +139,9 @@ def read_all(folder: Path | None = None) -> dict[int, dict[str, Any]]:
                 pass
             continue
         try:
-            doc = json.loads(entry.read_text(encoding="utf-8"))
+            doc = json.loads(read_regular(entry, MAX_BYTES, follow=False))
         except (OSError, ValueError):
-            continue
+            continue  # a FIFO, a link, a device or a damaged file: skipped, never waited on
         if isinstance(doc, dict) and doc.get("pid") == pid:
             found[pid] = doc
     return found

@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +28,7 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.host import gguf as gguf_meta
+from kinfer_rpc.host.files import read_regular, write_private
 from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.types import kinfer_home as kinfer_home
 
@@ -41,25 +41,7 @@ VERIFY_LIMIT = 2 << 30  # Ollama blobs under this are checked against their dige
 _MEDIA = "application/vnd.ollama.image."
 _SMALL_LAYER = 1 << 20  # template/system/params layers larger than this are not read
 _MANIFEST_LIMIT = 4 << 20  # an Ollama manifest is a few kB
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file. A FIFO (which would block a reader forever), a
-    device such as /dev/zero (which never ends) or a link to one is refused unread (OSError), as
-    is a file longer than `limit`, whatever its manifest declares."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        chunks, size = [], 0
-        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise OSError(f"{path} is larger than {limit} bytes")
-    return b"".join(chunks)
+VERIFIED_LIMIT = 64 << 20  # the cache of verified digests (a few hundred bytes a model)
 
 
 @attrs.frozen
@@ -80,6 +62,9 @@ class ModelRef:
     ignored: tuple[tuple[str, str], ...] = ()
     unsupported: str | None = None  # why this model cannot be served, if it cannot
     blobs: tuple[tuple[str, str], ...] = ()  # (tensor name, blob path) of an Ollama safetensors model
+    # An Ollama model's vision projector (its projector layer's blob): the model loads and
+    # answers text; images are not read (a request with one is refused, naming the field).
+    projector: str | None = None
 
 
 def embedded_default_path() -> str:
@@ -258,7 +243,7 @@ class ModelStore:
     def _read_manifest(self, manifest: Path, blobs: Path, source: str = "ollama") -> ModelRef | None:
         host, namespace, model, tag = manifest.parts[-4:]
         display = _ollama_display(host, namespace, model, tag)
-        layers = json.loads(_read_regular(manifest, _MANIFEST_LIMIT))["layers"]
+        layers = json.loads(read_regular(manifest, _MANIFEST_LIMIT))["layers"]
         if not isinstance(layers, list) or not all(
             isinstance(x, dict) and isinstance(x.get("digest"), str) for x in layers
         ):
@@ -277,7 +262,7 @@ class ModelStore:
             for layer in layers:
                 if layer.get("mediaType") == _MEDIA + kind and int(layer.get("size") or 0) <= left:
                     try:
-                        data = _read_regular(blob(layer), left)
+                        data = read_regular(blob(layer), left)
                     except (OSError, ValueError) as exc:  # the model is listed without that layer
                         log.warning("%s: cannot read its %s layer: %s", display, kind, exc)
                         continue
@@ -294,9 +279,9 @@ class ModelStore:
         model_layers = [x for x, m in zip(layers, media) if m == _MEDIA + "model"]
         tensors = [x for x, m in zip(layers, media) if m.endswith(".tensor")]
         unsupported = None
-        for kind, what in (("projector", "a vision projector"), ("adapter", "a LoRA adapter")):
-            if _MEDIA + kind in media:
-                unsupported = f"{display} uses {what} ({_MEDIA}{kind} layer), which kinfer does not support"
+        if _MEDIA + "adapter" in media:
+            unsupported = f"{display} uses a LoRA adapter ({_MEDIA}adapter layer), which kinfer does not support"
+        projectors = [x for x, m in zip(layers, media) if m == _MEDIA + "projector"]
         if model_layers:
             fmt, path, digest = "gguf", str(blob(model_layers[0])), model_layers[0]["digest"]
         elif tensors:
@@ -327,6 +312,7 @@ class ModelStore:
             ignored=tuple(ignored),
             unsupported=unsupported,
             blobs=tuple((str(x.get("name", "")), str(blob(x))) for x in tensors),
+            projector=str(blob(projectors[0])) if projectors else None,
         )
 
     @staticmethod
@@ -466,7 +452,7 @@ class ModelStore:
 
 def _load_verified() -> dict[tuple[str, int, int], str]:
     try:
-        doc = json.loads((kinfer_home() / "verified.json").read_text())
+        doc = json.loads(read_regular(kinfer_home() / "verified.json", VERIFIED_LIMIT, follow=False))
         return {(e["path"], e["size"], e["mtime"]): e["digest"] for e in doc["verified"]}
     except Exception:  # noqa: BLE001 - no cache, or a damaged one: start afresh
         return {}
@@ -476,9 +462,6 @@ def _save_verified(verified: dict[tuple[str, int, int], str]) -> None:
     target = kinfer_home() / "verified.json"
     doc = {"verified": [{"path": p, "size": s, "mtime": m, "digest": d} for (p, s, m), d in verified.items()]}
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, target)
+        write_private(target, json.dumps(doc).encode(), sync=False)
     except OSError as exc:  # a read-only home only costs re-hashing next time
         log.debug("cannot save %s: %s", target, exc)

@@ -166,13 +166,16 @@ def render(
     eos: str = "",
     tools: Any = None,
     max_chars: int | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> str:
     """Render `messages` with the model's template, ending with the assistant's turn opened; a
-    prompt over `max_chars` characters is refused (-32602)."""
+    prompt over `max_chars` characters is refused (-32602). `variables`: the template's switches
+    a request sets (`enable_thinking`, `reasoning_effort`), beside the usual ones."""
     _budget.left = LOOP_BUDGET
     try:
         compiled = _compile(template or CHATML)
         pieces = compiled.generate(
+            **(variables or {}),
             messages=_with_arguments(messages),
             add_generation_prompt=True,
             bos_token=bos,

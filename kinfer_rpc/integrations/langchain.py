@@ -46,7 +46,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from kinfer_rpc.client import Client, Result, Stream
+from kinfer_rpc.client import Client, Result, Stream, Thought
 from kinfer_rpc.integrations import connection
 from kinfer_rpc.integrations.langchain_shapes import (
     FINISH,
@@ -69,7 +69,7 @@ OPTIONS = {
     "seed": "seed",
 }
 # the arguments a call may take besides the options (bound by bind_tools, with_structured_output)
-CALL_ARGUMENTS = {"model", "tools", "tool_choice", "parallel_tool_calls", "format"}
+CALL_ARGUMENTS = {"model", "tools", "tool_choice", "parallel_tool_calls", "format", "reasoning"}
 
 
 class ChatKinfer(BaseChatModel):
@@ -102,6 +102,10 @@ class ChatKinfer(BaseChatModel):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Other GenerateOptions, by the protocol's camelCase names (`repeatLastN`, `logprobs`...)."""
     streaming: bool = False
+    # A thinking model: whether it reasons first (True, False, or "low", "medium", "high"; None: as
+    # its template does), as ChatOllama's `reasoning`; its reasoning goes to the message's
+    # additional_kwargs["reasoning_content"], apart from the content
+    reasoning: bool | str | None = None
     """invoke streams (a callback sees each token)."""
     _argv: list[str] | None = PrivateAttr(default=None)  # the server command, chosen on first use
 
@@ -228,6 +232,7 @@ class ChatKinfer(BaseChatModel):
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=parallel,
+            think=kwargs["reasoning"] if kwargs.get("reasoning") is not None else self.reasoning,
             **options,
         )
         return _Call(stream, bool(tools) and choice != "none", parallel is False)
@@ -237,6 +242,7 @@ class ChatKinfer(BaseChatModel):
         calls = result.tool_calls[:1] if one else result.tool_calls
         return AIMessage(
             content=result.text,
+            additional_kwargs={"reasoning_content": result.reasoning} if result.reasoning is not None else {},
             tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in calls],
             usage_metadata=usage_metadata(result),
             response_metadata=response_metadata(result),
@@ -275,7 +281,11 @@ class ChatKinfer(BaseChatModel):
     def _chunks(call: _Call, piece: str | None, sent: int) -> Iterator[ChatGenerationChunk]:
         """The chunks a streamed piece (None: the end) gives: its text, unless tools are on offer;
         the calls completed since the last piece (`sent` given so far)."""
-        if piece and not call.calling:
+        if isinstance(piece, Thought):  # a thinking model's reasoning, apart from the content
+            yield ChatGenerationChunk(
+                message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": str(piece)})
+            )
+        elif piece and not call.calling:
             yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
         calls = call.stream.tool_calls[: 1 if call.one else None]
         for index, c in enumerate(calls[sent:], start=sent):

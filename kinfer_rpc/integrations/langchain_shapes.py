@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
@@ -72,6 +72,9 @@ def kinfer_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": _text(m.content, "user")})
         elif isinstance(m, AIMessage):
             message: dict[str, Any] = {"role": "assistant", "content": _text(m.content, "assistant")}
+            thought = m.additional_kwargs.get("reasoning_content")
+            if isinstance(thought, str) and thought:  # a thinking model's: the template keeps or drops it
+                message["reasoning"] = thought
             if m.tool_calls:
                 message["toolCalls"] = [
                     {
@@ -103,6 +106,7 @@ def usage_metadata(result: Result) -> UsageMetadata:
         output_tokens=u.completion_tokens,
         total_tokens=u.prompt_tokens + u.completion_tokens,
         input_token_details=InputTokenDetails(cache_read=u.cached_tokens),
+        output_token_details=OutputTokenDetails(reasoning=u.reasoning_tokens),
     )
 
 

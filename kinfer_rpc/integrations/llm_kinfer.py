@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import llm
 from llm.parts import Message, ReasoningPart, StreamEvent, TextPart, ToolCallPart, ToolResultPart
 from pydantic import Field
 
-from kinfer_rpc.client import Client, Result, Stream
+from kinfer_rpc.client import Client, Result, Stream, Thought
 from kinfer_rpc.integrations import connection
 from kinfer_rpc.integrations.schemas import closed
 
@@ -73,6 +73,12 @@ class Options(llm.Model.Options):
         None, description="auto, none, required or a tool's name: whether the first response must call a tool"
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call a response")
+    think: bool | Literal["low", "medium", "high"] | None = Field(
+        None, description="A thinking model: reason first (true, or low, medium, high) or not (false)"
+    )
+    max_reasoning_tokens: int | None = Field(
+        None, description="A thinking model: the most tokens its reasoning takes before it must answer", ge=0
+    )
 
 
 OPTIONS = {
@@ -81,6 +87,7 @@ OPTIONS = {
     "top_k": "topK",
     "min_p": "minP",
     "repeat_penalty": "repeatPenalty",
+    "max_reasoning_tokens": "maxReasoningTokens",
 }
 
 
@@ -89,23 +96,27 @@ def kinfer_messages(messages: list[Message]) -> list[dict[str, Any]]:
     message naming its call; attachments are refused (kinfer reads text)."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for part in m.parts:
             if isinstance(part, TextPart):
                 texts.append(part.text)
+            elif isinstance(part, ReasoningPart):
+                thoughts.append(part.text)
             elif isinstance(part, ToolCallPart):
                 call = {"type": "function", "function": {"name": part.name, "arguments": part.arguments}}
                 calls.append({"id": part.tool_call_id, **call} if part.tool_call_id else call)
             elif isinstance(part, ToolResultPart):
                 result = {"role": "tool", "name": part.name, "content": part.output}
                 out.append({**result, "toolCallId": part.tool_call_id} if part.tool_call_id else result)
-            elif not isinstance(part, ReasoningPart):
+            else:
                 raise ValueError(f"kinfer reads text: a {type(part).__name__} cannot be sent")
         if m.role == "tool":
             continue
         message: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
         if calls:
             message["toolCalls"] = calls
+        if m.role == "assistant" and "".join(thoughts):  # the template keeps or drops it
+            message["reasoning"] = "".join(thoughts)
         if texts or calls:
             out.append(message)
     return out
@@ -133,7 +144,7 @@ class _Kinfer:
         opts: Options = prompt.options  # type: ignore[assignment]
         options: dict[str, Any] = {}
         for name, value in opts.model_dump(exclude_none=True).items():
-            if name in ("json_object", "tool_choice", "parallel_tool_calls"):
+            if name in ("json_object", "tool_choice", "parallel_tool_calls", "think"):
                 continue
             options[OPTIONS.get(name, name)] = value
         if prompt.schema:
@@ -161,6 +172,7 @@ class _Kinfer:
             tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=opts.parallel_tool_calls if tools else None,
+            think=opts.think,
             **options,
         )
         return stream, bool(tools) and choice != "none"
@@ -172,7 +184,8 @@ class _Kinfer:
             yield StreamEvent(type="tool_call_name", chunk=call.name, tool_call_id=call.id)
             yield StreamEvent(type="tool_call_args", chunk=json.dumps(call.arguments), tool_call_id=call.id)
         usage = result.usage
-        details = {"cached_tokens": usage.cached_tokens} if usage.cached_tokens else None
+        counts = {"cached_tokens": usage.cached_tokens, "reasoning_tokens": usage.reasoning_tokens}
+        details = {k: v for k, v in counts.items() if v} or None
         response.set_usage(input=usage.prompt_tokens, output=usage.completion_tokens, details=details)
         response.response_json = {"model": result.model, "stopReason": result.stop_reason, "seed": result.seed}
 
@@ -186,9 +199,13 @@ class KinferModel(_Kinfer, llm.Model):
         request, calling = self._start(prompt)
         with request:  # leaving early (Ctrl-C, a consumer that stops) cancels the request
             for piece in request:
-                if stream and not calling:
+                if stream and isinstance(piece, Thought):  # a thinking model's reasoning, as it comes
+                    yield StreamEvent(type="reasoning", chunk=str(piece))
+                elif stream and not calling:
                     yield piece
             result = request.result or request.wait()
+        if result.reasoning and not stream:
+            yield StreamEvent(type="reasoning", chunk=result.reasoning)
         if result.text and (calling or not stream):
             yield result.text
         yield from self._finish(result, response)
@@ -205,12 +222,19 @@ class AsyncKinferModel(_Kinfer, llm.AsyncModel):
         conversation: llm.AsyncConversation | None,
     ) -> AsyncGenerator[str | StreamEvent, None]:
         request, calling = self._start(prompt)
-        if stream and not calling:
+        if stream:
             async for piece in connection.pieces(request):
-                yield piece
+                if isinstance(piece, Thought):
+                    yield StreamEvent(type="reasoning", chunk=str(piece))
+                elif not calling:
+                    yield piece
             result = request.result or request.wait()
+            if calling and result.text:
+                yield result.text
         else:
             result = await connection.finished(request)
+            if result.reasoning:
+                yield StreamEvent(type="reasoning", chunk=result.reasoning)
             if result.text:
                 yield result.text
         for event in self._finish(result, response):

@@ -36,9 +36,10 @@ import attrs
 from anyio.abc import SocketAttribute, SocketStream
 
 from kinfer_rpc import __version__, errors
+from kinfer_rpc.host.files import Unsafe, private_dir
 from kinfer_rpc.protocol.framing import MAX_FRAME_BYTES, encode
 from kinfer_rpc.protocol.params import keep_alive as parse_keep_alive
-from kinfer_rpc.protocol.rendezvous import Unsafe, default_socket, live, own_folder, start_lock
+from kinfer_rpc.protocol.rendezvous import default_socket, live, start_lock
 from kinfer_rpc.protocol.server import LOG_LEVELS, Service, Session
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ async def serve(
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # before anyone can connect
         loop.add_signal_handler(signum, daemon.stop, signum)
     with contextlib.nullcontext() if locked else start_lock(path):
-        own_folder(path.parent)
+        private_dir(path.parent)
         if live(path):
             log.error("a kinfer daemon already answers on %s", path)
             return 1

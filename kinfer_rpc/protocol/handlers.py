@@ -18,6 +18,7 @@ import anyio
 
 from kinfer_rpc import errors
 from kinfer_rpc.host.embeddings import Embed, Rerank
+from kinfer_rpc.host.reasoning import check_think
 from kinfer_rpc.host.requests import Chat, Generate, Infill, Piece, Reply, Requests, Sink, Tokenize
 from kinfer_rpc.host.runtime import Loaded, Runtime, reproducibility
 from kinfer_rpc.protocol import params
@@ -294,8 +295,10 @@ class Handlers:
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)
         parallel = f.bool("parallelToolCalls", True)
         keep = params.keep_alive(f.raw("keepAlive"))
+        think = check_think(f.raw("think"))
         f.done()
-        req = Chat(tuple(messages), name, tuple(tool_list), choice, request_options(options), parallel, keep_alive=keep)
+        opts = request_options(options)
+        req = Chat(tuple(messages), name, tuple(tool_list), choice, opts, parallel, keep_alive=keep, think=think)
         return reply_json(await self.requests.chat(req, **_call(ctx)))
 
     async def inference_tokenize(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:

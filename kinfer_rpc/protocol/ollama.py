@@ -27,6 +27,7 @@ from starlette.routing import Route
 from kinfer_rpc import __version__, errors
 from kinfer_rpc.host.embeddings import Embed
 from kinfer_rpc.host.options import LoadRequest, RequestOptions
+from kinfer_rpc.host.reasoning import check_think
 from kinfer_rpc.host.requests import Chat, Generate, Infill, Piece, Reply
 from kinfer_rpc.protocol import params
 from kinfer_rpc.protocol.web import ApiError, Flow, Owners, read_json, unsupported
@@ -151,9 +152,12 @@ def _stream(body: dict[str, Any]) -> bool:
     return value
 
 
-def _think(body: dict[str, Any]) -> None:
-    if body.get("think") not in (None, False):
-        raise unsupported("think", "this server does not keep a model's reasoning apart yet")
+def _think(body: dict[str, Any]) -> bool | str | None:
+    """Ollama's `think`: true, false or a level ("max" is Ollama's "high")."""
+    value = body.get("think")
+    if value == "max":
+        value = "high"
+    return _checked(lambda: check_think(value))
 
 
 def _messages(value: object) -> list[dict[str, Any]]:
@@ -166,9 +170,9 @@ def _messages(value: object) -> list[dict[str, Any]]:
             raise ApiError(400, f"{at} must be an object", at)
         if m.get("images"):
             raise unsupported(f"{at}.images", "images are not supported yet")
-        if m.get("thinking"):
-            raise unsupported(f"{at}.thinking", "this server does not keep a model's reasoning apart yet")
         message: dict[str, Any] = {"role": m.get("role"), "content": m.get("content") or ""}
+        if m.get("thinking"):
+            message["reasoning"] = m["thinking"]
         calls = m.get("tool_calls")
         if calls:
             message["toolCalls"] = [
@@ -180,6 +184,10 @@ def _messages(value: object) -> list[dict[str, Any]]:
     if not out:
         raise ApiError(400, "messages must not be empty", "messages")
     return _checked(lambda: params.messages(out))
+
+
+# One line of a chat's or a generate's response: (the reply when done, its text, its thinking, done)
+Shape = Callable[[Reply | None, str | None, str | None, bool], dict[str, Any]]
 
 
 @attrs.frozen
@@ -218,7 +226,7 @@ def _name(body: dict[str, Any]) -> str:
 
 def chat_request(body: dict[str, Any]) -> Call:
     _refuse_unknown(body, CHAT_FIELDS)
-    _think(body)
+    think = _think(body)
     model = _name(body)
     keep = _keep_alive(body)
     options, num_ctx = _options(body, _format(body.get("format")))
@@ -227,13 +235,13 @@ def chat_request(body: dict[str, Any]) -> Call:
     messages = _messages(body.get("messages"))
     tool_list = _checked(lambda: params.tools(body.get("tools")))
     choice = _checked(lambda: params.tool_choice(None, tool_list))
-    chat = Chat(tuple(messages), model, tuple(tool_list), choice, options, keep_alive=keep)
+    chat = Chat(tuple(messages), model, tuple(tool_list), choice, options, keep_alive=keep, think=think)
     return Call(chat, model, _stream(body), num_ctx, keep)
 
 
 def generate_request(body: dict[str, Any]) -> Call:
     _refuse_unknown(body, GENERATE_FIELDS)
-    _think(body)
+    think = _think(body)
     for name in ("template", "context", "images"):
         if body.get(name):
             raise unsupported(name, "kinfer renders a model's own chat template and keeps no context tokens")
@@ -248,6 +256,8 @@ def generate_request(body: dict[str, Any]) -> Call:
     if not prompt and not suffix:
         return Call(None, model, _stream(body), num_ctx, keep)
     request: Chat | Generate | Infill
+    if (suffix or body.get("raw")) and think not in (None, False):
+        raise unsupported("think", "a raw prompt or a suffix goes without the chat template, which opens the reasoning")
     if suffix:
         if not isinstance(suffix, str):
             raise ApiError(400, "suffix must be a string", "suffix")
@@ -258,7 +268,8 @@ def generate_request(body: dict[str, Any]) -> Call:
         request = Generate(model, prompt, None, None, options, keep)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        request = Chat(tuple(_checked(lambda: params.messages(messages))), model, options=options, keep_alive=keep)
+        chat = _checked(lambda: params.messages(messages))
+        request = Chat(tuple(chat), model, options=options, keep_alive=keep, think=think)
     return Call(request, model, _stream(body), num_ctx, keep)
 
 
@@ -351,10 +362,8 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             return await requests.infill(request, sink, owner=owner)
         return await requests.generate(request, sink, owner=owner)
 
-    def answer(
-        call: Call, owner: int, received: float, shape: Callable[[Reply | None, str | None, bool], dict[str, Any]]
-    ) -> Response:
-        """The response of a chat or a generate: `shape(reply, piece, done)` is one line of it."""
+    def answer(call: Call, owner: int, received: float, shape: Shape) -> Response:
+        """The response of a chat or a generate: `shape(reply, text, thinking, done)` is one line of it."""
 
         async def load_only(emit: Callable[[bytes], Awaitable[None]]) -> bytes:
             entry, _ = await prepare(call, owner)
@@ -362,7 +371,7 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             if call.keep_alive == 0:
                 await runtime.unload(entry.name)
                 reason = "unload"
-            return _line({**shape(None, "", True), "done_reason": reason})
+            return _line({**shape(None, "", None, True), "done_reason": reason})
 
         async def whole(emit: Callable[[bytes], Awaitable[None]]) -> bytes:
             assert call.request is not None
@@ -371,11 +380,14 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             if call.stream:
 
                 def line(piece: Piece) -> dict[str, Any] | None:
-                    return shape(None, piece.text, False) if piece.text else None
+                    if not piece.text and not piece.reasoning:
+                        return None
+                    return shape(None, piece.text, piece.reasoning or None, False)
 
                 sink = _Lines(emit, line)
             reply = await run(call.request, sink, owner)
-            last = {**shape(reply, None if call.stream else reply.text, True), "done_reason": _done_reason(reply)}
+            text, thinking = (None, None) if call.stream else (reply.text, reply.reasoning or None)
+            last = {**shape(reply, text, thinking, True), "done_reason": _done_reason(reply)}
             last.update(_metrics(reply, received, loaded_in))
             return _line(last) if call.stream else json.dumps(last).encode()
 
@@ -387,8 +399,10 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             received = time.perf_counter()
             call = chat_request(await read_json(request))
 
-            def shape(reply: Reply | None, text: str | None, done: bool) -> dict[str, Any]:
+            def shape(reply: Reply | None, text: str | None, thinking: str | None, done: bool) -> dict[str, Any]:
                 message: dict[str, Any] = {"role": "assistant", "content": text if text is not None else ""}
+                if thinking:
+                    message["thinking"] = thinking
                 if reply is not None and reply.tool_calls:
                     message["tool_calls"] = _calls(reply)
                     if call.stream:
@@ -404,8 +418,11 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             received = time.perf_counter()
             call = generate_request(await read_json(request))
 
-            def shape(reply: Reply | None, text: str | None, done: bool) -> dict[str, Any]:
-                return {"model": call.model, "created_at": _now(), "response": text or "", "done": done}
+            def shape(reply: Reply | None, text: str | None, thinking: str | None, done: bool) -> dict[str, Any]:
+                out = {"model": call.model, "created_at": _now(), "response": text or "", "done": done}
+                if thinking:
+                    out["thinking"] = thinking
+                return out
 
             return answer(call, owners.of(request), received, shape)
 

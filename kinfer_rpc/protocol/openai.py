@@ -48,6 +48,8 @@ _FIELDS = {
     "options.topLogprobs": "top_logprobs",
     "options.format": "response_format",
     "toolChoice": "tool_choice",
+    "think": "reasoning_effort",
+    "options.maxReasoningTokens": "thinking_token_budget",
     "params.prompt": "prompt",
     "params.tokens": "prompt",
     "params.input": "input",
@@ -119,6 +121,9 @@ CHAT_FIELDS = frozenset(
         "logit_bias",
         "service_tier",
         "ignore_eos",  # llama-server's and vLLM's extension: generate through end of generation
+        "reasoning_effort",
+        "thinking_token_budget",  # vLLM's: the most tokens the reasoning takes before its end is forced
+        "chat_template_kwargs",  # vLLM's and llama-server's: here only {enable_thinking}
     }
 )
 COMPLETION_FIELDS = frozenset(
@@ -202,6 +207,7 @@ def _options(body: dict[str, Any], *, max_tokens: int | None = None, constraint:
         "stop": body.get("stop"),
         "ignore_eos": body.get("ignore_eos"),
         "constraint": constraint,
+        "max_reasoning_tokens": body.get("thinking_token_budget"),
     }
     return _checked(lambda: RequestOptions(**{k: v for k, v in given.items() if v is not None}))
 
@@ -231,6 +237,8 @@ def _messages(value: object) -> list[dict[str, Any]]:
                     raise unsupported(f"{at}.content[{j}]", f"a {kind or 'non-text'} part (kinfer reads text)")
             content = "".join(texts)
         message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("reasoning_content") is not None:  # DeepSeek's, vLLM's and llama-server's name
+            message["reasoning"] = m["reasoning_content"]
         if m.get("tool_calls"):
             message["toolCalls"] = m["tool_calls"]
         elif content is None and role == "assistant":
@@ -242,6 +250,30 @@ def _messages(value: object) -> list[dict[str, Any]]:
                 message["name"] = m["name"]
         out.append(message)
     return _checked(lambda: params.messages(out))
+
+
+# reasoning_effort -> think: a level, or "none" (no reasoning)
+EFFORTS: dict[str, bool | str] = {"none": False, "low": "low", "medium": "medium", "high": "high"}
+
+
+def _think(body: dict[str, Any]) -> bool | str | None:
+    """`reasoning_effort`, or vLLM's and llama-server's `chat_template_kwargs.enable_thinking`."""
+    kwargs = body.get("chat_template_kwargs")
+    switch = None
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+            raise unsupported("chat_template_kwargs", "kinfer sets the template's enable_thinking alone")
+        switch = kwargs.get("enable_thinking")
+        if switch is not None and not isinstance(switch, bool):
+            raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false", "chat_template_kwargs")
+    value = body.get("reasoning_effort")
+    if value is None:
+        return switch
+    if not isinstance(value, str) or value not in EFFORTS:
+        raise ApiError(400, 'reasoning_effort must be "none", "low", "medium" or "high"', "reasoning_effort")
+    if switch is not None and switch != (EFFORTS[value] is not False):
+        raise ApiError(400, "reasoning_effort and chat_template_kwargs.enable_thinking disagree", "reasoning_effort")
+    return EFFORTS[value]
 
 
 def _response_format(value: object) -> tuple[str, str] | None:
@@ -290,6 +322,7 @@ def chat_request(body: dict[str, Any]) -> ChatCall:
         choice,
         options,
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        think=_think(body),
     )
     return ChatCall(chat, _bool(body, "stream"), _stream_usage(body), logprobs, model or "")
 
@@ -353,6 +386,7 @@ def _usage(reply: Reply) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 
@@ -370,6 +404,8 @@ def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
 def chat_completion(reply: Reply, rid: str, created: int, logprobs: bool) -> dict[str, Any]:
     calls = _tool_calls(reply)
     message: dict[str, Any] = {"role": "assistant", "content": reply.text if reply.text or not calls else None}
+    if reply.reasoning is not None:  # as DeepSeek's API, vLLM and llama-server give it
+        message["reasoning_content"] = reply.reasoning
     if calls:
         message["tool_calls"] = calls
     return {
@@ -496,11 +532,16 @@ def routes(service: Service, owners: Owners) -> list[Route]:
 
                 def chunk(piece: Piece) -> dict[str, Any] | None:
                     # With tools on offer the reply's text may be call markup: its content and
-                    # calls are sent once the reply is read whole.
-                    if calling or not piece.text and not piece.logprobs:
+                    # calls are sent once the reply is read whole (its reasoning as it comes).
+                    if calling:
+                        return base({"reasoning_content": piece.reasoning}) if piece.reasoning else None
+                    if not piece.text and not piece.logprobs and not piece.reasoning:
                         return None
                     lp = {"content": [_logprob_entry(e) for e in piece.logprobs or ()]} if call.logprobs else None
-                    return base({"content": piece.text}, logprobs=lp)
+                    delta: dict[str, Any] = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
+                    if piece.text or not piece.reasoning:
+                        delta["content"] = piece.text
+                    return base(delta, logprobs=lp)
 
                 reply = await requests.chat(call.chat, _Events(emit, chunk), owner=owner)
                 if calling:

@@ -31,6 +31,7 @@ REQUEST_FIELDS = {
     "logprobs": "logprobs",
     "topLogprobs": "top_logprobs",
     "spm": "spm",
+    "maxReasoningTokens": "max_reasoning_tokens",
     "cacheReuse": "cache_reuse",
 }
 ONLY_INFILL = ("stopAtLine", "spm")  # inference/infill's own options

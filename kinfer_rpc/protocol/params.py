@@ -19,7 +19,9 @@ def messages(value: object) -> list[dict[str, Any]]:
     `toolCalls` gets `tool_calls`: [{id, type: "function", function: {name, arguments}}] with
     `arguments` a dict (llama.cpp's minja passes a dict too; templates write it with `| tojson`)
     and `content` "" when it had none. A tool's result {"role": "tool", content, toolCallId?,
-    name?} gets `tool_call_id` and `name` (the name of the call it answers when not given)."""
+    name?} gets `tool_call_id` and `name` (the name of the call it answers when not given). An
+    assistant's `reasoning` (a thinking model's, as a result gave it) gets `reasoning_content`
+    and `thinking`, the names templates read it by; the template keeps or drops it."""
     if not isinstance(value, list) or not value:
         raise errors.invalid_params("messages must be a non-empty list of {role, content}")
     out: list[dict[str, Any]] = []
@@ -31,6 +33,12 @@ def messages(value: object) -> list[dict[str, Any]]:
             raise errors.invalid_params(f"{where} must be an object with string role and content")
         role = m["role"]
         check_text(role, f"{where}.role")
+        if m.get("images"):
+            raise errors.KinferError(
+                errors.NOT_SUPPORTED,
+                f"{where}.images: this server does not read images yet (a model with a vision projector answers text)",
+                {"field": f"{where}.images"},
+            )
         calls = m.get("toolCalls")
         if calls == []:  # as OpenAI's clients send with no calls
             calls = None
@@ -46,6 +54,13 @@ def messages(value: object) -> list[dict[str, Any]]:
             )
         check_text(content, f"{where}.content")
         msg: dict[str, Any] = {"role": role, "content": content}
+        thought = m.get("reasoning")
+        if thought is not None:
+            if role != "assistant" or not isinstance(thought, str):
+                raise _bad(f"{where}.reasoning", "a string, on an assistant's message")
+            check_text(thought, f"{where}.reasoning")
+            # as templates read it: Qwen3's and llama.cpp's reasoning_content, gpt-oss's thinking
+            msg["reasoning_content"] = msg["thinking"] = thought
         if calls is not None:
             msg["tool_calls"] = _tool_calls(calls, f"{where}.toolCalls")
             pending = [c["function"]["name"] for c in msg["tool_calls"]]

@@ -10,10 +10,10 @@ import errno
 import fcntl
 import os
 import socket
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from kinfer_rpc.host.files import private_dir
 from kinfer_rpc.host.store import kinfer_home
 
 SOCKET_NAME = "kinfer.sock"
@@ -26,23 +26,6 @@ def default_socket() -> Path:
     if runtime and os.path.isabs(runtime):
         return Path(runtime) / "kinfer" / SOCKET_NAME
     return kinfer_home() / "run" / SOCKET_NAME
-
-
-class Unsafe(Exception):
-    """The socket's folder is not one only this user can reach."""
-
-
-def own_folder(folder: Path) -> None:
-    """Make `folder` (0700) or check it is a real directory of this user that nobody else can
-    enter: never a symbolic link, never group- or world-accessible."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise Unsafe(f"{folder} is not a directory (a symbolic link?)")
-    if st.st_uid != os.getuid():
-        raise Unsafe(f"{folder} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        os.chmod(folder, 0o700)  # our own folder, made loose by someone: tighten it
 
 
 def live(path: Path, timeout: float = 2.0) -> bool:
@@ -63,7 +46,7 @@ def live(path: Path, timeout: float = 2.0) -> bool:
 @contextlib.contextmanager
 def start_lock(path: Path) -> Iterator[None]:
     """The lock that serializes starting a daemon on `path` (kinfer.lock beside the socket)."""
-    own_folder(path.parent)
+    private_dir(path.parent)
     fd = os.open(path.parent / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

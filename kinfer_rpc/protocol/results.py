@@ -24,9 +24,9 @@ def logprobs_json(entries: tuple[Logprob, ...]) -> list[dict[str, Any]]:
 
 
 def reply_json(reply: Reply, *, model: bool = True) -> dict[str, Any]:
-    """A reply: (its model,) text, tokens, why it stopped, its seed, usage and timings; its
-    tokens' logprobs when the request asked for them; a chat's tool calls; what an infill left
-    out of its context."""
+    """A reply: (its model,) text, tokens, why it stopped, its seed, usage and timings; a
+    thinking model's reasoning; its tokens' logprobs when the request asked for them; a chat's
+    tool calls; what an infill left out of its context."""
     u, t = reply.usage, reply.timings
     out: dict[str, Any] = {"model": reply.model} if model else {}
     out.update(
@@ -40,6 +40,7 @@ def reply_json(reply: Reply, *, model: bool = True) -> dict[str, Any]:
             "cachedTokens": u.cached_tokens,
             "draftTokens": u.draft_tokens,
             "draftAccepted": u.draft_accepted,
+            "reasoningTokens": u.reasoning_tokens,
         },
         timings={
             "queueMs": t.queue_ms,
@@ -48,6 +49,8 @@ def reply_json(reply: Reply, *, model: bool = True) -> dict[str, Any]:
             "tokensPerSecond": t.tokens_per_second,
         },
     )
+    if reply.reasoning is not None:
+        out["reasoning"] = reply.reasoning
     if reply.logprobs is not None:
         out["logprobs"] = logprobs_json(reply.logprobs)
     if reply.tool_calls is not None:
@@ -58,8 +61,11 @@ def reply_json(reply: Reply, *, model: bool = True) -> dict[str, Any]:
 
 
 def piece_json(piece: Piece) -> dict[str, Any]:
-    """A streamed piece: its text and tokens, their logprobs when asked, the tool calls it completed."""
+    """A streamed piece: its text and tokens, its reasoning (when it has some), their logprobs
+    when asked, the tool calls it completed."""
     out: dict[str, Any] = {"text": piece.text, "tokens": list(piece.tokens)}
+    if piece.reasoning:
+        out["reasoning"] = piece.reasoning
     if piece.logprobs is not None:
         out["logprobs"] = logprobs_json(piece.logprobs)
     if piece.tool_calls:

@@ -350,8 +350,10 @@ class Session:
         pid = f.int("processId", None, lo=0)
         for name in LSP_INITIALIZE_FIELDS:  # a stock LSP client's: accepted and ignored
             f.raw(name)
-        init = f.raw("initializationOptions") or {}
+        init = f.raw("initializationOptions")
         f.done()
+        if init is None:
+            init = {}
         if not isinstance(init, dict):
             raise errors.invalid_params("params.initializationOptions must be an object")
         level = init.get("logLevel")

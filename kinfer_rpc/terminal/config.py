@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import attrs
 
+from kinfer_rpc.host.files import read_regular
 from kinfer_rpc.terminal import options as request_options
 from kinfer_rpc.terminal.advice import did_you_mean
 from kinfer_rpc.types import kinfer_home
@@ -59,6 +60,9 @@ class Config:
     options: dict[str, Any] = attrs.field(factory=dict)  # kinfer's names, values checked
 
 
+MAX_BYTES = 1 << 20  # a config file larger than this is not read
+
+
 def path() -> Path:
     return kinfer_home() / "config.toml"
 
@@ -67,7 +71,7 @@ def read(file: Path | None = None) -> Config:
     """The config file's settings; a Config of nothing where there is no file."""
     file = file or path()
     try:
-        text = file.read_text(encoding="utf-8")
+        text = read_regular(file, MAX_BYTES).decode("utf-8")
     except FileNotFoundError:
         return Config(file)
     except (OSError, UnicodeDecodeError) as exc:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,14 @@ def load(name: str) -> Conversation:
     file = _check(name)
     with _folder(create=False) as fd:
         try:
-            handle = os.open(file, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+            handle = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
         except FileNotFoundError:
             raise ConversationError(f"no conversation named {name!r} (saved: {', '.join(names()) or 'none'})") from None
         except OSError as exc:
             raise ConversationError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(os.fstat(handle).st_mode):  # a FIFO would block the read forever
+            os.close(handle)
+            raise ConversationError(f"cannot read {name!r}: not a regular file")
         with os.fdopen(handle, "rb") as f:
             data = f.read(MAX_BYTES + 1)
     if len(data) > MAX_BYTES:

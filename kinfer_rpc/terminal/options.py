@@ -27,6 +27,7 @@ TYPES: dict[str, str] = {
     "regex": "str",
     "logprobs": "bool",
     "topLogprobs": "int",
+    "maxReasoningTokens": "int",
 }
 
 

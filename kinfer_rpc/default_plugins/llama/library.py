@@ -84,7 +84,7 @@ def cuda_kernels(reproducible: bool | None) -> tuple[bool, str]:
     if not native.cuda_batch_invariant():
         return False, (
             "this llama.cpp's GPU kernels are chosen by the shape of each pass, so a reply depends on what "
-            "else runs (kinfer's llama.cpp build has batch-invariant CUDA kernels: patches/README.md)"
+            "else runs (kinfer's llama.cpp has batch-invariant CUDA kernels: `kinfer setup --cuda` builds it)"
         )
     switch = native.CUDA_SWITCH
     with _cuda_lock:

@@ -44,14 +44,36 @@ class NativeLoadError(RuntimeError):
 
 
 def lib_dir() -> Path | None:
-    """The folder whose libllama `import llama_cpp` loads: `LLAMA_CPP_LIB_PATH`, else the wheel's."""
+    """The folder whose libllama `import llama_cpp` loads: `LLAMA_CPP_LIB_PATH`, else kinfer's
+    own build (`kinfer setup`: $KINFER_HOME/llama/lib) where there is one, else the wheel's."""
     env = os.environ.get("LLAMA_CPP_LIB_PATH")
     if env:
         return Path(env)
+    own = setup_dir()
+    if (own / "libllama.so").is_file():
+        return own
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+_exported: str | None = None  # LLAMA_CPP_LIB_PATH as load() set it for kinfer setup's folder
+
+
+def lib_source() -> str:
+    """Where lib_dir() comes from: "LLAMA_CPP_LIB_PATH" (the environment named it), "kinfer setup"
+    (its folder) or "the llama-cpp-python wheel"."""
+    named = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if named and named != _exported:
+        return "LLAMA_CPP_LIB_PATH"
+    return "kinfer setup" if lib_dir() == setup_dir() else "the llama-cpp-python wheel"
+
+
+def setup_dir() -> Path:
+    """Where `kinfer setup` builds kinfer's llama.cpp."""
+    home = os.environ.get("KINFER_HOME") or str(Path.home() / ".kinfer")  # as kinfer_rpc.types.kinfer_home
+    return Path(home) / "llama" / "lib"
 
 
 @functools.cache  # a load reads each library for its needs, then for its symbols: once
@@ -165,6 +187,11 @@ def load() -> ModuleType:
     """Check, pin llama.cpp's libraries from their folder, then `import llama_cpp` and return it."""
     with _lock:
         if "llama_cpp" not in sys.modules:
+            folder = lib_dir()
+            if folder is not None and "LLAMA_CPP_LIB_PATH" not in os.environ and folder == setup_dir():
+                os.environ["LLAMA_CPP_LIB_PATH"] = str(folder)  # where llama_cpp itself loads from
+                global _exported
+                _exported = str(folder)
             for path in check():
                 _pinned.append(ctypes.CDLL(str(path)))
     import llama_cpp

@@ -54,3 +54,16 @@ export async function embedding(kinfer: KinferClient): Promise<number> {
   const first: string | undefined = ranked.results[0].document;
   return out.embeddings[0][0] + out.usage.promptTokens + ranked.results[0].relevanceScore + (first ? 1 : 0);
 }
+
+// a thinking model: think beside the options, the reasoning apart in the result and the stream
+export async function thinking(kinfer: KinferClient): Promise<string> {
+  const messages: ChatMessage[] = [{ role: 'user', content: 'Why?' }];
+  const reply = await kinfer.chat(messages, { think: 'high', options: { maxReasoningTokens: 64, format: 'json' } });
+  messages.push({ role: 'assistant', content: reply.text, reasoning: reply.reasoning });
+  const stream = kinfer.streamChat(messages, { think: false, onReasoning: (text: string) => text.length });
+  for await (const piece of stream) void piece.length;
+  const tokens: number = reply.usage.reasoningTokens;
+  // @ts-expect-error think is a boolean or a level
+  await kinfer.chat(messages, { think: 'max' });
+  return stream.reasoning + (reply.reasoning ?? '') + tokens;
+}

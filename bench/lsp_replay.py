@@ -2,7 +2,7 @@
 
     python bench/lsp_replay.py --model FIM.gguf [--file bench/replay/options.py]
         [--function generate_options] [--lines 30] [--interval-ms 0] [--max-tokens 32] [--threads N]
-        [--spm] [--keys N]
+        [--spm] [--cache-reuse N] [--keys N] [--llama-server PATH]
 
 The first `--lines` lines of the function are taken out of the source file, the file is opened
 with `textDocument/didOpen`, and the lines are typed back character by character: each keystroke
@@ -13,6 +13,8 @@ stale (the server stops it and answers an empty list), as in an editor.
 
 With `--spm` completions ask for infill's `spm` order (suffix first; for models trained on it),
 where a keystroke changes only the prompt's end.
+With `--cache-reuse N` they ask for infill's `cacheReuse` (cached chunks that moved are shifted
+into place: the prefix's window moving on reads only what is new).
 
 Runs twice: with the prefix pool (the default load) and without (load option `prefix: -1`; there
 every request reads its whole prompt, so only the first `--no-pool-keys` keystrokes are typed).
@@ -22,7 +24,11 @@ Each prints one JSON line (bench/harness.py's format), with:
   requests that were answered (not stale);
 - `read_p50`, `read_p95`, `read_mean`: prompt tokens read per answered request, `promptTokens -
   cachedTokens` of its `inference/infill` call (what the prefix pool did not have);
-- `prompt_p50`: the prompt's length in tokens; `answered`, `stale`, `keystrokes`.
+- `prompt_p50`: the prompt's length in tokens; `prompt_ms_p50`, `generate_ms_p50`: the infill's
+  own timings; `answered`, `stale`, `keystrokes`.
+
+With `--llama-server PATH` the same keystrokes go to llama.cpp's server instead (see
+replay_llama_server): one JSON line with the same figures, from its `timings`.
 
 The server is the real `kinfer-rpc` (a subprocess); `inference/infill` is wrapped only to write
 each call's usage to a file the script reads (LSP results do not carry usage). The model needs
@@ -64,12 +70,13 @@ def record(entry):
 
 async def recorded(self, ctx, /, **p):
     t0 = time.monotonic()
+    before = len(p["prefix"]) + len(p.get("middle") or "")  # the characters before the cursor
     try:
         result = await infill(self, ctx, **p)
     except anyio.get_cancelled_exc_class():
-        record({"prefixChars": len(p["prefix"]), "cancelled": True, "s": time.monotonic() - t0})
+        record({"prefixChars": before, "cancelled": True, "s": time.monotonic() - t0})
         raise
-    record({"prefixChars": len(p["prefix"]), "usage": result["usage"], "timings": result.get("timings"),
+    record({"prefixChars": before, "usage": result["usage"], "timings": result.get("timings"),
             "text": result["text"], "s": time.monotonic() - t0})
     return result
 
@@ -162,6 +169,8 @@ async def replay(args: argparse.Namespace, load_options: dict[str, Any], case: s
     }
     if args.spm:
         settings["spm"] = True
+    if args.cache_reuse:
+        settings["cacheReuse"] = args.cache_reuse
     init = await lsp.request(
         "initialize",
         {"processId": os.getpid(), "capabilities": {}, "initializationOptions": {"completion": settings}},
@@ -227,9 +236,12 @@ async def replay(args: argparse.Namespace, load_options: dict[str, Any], case: s
     ttc = [(answered_at[k] - sent[k]) * 1000 for k in answered]
     read = [done[k]["usage"]["promptTokens"] - done[k]["usage"]["cachedTokens"] for k in answered]
     prompt = [done[k]["usage"]["promptTokens"] for k in answered]
+    prompt_ms = [done[k]["timings"]["promptMs"] for k in answered if done[k].get("timings")]
+    generate_ms = [done[k]["timings"]["generateMs"] for k in answered if done[k].get("timings")]
     return {
         "loadOptions": load_options,
         "interval_ms": args.interval_ms,
+        "cacheReuse": args.cache_reuse,
         "keystrokes": len(typed),
         "answered": len(answered),
         "stale": len(typed) - len(answered),
@@ -240,8 +252,102 @@ async def replay(args: argparse.Namespace, load_options: dict[str, Any], case: s
         "read_p95": pct(read, 0.95),
         "read_mean": round(statistics.fmean(read), 1) if read else None,
         "prompt_p50": pct(prompt, 0.5),
+        "prompt_ms_p50": round(pct(prompt_ms, 0.5), 1),
+        "generate_ms_p50": round(pct(generate_ms, 0.5), 1),
         "wall_s": round(wall, 2),
         "with_text": sum(1 for k in answered if done[k]["text"].strip()),
+    }
+
+
+def keystrokes(args: argparse.Namespace, keys: int | None) -> tuple[str, list[tuple[str, str]]]:
+    """The document as opened, and for each keystroke the text before the cursor and after it."""
+    path = (ROOT / args.file).resolve()
+    document, typed, line = take_function(path, args.function, args.lines)
+    typed = typed[:keys] if keys else typed
+    at = sum(len(s) for s in document.splitlines(keepends=True)[:line])
+    return document, [(document[:at] + typed[: n + 1], document[at:]) for n in range(len(typed))]
+
+
+def replay_llama_server(args: argparse.Namespace, keys: int | None) -> dict[str, Any]:
+    """The same keystrokes sent to llama.cpp's server `/infill` as llama.vim sends them: the text
+    before the cursor's line as `input_prefix`, that line before the cursor as `prompt`, the rest
+    as `input_suffix`, `cache_prompt` on, the server started with `--cache-reuse`. Tokens read are
+    its `timings.prompt_n`; the time is the request's, from send to answer."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = str(Path(args.model).resolve())
+    cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "1"]
+    cmd += ["-b", "2048", "-ub", "512", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "--cache-reuse", "256"]
+    if args.threads:
+        cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            url + "/infill", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+
+    def body(before: str, after: str) -> dict[str, Any]:
+        cut = max(before.rfind("\n"), before.rfind("\r")) + 1
+        return {
+            "input_prefix": before[:cut],
+            "prompt": before[cut:],
+            "input_suffix": after,
+            "input_extra": [],
+            "n_predict": args.max_tokens,
+            "temperature": 0,
+            "cache_prompt": True,
+            "stream": False,
+        }
+
+    try:
+        for _ in range(600):  # the model loads
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(0.5)
+        document, strokes = keystrokes(args, keys)
+        cut = strokes[0][0][:-1]
+        post(body(cut, strokes[0][1]))  # fills the cache with the file as opened: not counted
+        ttc, read, prompt_ms, predicted, cached = [], [], [], [], []
+        t_start = time.perf_counter()
+        for n, (before, after) in enumerate(strokes):
+            if n and n % 50 == 0:
+                print(f"llama-server: {n}/{len(strokes)} keystrokes", file=sys.stderr)
+            t0 = time.perf_counter()
+            r = post(body(before, after))
+            ttc.append((time.perf_counter() - t0) * 1000)
+            t = r["timings"]
+            read.append(t["prompt_n"])
+            prompt_ms.append(t["prompt_ms"])
+            predicted.append(t["predicted_n"])
+            cached.append(r.get("tokens_cached", 0))
+        wall = time.perf_counter() - t_start
+    finally:
+        proc.terminate()
+        proc.wait()
+    return {
+        "server": "llama-server --cache-reuse 256",
+        "keystrokes": len(strokes),
+        "ttc_p50_ms": round(pct(ttc, 0.5), 1),
+        "ttc_p95_ms": round(pct(ttc, 0.95), 1),
+        "read_p50": pct(read, 0.5),
+        "read_p95": pct(read, 0.95),
+        "read_mean": round(statistics.fmean(read), 1),
+        "prompt_ms_p50": round(pct(prompt_ms, 0.5), 1),
+        "predicted_mean": round(statistics.fmean(predicted), 1),
+        "wall_s": round(wall, 2),
     }
 
 
@@ -264,8 +370,19 @@ def main() -> None:
     )
     ap.add_argument("--keys", type=int, default=0, help="type only this many keystrokes with the pool (0: all)")
     ap.add_argument("--spm", action="store_true", help="infill option spm: the suffix before the prefix")
+    ap.add_argument(
+        "--cache-reuse", type=int, default=0, help="infill option cacheReuse: move cached chunks that moved (0: off)"
+    )
     ap.add_argument("--only", choices=("pool", "no_pool"), default=None)
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        help="a llama-server binary: replay against its /infill (llama.vim's request, --cache-reuse 256) instead",
+    )
     args = ap.parse_args()
+    if args.llama_server:
+        emit("llama_server", replay_llama_server(args, args.keys or None))
+        return
     base = {"threads": args.threads} if args.threads else {}
     cases = [("pool", base, args.keys or None), ("no_pool", {**base, "prefix": -1}, args.no_pool_keys or None)]
     for case, options, keys in cases:

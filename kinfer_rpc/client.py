@@ -279,15 +279,17 @@ class Timings:
 @attrs.frozen
 class Dropped:
     """What an infill left out of a short context, in characters: from the prefix's start, the
-    suffix's end and the extra context's start (file names and separators included)."""
+    suffix's end, the extra context's start (file names and separators included) and the
+    middle's start."""
 
     prefix: int = 0
     suffix: int = 0
     extra: int = 0
+    middle: int = 0
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Dropped:
-        return cls(d.get("prefix", 0), d.get("suffix", 0), d.get("extra", 0))
+        return cls(d.get("prefix", 0), d.get("suffix", 0), d.get("extra", 0), d.get("middle", 0))
 
 
 @attrs.frozen
@@ -771,6 +773,7 @@ def _infill_params(
     model: str | None,
     extra: list[dict[str, str]] | Mapping[str, str] | None,
     options: dict[str, Any],
+    middle: str | None = None,
 ) -> dict[str, Any]:
     files = [{"filename": k, "text": v} for k, v in extra.items()] if isinstance(extra, Mapping) else extra
     return _params(
@@ -778,6 +781,7 @@ def _infill_params(
         _inference_options(options),
         prefix=prefix,
         suffix=suffix,
+        middle=middle,
         extra=files,
         keepAlive=options.get("keep_alive"),
     )
@@ -1251,12 +1255,15 @@ class Client:
         model: str | None = None,
         *,
         extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        middle: str | None = None,
         **options: Any,
     ) -> Result:
         """inference/infill: fill the gap between `prefix` and `suffix` with a model that has
         fill-in-the-middle tokens. `extra`: other files as context, `[{"filename", "text"}]` or a
-        mapping of file names to texts. Options as generate's, and `stopAtLine`."""
-        return Result.from_json(self.request("inference/infill", _infill_params(prefix, suffix, model, extra, options)))
+        mapping of file names to texts; `middle`: the gap's start already written (the current
+        line before the cursor). Options as generate's, and `stopAtLine`."""
+        params = _infill_params(prefix, suffix, model, extra, options, middle)
+        return Result.from_json(self.request("inference/infill", params))
 
     def chat(
         self,
@@ -1672,10 +1679,11 @@ class AsyncClient:
         model: str | None = None,
         *,
         extra: list[dict[str, str]] | Mapping[str, str] | None = None,
+        middle: str | None = None,
         **options: Any,
     ) -> Result:
         """As Client.infill."""
-        params = _infill_params(prefix, suffix, model, extra, options)
+        params = _infill_params(prefix, suffix, model, extra, options, middle)
         return Result.from_json(await self.request("inference/infill", params))
 
     async def chat(

@@ -248,6 +248,22 @@ class Reproducible(Protocol):
     def reproducible(self) -> tuple[bool, str]: ...
 
 
+@runtime_checkable
+class ShiftsCells(Protocol):
+    """Optional LoadedModel capability: `seq_shift(seq, start, end, delta)` moves the cells of
+    sequence `seq` at positions [start, end) by `delta` positions (llama.cpp's
+    llama_memory_seq_add: keys are rotated to their new position), where `can_shift()` says the
+    load can (not every architecture and cache can). The prefix pool uses it for the requests that
+    ask to reuse cached chunks that moved (options.cacheReuse). A shifted cell holds other numbers
+    than computing it at its new position would (its keys rotated twice, and computed after
+    other tokens than those now before it): the pool never gives shifted cells to a request that
+    did not ask for them."""
+
+    def can_shift(self) -> bool: ...
+
+    def seq_shift(self, seq: int, start: int, end: int, delta: int) -> None: ...
+
+
 # A model's fill-in-the-middle tokens: prefix, suffix, middle, pad, repository, file separator.
 FIM_KEYS = ("pre", "suf", "mid", "pad", "rep", "sep")
 
@@ -543,6 +559,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
             DecodeChained,
             DeviceTokens,
             Reproducible,
+            ShiftsCells,
             FillInMiddle,
             Embeds,
             Reranks,

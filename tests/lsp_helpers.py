@@ -4,8 +4,10 @@ The fake server is the real one (framing, connection, lifecycle, LSP layer) with
 `Handlers.inference_infill` and `Handlers.model_load` replaced: infill waits `KINFER_FAKE_DELAY`
 seconds (cancellable) and answers a text made from the prefix and suffix it was given; both write
 one JSON line per event to `KINFER_FAKE_LOG`, so a test can see what the server asked for and
-which calls ran to the end. With `KINFER_FAKE_SIZES` the log has the prefix's and suffix's
-lengths and the extra files' names instead of the texts (for documents of many megabytes).
+which calls ran to the end. The log's `prefix` is the whole text before the cursor (infill's
+`prefix` and `middle` together), and `middle` the middle alone. With `KINFER_FAKE_SIZES` the log
+has the prefix's and suffix's lengths and the extra files' names instead of the texts (for
+documents of many megabytes).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def record(event, **fields):
 
 
 async def inference_infill(self, ctx, /, **p):
+    middle = p.get("middle")
+    p = {**p, "prefix": p["prefix"] + (middle or "")}  # the text before the cursor, as one
     cut = p["prefix"].find("\n")
     doc = p["prefix"] if cut < 0 else p["prefix"][:cut]  # the first line (split would copy the rest)
     if SIZES:
@@ -39,7 +43,7 @@ async def inference_infill(self, ctx, /, **p):
                extra=[e["filename"] for e in p.get("extra") or []])
     else:
         record("start", doc=doc, prefix=p["prefix"], suffix=p["suffix"], options=p.get("options"),
-               model=p.get("model"), extra=p.get("extra"))
+               model=p.get("model"), extra=p.get("extra"), middle=middle)
     try:
         await anyio.sleep(DELAY)
     except anyio.get_cancelled_exc_class():

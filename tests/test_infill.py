@@ -44,12 +44,13 @@ def tokens(c, text):
     return c.call("inference/tokenize", {"text": text, "addSpecial": False, "parseSpecial": False})["tokens"]
 
 
-def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict, spm=False):
+def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict, spm=False, middle=None):
     """llama.cpp's server's format_infill (tools/server/utils.hpp), no prompt: repository and file
     separator tokens, then the tail of the extra context, then the prefix's last 3/4 of a batch
     and the suffix's first 1/4 - 2 between the FIM tokens, suffix first with `spm`. (The model adds
-    no BOS.) One difference, kinfer's: a prefix over its budget keeps its tokens from a multiple of
-    1/8 of the budget on (infill.window_start), not exactly its last 3/4 of a batch."""
+    no BOS.) Differences, kinfer's: a prefix over its budget keeps its tokens from a multiple of
+    1/8 of the budget on (infill.window_start), not exactly its last 3/4 of a batch; a `middle`
+    (here within its budget) follows [FIM_MID], its 1/8 of a batch taken from the prefix's."""
     ids = FIM_IDS
     rep = 4  # llama.cpp's repository token in SmolLM2's vocabulary: <reponame>
     extra_tokens = [rep, *tokens(c, "myproject\n")]
@@ -57,14 +58,17 @@ def format_infill(c, prefix, suffix, extra, *, n_batch, n_ctx, n_predict, spm=Fa
         extra_tokens += [ids["sep"], *tokens(c, name + "\n"), *tokens(c, text)]
     extra_tokens += [ids["sep"], *tokens(c, "filename\n")]
     pre, suf = tokens(c, prefix), tokens(c, suffix)
-    n_prefix = len(pre) - infill.window_start(len(pre), 3 * (n_batch // 4))
+    mid = tokens(c, middle) if middle else []
+    n_prefix = len(pre) - infill.window_start(
+        len(pre), 3 * (n_batch // 4) - (n_batch // 8 if middle is not None else 0)
+    )
     n_suffix = min(len(suf), max(0, n_batch // 4 - 2))
     n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_tokens))
     pre, suf = pre[len(pre) - n_prefix :], suf[:n_suffix]
     kept = extra_tokens[len(extra_tokens) - n_extra :]
     if spm:
-        return [*kept, ids["suf"], *suf, ids["pre"], *pre, ids["mid"]]
-    return [*kept, ids["pre"], *pre, ids["suf"], *suf, ids["mid"]]
+        return [*kept, ids["suf"], *suf, ids["pre"], *pre, ids["mid"], *mid]
+    return [*kept, ids["pre"], *pre, ids["suf"], *suf, ids["mid"], *mid]
 
 
 def test_the_embedded_model_has_no_fim_tokens_so_infill_is_32602(server):
@@ -133,6 +137,48 @@ def test_spm_puts_the_suffix_first_and_a_keystroke_reads_only_the_end(fim):
     with pytest.raises(RpcError) as e:
         fim.call("inference/infill", {**params, "options": {"spm": 1}})
     assert e.value.code == -32602 and "spm" in e.value.message
+
+
+@pytest.mark.parametrize("spm", [False, True])
+def test_a_middle_follows_fim_mid_and_typing_on_its_line_reads_only_its_end(fim, spm):
+    """The current line before the cursor as `middle`: after [FIM_MID], in either order, so a
+    keystroke on the line leaves the prompt as it was up to the typed text."""
+    prefix, middle = "def add(a, b):\n", "    return "
+    params = {"prefix": prefix, "suffix": SUFFIX, "extra": [{"filename": UTIL[0], "text": UTIL[1]}]}
+    opts = {**GREEDY, "spm": spm}
+    got = fim.call("inference/infill", {**params, "middle": middle, "options": opts})
+    expected = format_infill(fim, prefix, SUFFIX, [UTIL], n_batch=256, n_ctx=1024, n_predict=12, spm=spm, middle=middle)
+    assert expected[-len(tokens(fim, middle)) - 1] == FIM_IDS["mid"]
+    assert got["usage"]["promptTokens"] == len(expected)
+    assert got["dropped"] == {"prefix": 0, "suffix": 0, "extra": 0, "middle": 0}
+    ref = fim.call("inference/generate", {"tokens": expected, "options": GREEDY})
+    assert got["tokens"][: len(ref["tokens"])] == ref["tokens"]
+    reads = []
+    for n in range(1, 8):
+        typed = fim.call("inference/infill", {**params, "middle": middle + "a + b * c"[:n], "options": opts})
+        reads.append(typed["usage"]["promptTokens"] - typed["usage"]["cachedTokens"])
+    assert max(reads) <= 3, reads
+    # an empty middle is a middle (the prefix's budget does not change as a line starts)
+    empty = fim.call("inference/infill", {**params, "middle": "", "options": opts})
+    assert empty["dropped"]["middle"] == 0
+    with pytest.raises(RpcError) as e:
+        fim.call("inference/infill", {**params, "middle": 1})
+    assert e.value.code == -32602 and "middle" in e.value.message
+
+
+def test_a_middle_over_its_budget_keeps_its_end(spawn, fim_path):
+    c = spawn()
+    c.initialize()
+    c.call("model/load", {"model": fim_path, "options": {"contextLength": 256, "slots": 1, "batch": 64}})
+    budget = infill.Budget.of(64, 256, 12, middle=True)
+    assert (budget.prefix, budget.middle, budget.suffix) == (40, 8, 14)
+    middle = "x = " + "a + " * 30
+    r = c.call("inference/infill", {"prefix": "", "middle": middle, "suffix": "\n", "options": GREEDY})
+    pieces = c.call("inference/tokenize", {"text": middle, "addSpecial": False, "parseSpecial": False})["pieces"]
+    start = infill.window_start(len(pieces), 8)
+    assert r["dropped"]["middle"] == len(middle) - len("".join(pieces[start:])) > 0
+    rest = format_infill(c, "", "\n", [], n_batch=64, n_ctx=256, n_predict=12, middle="")
+    assert r["usage"]["promptTokens"] == len(rest) + len(pieces) - start
 
 
 def test_typing_at_the_end_of_a_long_prefix_keeps_its_start(spawn, fim_path):

@@ -157,6 +157,11 @@ class FakeInfill:
         return {"model": "fake-fim", "text": self.text, "tokens": [1, 2], "stopReason": "stop"}
 
 
+def before(call):
+    """The text before the cursor an infill call was given: its prefix and middle."""
+    return call["prefix"] + call["middle"]
+
+
 def make_editor(infill, loads=None, notes=None):
     loads = [] if loads is None else loads
     notes = [] if notes is None else notes
@@ -194,7 +199,8 @@ def test_completion_replaces_the_word_before_the_cursor_with_it_and_the_continua
         p = request(editor, lsp.COMPLETION, 1, 7)
         result = await editor.completion(None, **p)
         call = infill.calls[0]
-        assert call["prefix"] == "# 😀 note\ndef get"
+        # the cursor's line before it is the middle: typing on the line changes only that
+        assert (call["prefix"], call["middle"]) == ("# 😀 note\n", "def get")
         assert call["suffix"] == "\n\nprint(1)\n"
         assert call["options"] == lsp.DEFAULT_OPTIONS
         assert "model" not in call  # infill chooses
@@ -251,7 +257,7 @@ def test_the_text_is_taken_when_the_request_arrives():
         p = request(editor, lsp.COMPLETION, 0, 3)
         await editor.did_change(textDocument={"uri": URI, "version": 2}, contentChanges=[{"text": "changed"}])
         await editor.completion(None, **p)
-        assert infill.calls[0]["prefix"] == "abc"
+        assert before(infill.calls[0]) == "abc"
 
     run(main)
 
@@ -418,7 +424,7 @@ def test_answers_never_reach_past_the_document():
         await open_doc(editor, "ab\nxy😀z")
         (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 99)))["items"]
         assert item["textEdit"]["range"] == {"start": pos(0, 0), "end": pos(0, 2)}  # past the line: its end
-        assert infill.calls[-1]["prefix"] == "ab"
+        assert before(infill.calls[-1]) == "ab"
         (item,) = (await editor.completion(None, **request(editor, lsp.COMPLETION, 7, 3)))["items"]
         assert item["textEdit"]["range"] == {"start": pos(1, 4), "end": pos(1, 5)}  # past the last line
         assert item["textEdit"]["newText"] == "z_x"
@@ -444,10 +450,10 @@ def test_a_request_sees_the_edits_before_it_even_when_they_run_on_the_worker():
         assert not p[lsp.PINNED].view.ready
         gate.set()
         await editor.completion(None, **p)
-        assert infill.calls[0]["prefix"] == "x" * len(many) + "abc"
+        assert before(infill.calls[0]) == "x" * len(many) + "abc"
         await editor.documents.settled().wait()
         await editor.completion(None, **request(editor, lsp.COMPLETION, 0, 99))
-        assert infill.calls[1]["prefix"] == "later"
+        assert before(infill.calls[1]) == "later"
         assert editor.documents.get(URI).version == 3
 
     run(main)
@@ -503,4 +509,4 @@ def test_bad_notifications_are_logged_in_one_line(caplog):
     assert not any(r.exc_info for r in caplog.records)
     assert "params.contentChanges[1].text" in lines[5]
     assert "past the document's end" in lines[6]
-    assert infill.calls[-1]["prefix"] == "abc!"  # the batch with a bad change was dropped whole
+    assert before(infill.calls[-1]) == "abc!"  # the batch with a bad change was dropped whole

@@ -58,6 +58,8 @@ export interface GenerateOptions {
   topLogprobs?: number;
   /** A thinking model (chat): the most tokens its reasoning takes before its end is forced. */
   maxReasoningTokens?: number;
+  /** Reuse cached chunks of at least this many tokens that moved, by shifting KV cells (0: never); gives up the same reply. */
+  cacheReuse?: number;
   [option: string]: unknown;
 }
 /** inference/infill's options: generate's, and `stopAtLine`. */
@@ -98,8 +100,8 @@ export interface InferenceResult {
   /** Chat with tools: the calls the model made (absent when none). */
   toolCalls?: ToolCall[];
   /** inference/infill (and generate with a suffix): characters left out of a short context, from
-   * the prefix's start, the suffix's end and the extra context's start. */
-  dropped?: { prefix: number; suffix: number; extra: number };
+   * the prefix's start, the suffix's end, the extra context's start and the middle's start (with a middle). */
+  dropped?: { prefix: number; suffix: number; extra: number; middle?: number };
 }
 export interface WorkDoneProgress { kind: 'begin' | 'report' | 'end'; title?: string; message?: string; percentage?: number }
 export interface CallOptions {
@@ -128,6 +130,8 @@ export interface InfillParams extends CallOptions {
   prefix: string;
   /** The text after the gap; default ''. */
   suffix?: string;
+  /** The gap's start already written (the current line before the cursor): after the FIM middle token. */
+  middle?: string;
   /** Other files as context (at most 1024); a file without a name is 'tmp'. */
   extra?: Array<{ filename?: string; text: string }>;
   options?: InfillOptions;

@@ -49,9 +49,14 @@ function generateFields(prompt, { suffix } = {}) {
   return { prompt, ...(suffix != null ? { suffix } : {}) };
 }
 
-/** inference/infill's params: prefix, suffix and extra (everything else is a call option). */
-function infillFields({ prefix, suffix, extra } = {}) {
-  return { prefix, ...(suffix != null ? { suffix } : {}), ...(extra ? { extra } : {}) };
+/** inference/infill's params: prefix, suffix, middle and extra (everything else is a call option). */
+function infillFields({ prefix, suffix, middle, extra } = {}) {
+  return {
+    prefix,
+    ...(suffix != null ? { suffix } : {}),
+    ...(middle != null ? { middle } : {}),
+    ...(extra ? { extra } : {}),
+  };
 }
 
 const progressType = new ProgressType();

@@ -46,6 +46,9 @@ class GenerateOptions:
     # The reply begins inside the model's reasoning block (kinfer_rpc.engine.reasoning): the
     # constraint holds only what follows the block; None: no reasoning block
     reasoning: Reasoning | None = None
+    # Reuse chunks of at least this many cached tokens that moved, by shifting their cells (0:
+    # never; the prefix pool's Slots.take): the reply then depends on what was cached before
+    cache_reuse: int = 0
 
 
 class JobState(enum.Enum):

@@ -14,6 +14,14 @@ Two layouts, chosen by the load option `prefix`:
 
 Every copy is of cells computed exactly as recomputing them would (the backend's invariant
 configuration), so a reply is the same after a hit, a miss or a move.
+
+A request that asks for it (`GenerateOptions.cache_reuse` N > 0, a backend that ShiftsCells)
+also reuses what follows the shared prefix, as llama.cpp's server does with `--cache-reuse N`:
+each chunk of at least N kept tokens that comes next in its prompt, the text kept before it left
+out, is shifted into place (`reuse_plan`). Shifted cells are not what computing them in place
+gives, nor is anything computed after them: the pool remembers where each slot's exact cells end
+(`exact`), and a request that did not ask for reuse gets only exact cells. Its reply stays the
+same whatever ran before; one that asked may differ with what the pool held.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kinfer_rpc.types import common_prefix
+from kinfer_rpc.types import ShiftsCells, common_prefix
 
 if TYPE_CHECKING:
     from kinfer_rpc.engine.job import Job
@@ -40,9 +48,17 @@ class Slots:
         self.last_used: dict[int, int] = {}
         self.hits = 0
         self.cached_tokens = 0  # prompt tokens served from kept or copied cells, all time
+        # slot -> how many of its first cells hold exactly what computing them in place gives
+        # (absent: all); the rest were shifted, or computed after shifted cells
+        self.exact: dict[int, int] = {}
 
     def kept_tokens(self) -> int:
         return sum(len(t) for t in self.kept.values())
+
+    def _usable(self, slot: int, n: int, reuse: int) -> int:
+        """Of `n` shared tokens in `slot`, those a request may use: all when it asked for reuse,
+        else the exact ones."""
+        return n if reuse else min(n, self.exact.get(slot, n))
 
     def take(self, job: Job, active: Sequence[Job]) -> None:
         """Give `job` a slot and set job.n_past to what its cells already hold."""
@@ -52,13 +68,18 @@ class Slots:
             self.free.sort()
             job.slot = self.free.pop(0)
             self.model.seq_remove(job.slot)
+            self.exact.pop(job.slot, None)
             job.n_past = 0
             return
-        best_free, best_free_len = None, 0
+        reuse = job.options.cache_reuse if isinstance(self.model, ShiftsCells) and self.model.can_shift() else 0
+        best_free, best_free_len, best_plan, best_score = None, 0, [], 0
         for slot in self.free:
-            n = min(common_prefix(self.kept.get(slot, ()), prompt), limit)
-            if n > best_free_len:
-                best_free, best_free_len = slot, n
+            kept = self.kept.get(slot, ())
+            n = self._usable(slot, min(common_prefix(kept, prompt), limit), reuse)
+            plan = reuse_plan(kept, prompt, n, limit, reuse) if reuse else []
+            score = plan[-1][1] + plan[-1][2] if plan else n
+            if score > best_score:
+                best_free, best_free_len, best_plan, best_score = slot, n, plan, score
         best_busy, best_busy_len = None, 0
         for other in active:
             n = min(
@@ -66,22 +87,33 @@ class Slots:
                 other.n_past,
                 limit,
             )
+            n = self._usable(other.slot, n, reuse)
             if n > best_busy_len:
                 best_busy, best_busy_len = other.slot, n
-        if best_free is not None and best_free_len >= best_busy_len:
+        if best_free is not None and best_score >= best_busy_len:
             slot, n = best_free, best_free_len
             self.free.remove(slot)
             self.kept.pop(slot, None)
-            self.model.seq_remove(slot, n, -1)
+            exact = self.exact.pop(slot, None)
+            if best_plan:
+                n = self._shift(slot, best_plan)
+                exact = best_free_len if exact is None else min(exact, best_free_len)
+            else:
+                self.model.seq_remove(slot, n, -1)
+            if exact is not None and exact < n:
+                self.exact[slot] = exact
         else:
             slot = self._coldest_free()
             self.free.remove(slot)
             self.kept.pop(slot, None)
+            self.exact.pop(slot, None)
             n = 0
             if best_busy is not None and best_busy_len >= MIN_SHARED:
                 n = best_busy_len
                 self.model.seq_copy(best_busy, slot)  # the whole stream; its tail is dropped next
                 self.model.seq_remove(slot, n, -1)
+                if (exact := self.exact.get(best_busy)) is not None and exact < n:
+                    self.exact[slot] = exact
             else:
                 self.model.seq_remove(slot)
         job.slot = slot
@@ -90,6 +122,19 @@ class Slots:
         if n:
             self.hits += 1
             self.cached_tokens += n
+
+    def _shift(self, slot: int, plan: list[tuple[int, int, int]]) -> int:
+        """Move the planned chunks of `slot`'s cells into place (the cells between them go);
+        returns how many of the prompt's tokens its cells then hold."""
+        model = self.model
+        assert isinstance(model, ShiftsCells), "a plan is made only for a model that shifts"
+        for at_kept, at_prompt, length in plan:
+            if at_prompt < at_kept:
+                self.model.seq_remove(slot, at_prompt, at_kept)
+                model.seq_shift(slot, at_kept, at_kept + length, at_prompt - at_kept)
+        end = plan[-1][1] + plan[-1][2]
+        self.model.seq_remove(slot, end, -1)
+        return end
 
     def _coldest_free(self) -> int:
         empty = [s for s in self.free if s not in self.kept]
@@ -109,6 +154,7 @@ class Slots:
             self._trim()
             return []
         self.model.seq_remove(slot)
+        self.exact.pop(slot, None)
         self.free.append(slot)
         return []
 
@@ -135,4 +181,34 @@ class Slots:
         while self.kept and self.kept_tokens() > self.prefix:
             oldest = min(self.kept, key=lambda s: self.last_used.get(s, -1))
             del self.kept[oldest]
+            self.exact.pop(oldest, None)
             self.model.seq_remove(oldest)
+
+
+def reuse_plan(
+    kept: Sequence[int], prompt: Sequence[int], n: int, limit: int, min_chunk: int
+) -> list[tuple[int, int, int]]:
+    """llama.cpp's server's cache reuse: past the `n` shared tokens, the chunks of `kept` that come
+    next in `prompt[:limit]`, each of at least `min_chunk` tokens, in order, as (where in `kept`,
+    where in `prompt`, length). What `kept` has before a chunk is left out; the prompt gets no
+    text in between (a slot's cells must run on without a gap), so each chunk moves towards the
+    start, and the first comes right after the shared prefix."""
+    plan: list[tuple[int, int, int]] = []
+    if min_chunk <= 0:
+        return plan
+    at_kept = at_prompt = n
+    while at_kept < len(kept) and at_prompt < limit:
+        try:  # the next place where `kept` has the prompt's next token
+            at_kept = kept.index(prompt[at_prompt], at_kept)
+        except ValueError:
+            break
+        m = 0
+        while at_kept + m < len(kept) and at_prompt + m < limit and kept[at_kept + m] == prompt[at_prompt + m]:
+            m += 1
+        if m >= min_chunk:
+            plan.append((at_kept, at_prompt, m))
+            at_kept += m
+            at_prompt += m
+        else:
+            at_kept += 1
+    return plan

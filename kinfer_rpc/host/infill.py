@@ -4,7 +4,12 @@ model's own FIM tokens (`inference/infill`, and `inference/generate` with a `suf
 The prompt is the one llama.cpp's server builds for `/infill` (its `format_infill`), token for
 token:
 
-    extra  [BOS]  [FIM_PRE] prefix  [FIM_SUF] suffix  [FIM_MID]
+    extra  [BOS]  [FIM_PRE] prefix  [FIM_SUF] suffix  [FIM_MID]  middle
+
+`middle` is the start of the gap already written (an editor's current line before the cursor,
+as llama.vim sends it): after [FIM_MID], so that typing on a line changes only the prompt's end
+and the prefix pool keeps all the rest, in either order. (llama.cpp's server appends its
+`prompt` to the prefix instead, before [FIM_SUF].)
 
 `extra` is repository-level context: `[FIM_REP]myproject\\n` when the model has a repository token,
 then each extra file as `[FIM_SEP]filename\\n` and its text (without a file separator token, the
@@ -17,13 +22,14 @@ With `spm` (llama.cpp's `--spm-infill`, for models trained on that order) the su
 the prompt's end, so the prefix pool keeps all the rest; in the usual order the suffix, after the
 edit, is read again at every keystroke.
 
-When the context is short, what is far from the gap goes first, never the middle: the prefix keeps
-at most its last 3/4 of a batch of tokens, the suffix its first 1/4 of a batch less 2, and the extra
+When the context is short, what is far from the gap goes first, never the gap's surroundings: the
+prefix keeps at most its last 3/4 of a batch of tokens (less 1/8 of a batch with a middle, which
+keeps at most its last 1/8), the suffix its first 1/4 of a batch less 2, and the extra
 context its last tokens that leave a batch and twice `maxTokens` of the context free (the batch
-taken as at most the context less that room), as llama.cpp's server does; except that a prefix over
-its budget starts at a multiple of 1/8 of the budget from its beginning (so it keeps 7/8 to all of
-the budget), which keeps its start in place while someone types at its end. `Prompt.dropped` says
-how many characters of each part were left out.
+taken as at most the context less that room), as llama.cpp's server does; except that a prefix (or
+middle) over its budget starts at a multiple of 1/8 of the budget from its beginning (so it keeps
+7/8 to all of the budget), which keeps its start in place while someone types at its end.
+`Prompt.dropped` says how many characters of each part were left out.
 """
 
 from __future__ import annotations
@@ -83,17 +89,20 @@ class Prompt:
 
 @attrs.frozen
 class Budget:
-    """How many tokens each part may keep (llama.cpp's split of a batch)."""
+    """How many tokens each part may keep (llama.cpp's split of a batch; with a middle, 1/8 of
+    the batch taken from the prefix's share for it)."""
 
     prefix: int
     suffix: int
     extra: int
+    middle: int = 0
 
     @classmethod
-    def of(cls, n_batch: int, n_ctx: int, n_predict: int) -> Budget:
+    def of(cls, n_batch: int, n_ctx: int, n_predict: int, *, middle: bool = False) -> Budget:
         room = 2 * n_predict
         n_batch = max(8, min(n_batch, n_ctx - room - 4))
-        return cls(3 * (n_batch // 4), max(0, n_batch // 4 - 2), max(0, n_ctx - n_batch - room))
+        mid = n_batch // 8 if middle else 0
+        return cls(3 * (n_batch // 4) - mid, max(0, n_batch // 4 - 2), max(0, n_ctx - n_batch - room), mid)
 
 
 def build(
@@ -106,10 +115,12 @@ def build(
     piece: int,
     *,
     spm: bool = False,
+    middle: str | None = None,
 ) -> Prompt:
     """The infill prompt's tokens. `extra` is (filename, text) pairs; `piece` the most bytes one
     token stands for (bounds how much text is tokenized when a part is over its budget); `spm`:
-    suffix before prefix (llama.cpp's --spm-infill)."""
+    suffix before prefix (llama.cpp's --spm-infill); `middle`: the gap's start, after [FIM_MID]
+    (the budget must have been made with `middle=True`)."""
 
     def tokenize(text: str) -> list[int]:
         return model.tokenize(text, False, False) if text else []
@@ -117,9 +128,12 @@ def build(
     def chars(tokens: Sequence[int]) -> int:
         return len(b"".join(model.token_bytes(t) for t in tokens).decode("utf-8", "ignore"))
 
-    cut = _cut(len(prefix), (budget.prefix + MARGIN) * piece)
-    pre = tokenize(prefix[cut:])
-    pre = pre[window_start(len(pre), budget.prefix) :]
+    def tail(text: str, keep: int) -> list[int]:  # the last `keep` tokens or so (window_start)
+        ids = tokenize(text[_cut(len(text), (keep + MARGIN) * piece) :])
+        return ids[window_start(len(ids), keep) :]
+
+    pre = tail(prefix, budget.prefix)
+    mid = tail(middle, budget.middle) if middle else []
     suf = tokenize(suffix[: (budget.suffix + MARGIN) * piece])[: budget.suffix]
     extra_tokens, extra_chars = _extra(model, fim, extra, (budget.extra + MARGIN) * piece if budget.extra else 0)
     kept_extra = extra_tokens[len(extra_tokens) - min(len(extra_tokens), budget.extra) :]
@@ -127,14 +141,16 @@ def build(
     if model.info.add_bos:
         tokens += model.tokenize("", True, False)[:1]  # the vocabulary's BOS
     if spm:
-        tokens += [fim["suf"], *suf, fim["pre"], *pre, fim["mid"]]
+        tokens += [fim["suf"], *suf, fim["pre"], *pre, fim["mid"], *mid]
     else:
-        tokens += [fim["pre"], *pre, fim["suf"], *suf, fim["mid"]]
+        tokens += [fim["pre"], *pre, fim["suf"], *suf, fim["mid"], *mid]
     dropped = {
         "prefix": max(0, len(prefix) - chars(pre)),
         "suffix": max(0, len(suffix) - chars(suf)),
         "extra": max(0, extra_chars - chars(kept_extra)),
     }
+    if middle is not None:
+        dropped["middle"] = max(0, len(middle) - chars(mid))
     return Prompt(tokens, dropped)
 
 

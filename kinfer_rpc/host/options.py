@@ -177,6 +177,8 @@ class RequestOptions:
     max_reasoning_tokens: int | None = attrs.field(
         default=None, metadata=_meta(_int("options.maxReasoningTokens", lo=0))
     )
+    # reuse cached chunks of at least this many tokens that moved, shifting their cells (0: never)
+    cache_reuse: int | None = attrs.field(default=None, metadata=_meta(_int("options.cacheReuse", lo=0)))
 
     def __attrs_post_init__(self) -> None:
         _check(self)
@@ -210,6 +212,7 @@ class RequestOptions:
             constraint=self.constraint,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             stop_at_line=bool(self.stop_at_line),
+            cache_reuse=self.cache_reuse or 0,
         )
 
 

@@ -45,8 +45,8 @@ class Generate:
 @attrs.frozen
 class Infill:
     """Fill the gap between `prefix` and `suffix` with the model's fill-in-the-middle tokens;
-    `extra`: other files' (name, text) as context. `stop_tokens` false: Ollama's generate with a
-    suffix, which takes no infill-only options."""
+    `extra`: other files' (name, text) as context; `middle`: the gap's start already written (an
+    editor's current line before the cursor), which the prompt puts after [FIM_MID]."""
 
     prefix: str
     suffix: str = ""
@@ -54,6 +54,7 @@ class Infill:
     extra: tuple[tuple[str, str], ...] = ()
     options: RequestOptions = RequestOptions()
     keep_alive: float | None = None  # seconds the model stays loaded once idle (inf: until unloaded)
+    middle: str | None = None
 
 
 @attrs.frozen
@@ -278,7 +279,14 @@ class Requests:
         n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
         spm = bool(req.options.over(entry.defaults).spm)
         prompt = await anyio.to_thread.run_sync(
-            entry.infill_prompt, req.prefix, req.suffix, list(req.extra), n_predict, spm, limiter=entry.tokenizer
+            entry.infill_prompt,
+            req.prefix,
+            req.suffix,
+            list(req.extra),
+            n_predict,
+            spm,
+            req.middle,
+            limiter=entry.tokenizer,
         )
         stops = tuple(fim[k] for k in fill.STOPS if k in fim)
         reply = await self._run(

@@ -35,6 +35,7 @@ from kinfer_rpc.types import (
     PlacementPlan,
     Reproducible,
     SessionPolicy,
+    ShiftsCells,
     WeightForms,
 )
 
@@ -123,14 +124,21 @@ class Loaded:
         return self.thinks[0]
 
     def infill_prompt(
-        self, prefix: str, suffix: str, extra: list[tuple[str, str]], n_predict: int, spm: bool = False
+        self,
+        prefix: str,
+        suffix: str,
+        extra: list[tuple[str, str]],
+        n_predict: int,
+        spm: bool = False,
+        middle: str | None = None,
     ) -> infill.Prompt:
         """A fill-in-the-middle prompt for this model (its FIM tokens known to be there), with the
         model held open, off the event loop."""
         fim = self.fim_tokens()
         with self.engine.hold() as model:
-            budget = infill.Budget.of(self.options.batch, model.info.context_length, n_predict)
-            return infill.build(model, fim, prefix, suffix, extra, budget, _piece(model), spm=spm)
+            context = model.info.context_length
+            budget = infill.Budget.of(self.options.batch, context, n_predict, middle=middle is not None)
+            return infill.build(model, fim, prefix, suffix, extra, budget, _piece(model), spm=spm, middle=middle)
 
     def constrain(self, opts: GenerateOptions) -> Any:
         """The matcher of a request's format, grammar or regex (None without one), compiled
@@ -139,6 +147,24 @@ class Loaded:
             return None
         with self.engine.hold() as model:
             return self.grammars.matcher(model, *opts.constraint)
+
+
+def _check_cache_reuse(entry: Loaded) -> None:
+    """-32602 unless the load can reuse cached chunks that moved (options.cacheReuse): the prefix
+    pool is on and the backend shifts cells for this model."""
+    model = entry.engine.model
+    why = ""
+    if entry.engine.prefix < 0:
+        why = "the load has no prefix pool (prefix -1)"
+    elif not isinstance(model, ShiftsCells):
+        why = f"its backend ({entry.backend}) cannot shift KV cells"
+    elif not model.can_shift():
+        why = "its KV cells cannot be shifted (the architecture's positions, or a multi-token-prediction head)"
+    if why:
+        raise errors.invalid_params(
+            f"options.cacheReuse: {entry.name!r} cannot reuse cached chunks that moved: {why}",
+            {"field": "options.cacheReuse"},
+        )
 
 
 def _piece(model: LoadedModel) -> int:
@@ -714,6 +740,8 @@ class Runtime:
     ) -> Job:
         """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
         compiled from them) to the entry's engine."""
+        if opts.cache_reuse:
+            _check_cache_reuse(entry)
         job = Job(
             ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint, owner=owner
         )

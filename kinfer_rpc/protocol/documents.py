@@ -185,9 +185,16 @@ class View:
     word: str  # the identifier characters just before the cursor on its line
     extra: tuple[tuple[str, str], ...] = ()  # (filename, text) of other documents, most relevant last
 
-    def texts(self) -> tuple[str, str]:
-        """The prefix and the suffix."""
-        return "".join(self.before), "".join(self.after)
+    def texts(self) -> tuple[str, str, str]:
+        """The prefix (up to the cursor's line), the middle (that line before the cursor) and
+        the suffix: typing on a line changes only the middle, which infill puts last."""
+        after = "".join(self.after)
+        for i in range(len(self.before) - 1, -1, -1):
+            chunk = self.before[i]
+            cut = max(chunk.rfind("\n"), chunk.rfind("\r")) + 1
+            if cut:
+                return "".join((*self.before[:i], chunk[:cut])), "".join((chunk[cut:], *self.before[i + 1 :])), after
+        return "", "".join(self.before), after
 
 
 def _folders(uri: str) -> tuple[str, ...]:

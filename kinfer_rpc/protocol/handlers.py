@@ -275,13 +275,15 @@ class Handlers:
         name = f.str("model")
         prefix = f.str("prefix")
         suffix = f.str("suffix", "")
+        middle = f.str("middle")
         extra = params.infill_extra(f.raw("extra"))
         options = f.raw("options")
         keep = params.keep_alive(f.raw("keepAlive"))
         f.done()
         if prefix is None:
             raise errors.invalid_params("params.prefix is required", {"field": "params.prefix"})
-        req = Infill(prefix, suffix, name, tuple(extra), request_options(options, infill=True), keep)
+        opts = request_options(options, infill=True)
+        req = Infill(prefix, suffix, name, tuple(extra), opts, keep, middle=middle)
         return reply_json(await self.requests.infill(req, **_call(ctx)))
 
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:

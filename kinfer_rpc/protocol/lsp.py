@@ -4,8 +4,10 @@ An editor's stock LSP client (Neovim's, a VS Code generic client, Helix, eglot) 
 with `textDocument/didOpen`, keeps them current with `textDocument/didChange` (incremental edits,
 positions in UTF-16 code units as LSP requires) and asks for `textDocument/completion` or
 `textDocument/inlineCompletion` (LSP 3.18). Each completion is one `inference/infill` over the
-document: the text before the cursor is the prefix, the text after it the suffix (the infill
-method budgets both).
+document: the text before the cursor's line is the prefix, that line before the cursor the middle
+(after the model's middle token, as llama.vim sends it: typing on a line changes only the
+prompt's end, so the prefix pool keeps the rest), the text after the cursor the suffix (the infill
+method budgets each).
 
 Typing stays fast: a completion request for a document makes the one it sent before (same
 method, same document) stale; a stale request still running is stopped and answered with an
@@ -296,9 +298,9 @@ class Editor:
         try:
             with scope:
                 view = await pin.view.wait()
-                prefix, suffix = view.texts()
+                prefix, middle, suffix = view.texts()
                 model = await self._model_name()
-                params: dict[str, Any] = {"prefix": prefix, "suffix": suffix, "options": options}
+                params: dict[str, Any] = {"prefix": prefix, "middle": middle, "suffix": suffix, "options": options}
                 if model is not None:
                     params["model"] = model
                 if view.extra:

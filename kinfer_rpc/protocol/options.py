@@ -32,6 +32,7 @@ REQUEST_FIELDS = {
     "topLogprobs": "top_logprobs",
     "spm": "spm",
     "maxReasoningTokens": "max_reasoning_tokens",
+    "cacheReuse": "cache_reuse",
 }
 ONLY_INFILL = ("stopAtLine", "spm")  # inference/infill's own options
 

@@ -419,6 +419,15 @@ class LlamaModel(LlamaVocab):
         if self._mtp is not None:
             self._mtp.seq_copy(src, dst, start, end)
 
+    def can_shift(self) -> bool:
+        """Whether cells can move (ShiftsCells): llama.cpp's cache allows it (not M-RoPE, not a
+        recurrent model) and no multi-token-prediction head keeps cells of its own beside them."""
+        return self._mtp is None and bool(self.L.llama_memory_can_shift(self.mem))
+
+    def seq_shift(self, seq: int, start: int, end: int, delta: int) -> None:
+        self._next_ok = False
+        self.L.llama_memory_seq_add(self.mem, seq, start, end, delta)
+
     def memory(self) -> dict[str, Any]:
         return {
             "modelBytes": self.info.size_bytes,

@@ -26,6 +26,7 @@ from kinfer_rpc.host.options import SEED_BITS, RequestOptions
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.host.tools import ToolChoice
+from kinfer_rpc.types import LoadedModel
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -209,6 +210,15 @@ def _special_markers(entry: Loaded) -> dict[str, int]:
         return out
 
 
+def _model_of(entry: Loaded) -> LoadedModel:
+    """The entry's model; a clear error when an unload (or the server's end) took it while the
+    request was on its way (a thread hop or a render since the entry was found)."""
+    model = entry.engine.model
+    if model is None:
+        raise errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded")
+    return model
+
+
 class Requests:
     """The inference requests over one Runtime (and the workers that render chat templates)."""
 
@@ -245,8 +255,7 @@ class Requests:
         if (req.prompt is None) == (req.tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
         entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
-        model = entry.engine.model
-        assert model is not None  # a loaded entry's engine holds its model
+        model = _model_of(entry)
         if req.tokens is not None:
             n_vocab = model.info.n_vocab
             if bad := [t for t in req.tokens if not 0 <= t < n_vocab]:
@@ -305,8 +314,7 @@ class Requests:
         messages = list(req.messages)
         if entry.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": entry.system}, *messages]
-        model = entry.engine.model
-        assert model is not None  # a loaded entry's engine holds its model
+        model = _model_of(entry)
         tool_list = list(req.tools)
         choice = req.tool_choice
         calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
@@ -368,8 +376,7 @@ class Requests:
 
     async def tokenize(self, req: Tokenize) -> Tokens:
         entry = await self.runtime.model_for(req.model)
-        model = entry.engine.model
-        assert model is not None  # a loaded entry's engine holds its model
+        model = _model_of(entry)
         add = model.info.add_bos if req.add_special is None else req.add_special
 
         def run() -> Tokens:  # one hold for the tokens and their pieces

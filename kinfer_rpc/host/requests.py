@@ -239,7 +239,16 @@ class Requests:
         seed = random.getrandbits(SEED_BITS)
         entry = await self.runtime.model_for(name, owner or None, keep_alive)
         embeddings.refuse_generation(entry)
-        return entry, given.over(entry.defaults).resolve(seed)
+        opts = given.over(entry.defaults).resolve(seed)
+        # In use from here (no await since the entry was found): an idle model whose keep-alive
+        # has run out is not unloaded under a request on its way to the engine (_done_with).
+        entry.running += 1
+        return entry, opts
+
+    def _done_with(self, entry: Loaded) -> None:
+        """The request that _options gave `entry` to has ended."""
+        entry.running -= 1
+        entry.idle_since = time.monotonic()
 
     async def embed(self, req: embeddings.Embed) -> embeddings.Embeddings:
         """Each input's vector (kinfer_rpc.host.embeddings)."""
@@ -255,20 +264,23 @@ class Requests:
         if (req.prompt is None) == (req.tokens is None):
             raise errors.invalid_params("give exactly one of params.prompt and params.tokens")
         entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
-        model = _model_of(entry)
-        if req.tokens is not None:
-            n_vocab = model.info.n_vocab
-            if bad := [t for t in req.tokens if not 0 <= t < n_vocab]:
-                raise errors.invalid_params(f"token ids out of the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
-            ids = list(req.tokens)
-        else:
-            assert req.prompt is not None  # exactly one of prompt and tokens was given
-            add = model.info.add_bos if req.add_special is None else req.add_special
-            context = model.info.context_length
-            ids = await anyio.to_thread.run_sync(
-                entry.tokenize, req.prompt, add, True, context, limiter=entry.tokenizer
-            )
-        return await self._run(entry, ids, opts, sink, owner=owner, received=received)
+        try:
+            model = _model_of(entry)
+            if req.tokens is not None:
+                n_vocab = model.info.n_vocab
+                if bad := [t for t in req.tokens if not 0 <= t < n_vocab]:
+                    raise errors.invalid_params(f"token ids out of the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
+                ids = list(req.tokens)
+            else:
+                assert req.prompt is not None  # exactly one of prompt and tokens was given
+                add = model.info.add_bos if req.add_special is None else req.add_special
+                context = model.info.context_length
+                ids = await anyio.to_thread.run_sync(
+                    entry.tokenize, req.prompt, add, True, context, limiter=entry.tokenizer
+                )
+            return await self._run(entry, ids, opts, sink, owner=owner, received=received)
+        finally:
+            self._done_with(entry)
 
     async def infill(
         self, req: Infill, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
@@ -277,102 +289,114 @@ class Requests:
         prompt, ended by its pad and file separator tokens too; a reply that repeats the suffix
         loses the repeat."""
         entry, opts = await self._options(req.model, req.options, owner, req.keep_alive)
-        fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
-        if lacking := fill.missing(fim):
-            raise errors.invalid_params(
-                f"model {entry.name!r} cannot fill in the middle: its vocabulary has no "
-                + "/".join(f"fim_{k}" for k in lacking)
-                + " token",
-                {"field": "model", "fimTokens": fim},
+        try:
+            fim = await anyio.to_thread.run_sync(entry.fim_tokens, limiter=entry.tokenizer)
+            if lacking := fill.missing(fim):
+                raise errors.invalid_params(
+                    f"model {entry.name!r} cannot fill in the middle: its vocabulary has no "
+                    + "/".join(f"fim_{k}" for k in lacking)
+                    + " token",
+                    {"field": "model", "fimTokens": fim},
+                )
+            n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
+            spm = bool(req.options.over(entry.defaults).spm)
+            prompt = await anyio.to_thread.run_sync(
+                entry.infill_prompt,
+                req.prefix,
+                req.suffix,
+                list(req.extra),
+                n_predict,
+                spm,
+                req.middle,
+                limiter=entry.tokenizer,
             )
-        n_predict = opts.max_tokens if opts.max_tokens is not None else fill.DEFAULT_PREDICT
-        spm = bool(req.options.over(entry.defaults).spm)
-        prompt = await anyio.to_thread.run_sync(
-            entry.infill_prompt,
-            req.prefix,
-            req.suffix,
-            list(req.extra),
-            n_predict,
-            spm,
-            req.middle,
-            limiter=entry.tokenizer,
-        )
-        stops = tuple(fim[k] for k in fill.STOPS if k in fim)
-        reply = await self._run(
-            entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops), sink, owner=owner, received=received
-        )
-        return attrs.evolve(reply, text=fill.trim_repeated_suffix(reply.text, req.suffix), dropped=prompt.dropped)
+            stops = tuple(fim[k] for k in fill.STOPS if k in fim)
+            reply = await self._run(
+                entry, prompt.tokens, attrs.evolve(opts, stop_tokens=stops), sink, owner=owner, received=received
+            )
+            return attrs.evolve(reply, text=fill.trim_repeated_suffix(reply.text, req.suffix), dropped=prompt.dropped)
+        finally:
+            self._done_with(entry)
 
     async def chat(
         self, req: Chat, sink: Sink | None = None, *, owner: int = 0, received: float | None = None
     ) -> Reply:
         entry, opts = await self._options(req.model, req.options, owner, req.keep_alive, chat=True)
-        template = entry.engine.template
-        found = await anyio.to_thread.run_sync(entry.reasoning_markers, limiter=entry.tokenizer)
-        budget = req.options.over(entry.defaults).max_reasoning_tokens
-        reasoning.refuse(found, template, entry.name, req.think, budget)
-        messages = list(req.messages)
-        if entry.system and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": entry.system}, *messages]
-        model = _model_of(entry)
-        tool_list = list(req.tools)
-        choice = req.tool_choice
-        calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
-        fmt = ""
-        if calling:
+        try:
             template = entry.engine.template
-            if not tools.template_supports_tools(template):
-                raise errors.invalid_params(
-                    f"the chat template of {entry.name!r} does not support tools (it never mentions them)",
-                    {"field": "tools"},
-                )
-            fmt = tools.call_format(template)
-            if choice.mode in ("required", "function"):
-                if opts.constraint is not None:
+            found = await anyio.to_thread.run_sync(entry.reasoning_markers, limiter=entry.tokenizer)
+            budget = req.options.over(entry.defaults).max_reasoning_tokens
+            reasoning.refuse(found, template, entry.name, req.think, budget)
+            messages = list(req.messages)
+            if entry.system and not any(m["role"] == "system" for m in messages):
+                messages = [{"role": "system", "content": entry.system}, *messages]
+            model = _model_of(entry)
+            tool_list = list(req.tools)
+            choice = req.tool_choice
+            calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
+            fmt = ""
+            if calling:
+                template = entry.engine.template
+                if not tools.template_supports_tools(template):
                     raise errors.invalid_params(
-                        f"toolChoice {choice.mode!r} holds the reply to tool calls: it cannot also take "
-                        f"options.{opts.constraint[0]}",
-                        {"field": "toolChoice"},
+                        f"the chat template of {entry.name!r} does not support tools (it never mentions them)",
+                        {"field": "tools"},
                     )
-                special = await anyio.to_thread.run_sync(_special_markers, entry, limiter=entry.tokenizer)
-                grammar = tools.call_grammar(tool_list, choice, fmt, parallel=req.parallel_tool_calls, special=special)
-                opts = attrs.evolve(opts, constraint=("tools", grammar))
-        # In a worker process: a model file's template is untrusted and may be slow or huge; the
-        # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
-        text = await self.renderer.render(
-            entry,
-            entry.engine.template,
-            messages,
-            bos=model.info.bos_text,
-            eos=model.info.eos_text,
-            tools=tool_list if calling else None,
-            variables=reasoning.switches(found, req.think) if found is not None else None,
-            client=owner,
-            share=self.runtime.connections > 1,
-        )
-        if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
-            raise errors.KinferError(
-                errors.REQUEST_CANCELLED, "the model was unloaded during its chat template's render"
+                fmt = tools.call_format(template)
+                if choice.mode in ("required", "function"):
+                    if opts.constraint is not None:
+                        raise errors.invalid_params(
+                            f"toolChoice {choice.mode!r} holds the reply to tool calls: it cannot also take "
+                            f"options.{opts.constraint[0]}",
+                            {"field": "toolChoice"},
+                        )
+                    special = await anyio.to_thread.run_sync(_special_markers, entry, limiter=entry.tokenizer)
+                    grammar = tools.call_grammar(
+                        tool_list, choice, fmt, parallel=req.parallel_tool_calls, special=special
+                    )
+                    opts = attrs.evolve(opts, constraint=("tools", grammar))
+            # In a worker process: a model file's template is untrusted and may be slow or huge; the
+            # server keeps answering everyone else meanwhile (kinfer_rpc.host.render).
+            text = await self.renderer.render(
+                entry,
+                entry.engine.template,
+                messages,
+                bos=model.info.bos_text,
+                eos=model.info.eos_text,
+                tools=tool_list if calling else None,
+                variables=reasoning.switches(found, req.think) if found is not None else None,
+                client=owner,
+                share=self.runtime.connections > 1,
             )
-        if found is not None:
-            text, inside = reasoning.prompt_end(found, text, req.think)
-            if inside:
-                end = await anyio.to_thread.run_sync(entry.tokenize, found.close, False, True, limiter=entry.tokenizer)
-                opts = attrs.evolve(opts, reasoning=Reasoning(tuple(end), budget))
-        add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
-        ids = await anyio.to_thread.run_sync(
-            entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
-        )
-        if not calling:
-            return await self._run(entry, ids, opts, sink, owner=owner, received=received)
-        names = [t["function"]["name"] for t in tool_list]
-        reply = await self._run(entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received)
-        content, calls = tools.parse_calls(reply.text, fmt, names)
-        if not req.parallel_tool_calls:
-            calls = calls[:1]
-        if calls:
-            return attrs.evolve(reply, text=content, tool_calls=tuple(calls), stop_reason="toolCalls")
-        return reply
+            if self.runtime.loaded.get(entry.name) is not entry:  # unloaded as the render ended: as stop() says
+                raise errors.KinferError(
+                    errors.REQUEST_CANCELLED, "the model was unloaded during its chat template's render"
+                )
+            if found is not None:
+                text, inside = reasoning.prompt_end(found, text, req.think)
+                if inside:
+                    end = await anyio.to_thread.run_sync(
+                        entry.tokenize, found.close, False, True, limiter=entry.tokenizer
+                    )
+                    opts = attrs.evolve(opts, reasoning=Reasoning(tuple(end), budget))
+            add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
+            ids = await anyio.to_thread.run_sync(
+                entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
+            )
+            if not calling:
+                return await self._run(entry, ids, opts, sink, owner=owner, received=received)
+            names = [t["function"]["name"] for t in tool_list]
+            reply = await self._run(
+                entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received
+            )
+            content, calls = tools.parse_calls(reply.text, fmt, names)
+            if not req.parallel_tool_calls:
+                calls = calls[:1]
+            if calls:
+                return attrs.evolve(reply, text=content, tool_calls=tuple(calls), stop_reason="toolCalls")
+            return reply
+        finally:
+            self._done_with(entry)
 
     async def tokenize(self, req: Tokenize) -> Tokens:
         entry = await self.runtime.model_for(req.model)

@@ -462,7 +462,6 @@ class Requests:
             constraint=constraint,
             owner=owner,
         )
-        entry.running += 1
         if sink is not None:
             sink.started(lambda: reply_of(job, entry.name, text_of))
         try:
@@ -492,9 +491,6 @@ class Requests:
         except BaseException:
             entry.engine.cancel(job)
             raise
-        finally:
-            entry.running -= 1
-            entry.idle_since = time.monotonic()
         if (trace := tracing.current()) is not None:
             arrived = received if received is not None else job.t_submit
             trace.write("request", received=arrived, submit=job.t_submit, answered=time.perf_counter())

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import attrs
 
 from kinfer_rpc.client import shapes
-
-if TYPE_CHECKING:
-    from kinfer_rpc.client.aio import AsyncStream
-    from kinfer_rpc.client.sync import Stream
 
 
 @attrs.frozen
@@ -129,7 +126,17 @@ class Thought(str):
     `stream.text` the others."""
 
 
-def _take_piece(stream: Stream | AsyncStream, value: dict[str, Any]) -> None:
+class _Pieces(Protocol):
+    """What a stream (sync or async) collects of its partial results."""
+
+    text: str
+    reasoning: str
+    pending: collections.deque[str]
+    tool_calls: list[ToolCall]
+    logprobs: list[TokenLogprob]
+
+
+def _take_piece(stream: _Pieces, value: dict[str, Any]) -> None:
     """A partial result's calls, logprobs, reasoning and text, onto the stream (its pieces to
     hand out in `pending`)."""
     stream.tool_calls += _tool_calls(value.get("toolCalls"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import signal
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -35,7 +37,6 @@ from kinfer_rpc.client.wire import (
     _generate_params,
     _infill_params,
     _initialize_params,
-    _interrupts,
     _Params,
     _params,
     _rerank_params,
@@ -43,6 +44,56 @@ from kinfer_rpc.client.wire import (
     _Wire,
     server_command,
 )
+
+
+class _Interrupts:
+    """Ctrl-C while a stream is open cancels it, wherever the KeyboardInterrupt lands: in the
+    stream's own wait, or in the caller's loop body, where the stream cannot see it (a bare
+    `for piece in stream:` holds the stream until it is collected). While a stream is open the
+    main thread's SIGINT handler, if it is Python's default, becomes one that sends the open
+    streams' `$/cancelRequest` (from a thread of its own: the signal may land while this thread
+    writes to the server) and then raises KeyboardInterrupt as the default does. The default comes
+    back when no stream is open. A program's own SIGINT handler is left alone."""
+
+    def __init__(self) -> None:
+        self.open: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self.installed = False
+
+    def add(self, stream: Stream) -> None:
+        self.open.add(stream)
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self.installed = True
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            pass
+
+    def discard(self, stream: Stream) -> None:
+        self.open.discard(stream)
+        if not self.installed or len(self.open) or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) == self._on_sigint:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.installed = False
+        except (ValueError, OSError):
+            pass
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        streams = list(self.open)
+
+        def cancel() -> None:
+            for stream in streams:
+                stream.cancel()
+
+        if streams:
+            threading.Thread(target=cancel, daemon=True).start()
+        signal.default_int_handler(signum, frame)
+
+
+_interrupts = _Interrupts()
 
 
 class Stream:

@@ -246,6 +246,30 @@ def test_a_client_that_disconnects_cancels_its_request(served):
     raise AssertionError("the disconnected request kept its slot")
 
 
+def test_an_http_connection_holds_its_model_only_while_a_request_runs(served):
+    """A model's holders are its open sessions, and an HTTP connection only while a request of it
+    runs: a kept-alive connection between requests, or one gone, holds nothing."""
+
+    def holders() -> int:
+        (m,) = [m for m in served.status() if m["model"] == MODEL]
+        return m["holders"]
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000, "ignore_eos": True}
+    with httpx.Client(timeout=60) as h:
+        for _ in range(3):  # one kept-alive connection, request after request
+            r = h.post(served.url + "/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200
+            assert holders() == 0
+        with h.stream("POST", served.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+            assert r.status_code == 200 and next(lines).startswith("data: ")
+            assert holders() == 1  # while it runs
+    deadline = time.monotonic() + 20
+    while holders() != 0:
+        assert time.monotonic() < deadline, "a connection gone still holds its model"
+        time.sleep(0.1)
+
+
 # -- Ollama ----------------------------------------------------------------------------------------
 def test_ollama_client(served):
     c = ollama.Client(host=served.url)

@@ -487,7 +487,10 @@ export interface LoadedModel {
    * load options named one.
    */
   mainGpu?: number;
-  /** The connections holding it: those that loaded it or ran requests on it and are still open. */
+  /**
+   * The connections holding it: those that loaded it or ran requests on it and are still open; an HTTP connection only
+   * while a request of it runs.
+   */
   holders: number;
   /** The model/load calls answered with this instance (the first one loaded it). */
   loads: number;
@@ -613,7 +616,10 @@ export interface ModelStatusReady {
   placementReason: string;
   /** Tensor-name patterns (regular expressions) kept in host memory. */
   hostTensors: string[];
-  /** The connections holding it: those that loaded it or ran requests on it and are still open. */
+  /**
+   * The connections holding it: those that loaded it or ran requests on it and are still open; an HTTP connection only
+   * while a request of it runs.
+   */
   holders: number;
   /** The model/load calls answered with this instance (the first one loaded it). */
   loads: number;

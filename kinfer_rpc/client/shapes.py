@@ -609,7 +609,8 @@ class LoadedModel(TypedDict):
     # load options named one.
     mainGpu: NotRequired[int]
 
-    # The connections holding it: those that loaded it or ran requests on it and are still open.
+    # The connections holding it: those that loaded it or ran requests on it and are still open; an HTTP connection only
+    # while a request of it runs.
     holders: int
 
     # The model/load calls answered with this instance (the first one loaded it).
@@ -764,7 +765,8 @@ class ModelStatusReady(TypedDict):
     # Tensor-name patterns (regular expressions) kept in host memory.
     hostTensors: list[str]
 
-    # The connections holding it: those that loaded it or ran requests on it and are still open.
+    # The connections holding it: those that loaded it or ran requests on it and are still open; an HTTP connection only
+    # while a request of it runs.
     holders: int
 
     # The model/load calls answered with this instance (the first one loaded it).

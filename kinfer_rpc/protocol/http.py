@@ -72,17 +72,19 @@ class Auth:
 
 
 class InFlight:
-    """Counts the HTTP requests in flight for the service (Service.face_request)."""
+    """Counts the HTTP requests in flight for the service (Service.face_request) and for their
+    connection (Owners.request: a connection holds models only while a request of it runs)."""
 
-    def __init__(self, app: Any, service: Service):
+    def __init__(self, app: Any, service: Service, owners: Owners):
         self.app = app
         self.service = service
+        self.owners = owners
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        with self.service.face_request():
+        with self.service.face_request(), self.owners.request(scope.get("client")):
             await self.app(scope, receive, send)
 
 
@@ -95,7 +97,7 @@ def make_app(service: Service, *, api_key: str | None = None, cors: list[str] | 
         return Response("kinfer is running", media_type="text/plain")
 
     routes.append(Route("/", root, methods=["GET", "HEAD"]))
-    middleware = [Middleware(InFlight, service=service), Middleware(Auth, api_key=api_key)]
+    middleware = [Middleware(InFlight, service=service, owners=owners), Middleware(Auth, api_key=api_key)]
     if cors:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])

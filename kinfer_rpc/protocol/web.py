@@ -5,8 +5,9 @@ id per client connection."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -144,18 +145,37 @@ class Flow(Response):
 
 
 class Owners:
-    """One owner id (the runtime's fair shares, the models it holds) per client connection."""
+    """One owner id (the runtime's fair shares, the models it holds) per client connection, while
+    it has a request running: when its last request ends, the connection lets go of the models it
+    held (they stay for their keep-alive), as a session does when it closes. An HTTP connection
+    kept alive between requests holds nothing between them."""
 
     def __init__(self, service: Service):
         self._service = service
         self._ids: dict[tuple[str, int], int] = {}
+        self._running: dict[tuple[str, int], int] = {}
+
+    @staticmethod
+    def _key(client: tuple[str, int] | Any) -> tuple[str, int]:
+        return (client[0], client[1]) if client is not None else ("", 0)
+
+    @contextlib.contextmanager
+    def request(self, client: tuple[str, int] | None) -> Iterator[None]:
+        """An HTTP request of `client` (the ASGI scope's), while it runs."""
+        key = self._key(client)
+        self._running[key] = self._running.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+                owner = self._ids.pop(key, None)
+                if owner is not None:
+                    self._service.runtime.release(owner)
 
     def of(self, request: Request) -> int:
-        client = request.client
-        key = (client.host, client.port) if client is not None else ("", 0)
+        key = self._key(request.client)
         if key not in self._ids:
-            if len(self._ids) > 4096:  # forget the oldest connections' ids
-                for old in list(self._ids)[:1024]:
-                    del self._ids[old]
             self._ids[key] = self._service.new_owner()
         return self._ids[key]

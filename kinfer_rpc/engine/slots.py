@@ -64,6 +64,8 @@ class Slots:
         """Give `job` a slot and set job.n_past to what its cells already hold."""
         prompt = job.prompt
         limit = len(prompt) - 1  # the last prompt token is always computed: it gives the logits
+        # an image's placeholders say nothing of the image: cells are shared only before the first
+        limit = min(limit, job.exact)
         if self.prefix < 0 or limit <= 0:
             self.free.sort()
             job.slot = self.free.pop(0)
@@ -86,6 +88,7 @@ class Slots:
                 common_prefix(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
                 other.n_past,
                 limit,
+                other.exact,
             )
             n = self._usable(other.slot, n, reuse)
             if n > best_busy_len:
@@ -149,7 +152,9 @@ class Slots:
         self.last_used[slot] = self.clock
         if self.prefix >= 0:
             history = job.prompt + job.generated
-            self.kept[slot] = history[: job.n_past]
+            self.kept[slot] = history[: min(job.n_past, job.exact)]
+            if job.exact < job.n_past:  # cells past an image's placeholders are of no use to others
+                self.model.seq_remove(slot, job.exact, -1)
             self.free.append(slot)
             self._trim()
             return []

@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
 import anyio
@@ -31,6 +32,7 @@ from kinfer_rpc.types import (
     LoadOptions,
     MachineAware,
     MachineInfo,
+    Media,
     ModelFacts,
     PlacementPlan,
     Reproducible,
@@ -147,6 +149,17 @@ class Loaded:
             return None
         with self.engine.hold() as model:
             return self.grammars.matcher(model, *opts.constraint)
+
+
+def _projector(given: str) -> str:
+    """The file of a load's options.projector (a path; ~ is the home folder); -32602 if none."""
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise errors.invalid_params(
+            f"options.projector: no file {given!r} (the path of a vision projector GGUF, llama.cpp's mmproj)",
+            {"field": "options.projector"},
+        )
+    return str(path.resolve())
 
 
 def _check_cache_reuse(entry: Loaded) -> None:
@@ -390,6 +403,9 @@ class Runtime:
             # device; the count is fixed for the life of the load either way.
             draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra.draft_model, backend)
             opts = attrs.evolve(opts, drafts=extra.drafts, mtp=policy == "mtp", draft_model=draft_model)
+            # A projector named by the load, else the one the store found (an Ollama model's layer).
+            projector = _projector(opts.projector) if opts.projector is not None else ref.projector
+            opts = attrs.evolve(opts, projector=projector)
             placement = extra.placement
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
@@ -737,13 +753,20 @@ class Runtime:
         on_done: Callable[[Job], None] | None = None,
         constraint: Any = None,
         owner: int = 0,
+        media: tuple[Media, ...] = (),
     ) -> Job:
         """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
-        compiled from them) to the entry's engine."""
+        compiled from them) to the entry's engine; `media`: the prompt's images."""
         if opts.cache_reuse:
             _check_cache_reuse(entry)
         job = Job(
-            ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint, owner=owner
+            ids,
+            self.drafting(entry, opts),
+            on_piece=on_piece,
+            on_done=on_done,
+            constraint=constraint,
+            owner=owner,
+            media=media,
         )
         entry.engine.submit(job)
         return job

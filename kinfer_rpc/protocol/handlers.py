@@ -26,7 +26,7 @@ from kinfer_rpc.protocol.connection import RequestContext
 from kinfer_rpc.protocol.fields import Fields
 from kinfer_rpc.protocol.options import load_request, request_options
 from kinfer_rpc.protocol.results import embeddings_json, engine_status, piece_json, ranking_json, reply_json
-from kinfer_rpc.types import LoadedModel, LoadOptions
+from kinfer_rpc.types import LoadedModel, LoadOptions, Vision
 
 
 class _Progress:
@@ -241,6 +241,9 @@ class Handlers:
                     "ubatch": entry.options.ubatch,
                     "gpuLayers": entry.options.gpu_layers,
                     **({"reproducible": self._reproducible(model)} if model is not None else {}),
+                    # a model that reads images: how many its projector encoded, and how many came
+                    # from the cache of images it encoded before
+                    **({"images": model.media_stats()} if isinstance(model, Vision) and model.vision else {}),
                     **self._placement_fields(entry),
                     **_sharing(entry),
                 }

@@ -1,0 +1,159 @@
+"""Images in chat messages, through `kinfer-rpc` as a client spawns it: SmolLM2 loaded with a
+vision projector (model/load's options.projector) reads a message's `images` through llama.cpp's
+libmtmd. No vision model's weights can be had offline, so the projector is a generated one with
+random weights (tests/modelgen/make_vision_projector.py): these tests show the plumbing (an image
+read, encoded, its embeddings in the prompt, kept by its hash, refused where it cannot be read),
+not that a model sees anything."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+
+import pytest
+from make_vision_projector import make_vision_projector
+from rpcclient import RpcClient, error_of
+
+from kinfer_rpc import errors
+from kinfer_rpc.default_plugins.llama import vision
+from kinfer_rpc.host.store import embedded_default_path
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not vision.available()[0], reason=vision.available()[1] or "libmtmd is there"),
+]
+
+GREEDY = {"temperature": 0, "maxTokens": 8}
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG file of one colour."""
+    raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+RED = png(40, 30, (200, 10, 10))
+BLUE = png(24, 24, (10, 10, 220))
+
+
+@pytest.fixture(scope="module")
+def projector(tmp_path_factory):
+    return make_vision_projector(tmp_path_factory.mktemp("vision") / "mmproj.gguf")
+
+
+@pytest.fixture(scope="module")
+def seeing(projector):
+    """A server with SmolLM2 loaded with the projector (two slots)."""
+    c = RpcClient.spawn()
+    try:
+        c.initialize()
+        loaded = c.load_model(embedded_default_path(), contextLength=512, slots=2, projector=projector)
+        yield c, loaded["model"]
+    finally:
+        c.close(timeout=10, check=False)
+
+
+def ask(client, model, images, text="What is in this picture?", **extra):
+    message = {"role": "user", "content": text, "images": images}
+    return client.request("inference/chat", {"model": model, "messages": [message], "options": GREEDY, **extra})
+
+
+def image_counts(client, model):
+    return client.call("model/status", {"model": model})["models"][0]["images"]
+
+
+def test_an_image_is_read_and_encoded_once_by_its_content(seeing, tmp_path):
+    client, model = seeing
+    before = image_counts(client, model)
+    first = ask(client, model, [base64.b64encode(RED).decode()])["result"]
+    assert first["usage"]["promptTokens"] > 16  # the image's 16 positions and the text
+    after = image_counts(client, model)
+    assert after["encoded"] == before["encoded"] + 1 and after["cached"] == before["cached"]
+    # the same image again, as a data: URL and as a file's path: the cache answers, not the encoder
+    url = "data:image/png;base64," + base64.b64encode(RED).decode()
+    again = ask(client, model, [url])["result"]
+    path = tmp_path / "red.png"
+    path.write_bytes(RED)
+    third = ask(client, model, [str(path)])["result"]
+    counts = image_counts(client, model)
+    assert counts["encoded"] == after["encoded"] and counts["cached"] == after["cached"] + 2, counts
+    assert again["text"] == first["text"] == third["text"]
+    assert again["usage"]["promptTokens"] == first["usage"]["promptTokens"]
+    # another image is encoded
+    ask(client, model, [base64.b64encode(BLUE).decode()])["result"]
+    assert image_counts(client, model)["encoded"] == after["encoded"] + 1
+
+
+def test_images_take_their_place_among_the_turns(seeing):
+    client, model = seeing
+    b64 = base64.b64encode(RED).decode()
+    messages = [
+        {"role": "user", "content": "Two pictures.", "images": [b64, base64.b64encode(BLUE).decode()]},
+        {"role": "assistant", "content": "I see them."},
+        {"role": "user", "content": "And this one?", "images": [b64]},
+    ]
+    reply = client.call("inference/chat", {"model": model, "messages": messages, "options": GREEDY})
+    assert reply["usage"]["promptTokens"] > 3 * 16
+    # a text-only request after it: the prefix pool gives it no cells of the images' placeholders
+    text = client.call(
+        "inference/chat", {"model": model, "messages": [{"role": "user", "content": "Two pictures."}], "options": GREEDY}
+    )
+    assert text["usage"]["completionTokens"] >= 1
+
+
+def test_streamed_and_concurrent_requests_with_images(seeing):
+    client, model = seeing
+    one = ask(client, model, [base64.b64encode(RED).decode()])["result"]
+    rids = [
+        client.request_async(
+            "inference/chat",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "What is in this picture?", "images": [img]}],
+                "options": GREEDY,
+            },
+        )
+        for img in (base64.b64encode(RED).decode(), base64.b64encode(BLUE).decode())
+    ]
+    replies = [client.response(rid, timeout=60)["result"] for rid in rids]
+    assert replies[0]["text"] == one["text"]  # the same reply beside another request's image
+
+
+def test_what_is_not_an_image_is_refused(seeing):
+    client, model = seeing
+    bad = error_of(ask(client, model, ["not base64!"]))
+    assert bad["code"] == errors.INVALID_PARAMS and bad["data"]["field"] == "messages[0].images[0]", bad
+    unreadable = error_of(ask(client, model, [base64.b64encode(b"no picture here").decode()]))
+    assert unreadable["code"] == errors.INVALID_PARAMS and "image" in unreadable["message"], unreadable
+    missing = error_of(ask(client, model, ["/no/such/picture.png"]))
+    assert missing["code"] == errors.INVALID_PARAMS, missing
+    marker = error_of(ask(client, model, [base64.b64encode(RED).decode()], text="<__media__> twice"))
+    assert marker["code"] == errors.INVALID_PARAMS and marker["data"]["field"] == "messages[0].content", marker
+    # the server goes on
+    assert ask(client, model, [base64.b64encode(RED).decode()])["result"]["usage"]["completionTokens"] >= 1
+
+
+def test_a_model_without_a_projector_refuses_images():
+    with RpcClient.spawn() as client:
+        client.initialize()
+        model = client.load_model()["model"]
+        err = error_of(ask(client, model, [base64.b64encode(RED).decode()]))
+        assert err["code"] == errors.NOT_SUPPORTED, err
+        assert err["data"] == {"field": "messages[0].images", "model": model}, err
+        assert "projector" in err["message"]
+        client.close(timeout=10)
+
+
+def test_a_projector_that_is_not_there_is_refused(bare):
+    err = error_of(
+        bare.request(
+            "model/load", {"model": embedded_default_path(), "options": {"projector": "/no/such/mmproj.gguf"}}
+        )
+    )
+    assert err["code"] == errors.INVALID_PARAMS and err["data"]["field"] == "options.projector", err

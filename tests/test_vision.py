@@ -8,11 +8,9 @@ not that a model sees anything."""
 from __future__ import annotations
 
 import base64
-import struct
-import zlib
 
 import pytest
-from make_vision_projector import make_vision_projector
+from make_vision_projector import make_vision_projector, png
 from rpcclient import RpcClient, error_of
 
 from kinfer_rpc import errors
@@ -25,17 +23,6 @@ pytestmark = [
 ]
 
 GREEDY = {"temperature": 0, "maxTokens": 8}
-
-
-def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
-    """A PNG file of one colour."""
-    raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 RED = png(40, 30, (200, 10, 10))
@@ -101,9 +88,8 @@ def test_images_take_their_place_among_the_turns(seeing):
     reply = client.call("inference/chat", {"model": model, "messages": messages, "options": GREEDY})
     assert reply["usage"]["promptTokens"] > 3 * 16
     # a text-only request after it: the prefix pool gives it no cells of the images' placeholders
-    text = client.call(
-        "inference/chat", {"model": model, "messages": [{"role": "user", "content": "Two pictures."}], "options": GREEDY}
-    )
+    alone = [{"role": "user", "content": "Two pictures."}]
+    text = client.call("inference/chat", {"model": model, "messages": alone, "options": GREEDY})
     assert text["usage"]["completionTokens"] >= 1
 
 
@@ -152,8 +138,67 @@ def test_a_model_without_a_projector_refuses_images():
 
 def test_a_projector_that_is_not_there_is_refused(bare):
     err = error_of(
-        bare.request(
-            "model/load", {"model": embedded_default_path(), "options": {"projector": "/no/such/mmproj.gguf"}}
-        )
+        bare.request("model/load", {"model": embedded_default_path(), "options": {"projector": "/no/such/mmproj.gguf"}})
     )
     assert err["code"] == errors.INVALID_PARAMS and err["data"]["field"] == "options.projector", err
+
+
+def test_the_python_client_sends_bytes_and_paths(projector, tmp_path):
+    from kinfer_rpc.client import Client
+
+    path = tmp_path / "red.png"
+    path.write_bytes(RED)
+    with Client() as kinfer:
+        model = kinfer.load(embedded_default_path(), contextLength=512, slots=1, projector=projector).model
+        as_bytes = kinfer.chat([{"role": "user", "content": "What is it?", "images": [RED]}], model, **WIRE)
+        as_path = kinfer.chat([{"role": "user", "content": "What is it?", "images": [path]}], model, **WIRE)
+        assert as_bytes.text == as_path.text and as_bytes.usage.prompt_tokens > 16
+
+
+WIRE = {"temperature": 0, "maxTokens": 8}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, projector):
+    """`kinfer serve --http` with SmolLM2 loaded with the projector (through its socket)."""
+    from served import BIN, Served
+
+    from kinfer_rpc.client import Client
+
+    s = Served(tmp_path_factory.mktemp("http-vision"))
+    try:
+        attach = [str(BIN / "kinfer-rpc"), "--attach", "--socket", str(s.socket)]
+        with Client(attach, env=s.env) as c:
+            model = c.load(embedded_default_path(), contextLength=512, slots=2, projector=projector, keep_alive=-1)
+        yield s, model.model
+    finally:
+        assert s.stop() == 0
+
+
+def test_openai_image_url_parts_and_ollama_images(served, tmp_path):
+    import ollama
+    import openai
+
+    s, model = served
+    oa = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    url = "data:image/png;base64," + base64.b64encode(RED).decode()
+    parts = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    r = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}], max_tokens=8, seed=1)
+    assert r.usage.prompt_tokens > 16 and r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="image_url"):  # kinfer fetches nothing
+        oa.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}],
+        )
+    client = ollama.Client(host=s.url)
+    path = tmp_path / "red.png"
+    path.write_bytes(RED)
+    reply = client.chat(
+        model=model, messages=[{"role": "user", "content": "What is it?", "images": [path]}], options={"num_predict": 4}
+    )
+    assert reply.prompt_eval_count > 16
+    gen = client.generate(model=model, prompt="What is it?", images=[RED], options={"num_predict": 4})
+    assert gen.prompt_eval_count > 16
+    # a model without a projector: 400 naming the field
+    with pytest.raises(openai.BadRequestError, match="images"):
+        oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": parts}])

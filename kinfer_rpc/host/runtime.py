@@ -28,6 +28,7 @@ from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
 from kinfer_rpc.types import (
     Backend,
+    BackendFeatures,
     LoadedModel,
     LoadOptions,
     MachineAware,
@@ -151,14 +152,27 @@ class Loaded:
             return self.grammars.matcher(model, *opts.constraint)
 
 
-def _projector(given: str) -> str:
-    """The file of a load's options.projector (a path; ~ is the home folder); -32602 if none."""
+def _projector(ref: ModelRef, backend: Backend, given: str | None) -> str | None:
+    """The vision projector a load gives the backend: the file options.projector names (a path;
+    ~ is the home folder; -32602 if there is none, -31006 if the backend reads no images), else
+    the one the store found (an Ollama model's projector layer) where the backend reads images;
+    without that the model loads for text, and says so in the log."""
+    features = backend.features() if isinstance(backend, BackendFeatures) else {}
+    if given is None:
+        if ref.projector is not None and not features.get("vision"):
+            why = features.get("visionUnavailable") or f"the {backend.name} backend reads no images"
+            log.warning("%s loads for text, without its vision projector: %s", ref.name, why)
+            return None
+        return ref.projector
     path = Path(given).expanduser()
     if not path.is_file():
         raise errors.invalid_params(
             f"options.projector: no file {given!r} (the path of a vision projector GGUF, llama.cpp's mmproj)",
             {"field": "options.projector"},
         )
+    if not features.get("vision"):
+        why = features.get("visionUnavailable") or f"the {backend.name} backend reads no images"
+        raise errors.KinferError(errors.NOT_SUPPORTED, f"options.projector: {why}", {"field": "options.projector"})
     return str(path.resolve())
 
 
@@ -404,8 +418,7 @@ class Runtime:
             draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra.draft_model, backend)
             opts = attrs.evolve(opts, drafts=extra.drafts, mtp=policy == "mtp", draft_model=draft_model)
             # A projector named by the load, else the one the store found (an Ollama model's layer).
-            projector = _projector(opts.projector) if opts.projector is not None else ref.projector
-            opts = attrs.evolve(opts, projector=projector)
+            opts = attrs.evolve(opts, projector=_projector(ref, backend, opts.projector))
             placement = extra.placement
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(

@@ -262,8 +262,8 @@ def _messages(value: object) -> list[dict[str, Any]]:
 def _image_url(value: object, at: str) -> str:
     """An image_url part's image: a data: URL (kinfer fetches nothing from the network)."""
     url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise unsupported(f"{at}.image_url", "an image's URL other than a data: URL (kinfer fetches nothing)")
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url.partition(",")[0] + ",":
+        raise unsupported(f"{at}.image_url", "an image other than a base64 data: URL (kinfer fetches nothing)")
     return url
 
 

@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
+import zlib
 
 import numpy as np
 
 IMAGE_SIZE = 32
 PATCH = 8
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2  # an image's positions in the prompt
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG file of one colour (the tests' images)."""
+    raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def make_vision_projector(dst: str | os.PathLike[str], embd: int = 576, seed: int = 0) -> str:

@@ -43,7 +43,8 @@ def seeing(projector):
         loaded = c.load_model(embedded_default_path(), contextLength=512, slots=2, projector=projector)
         yield c, loaded["model"]
     finally:
-        c.close(timeout=10, check=False)
+        c.close(timeout=10)
+    c.assert_clean()  # every message as spec/metaModel.json says (model/status's images too)
 
 
 def ask(client, model, images, text="What is in this picture?", **extra):
@@ -134,6 +135,7 @@ def test_a_model_without_a_projector_refuses_images():
         assert err["data"] == {"field": "messages[0].images", "model": model}, err
         assert "projector" in err["message"]
         client.close(timeout=10)
+        client.assert_clean()
 
 
 def test_a_projector_that_is_not_there_is_refused(bare):

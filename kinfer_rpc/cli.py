@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -155,7 +156,33 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, attr, None)
         if value is not None:
             options[name] = value
+    if getattr(args, "projector", None) is not None:
+        options["projector"] = os.path.abspath(os.path.expanduser(args.projector))
     return options
+
+
+_IMAGE = r"[^\n]*?\.(?:png|jpe?g|webp|gif|bmp)"
+# a quoted path of an image file, or an unquoted one (no spaces), ended by space or punctuation
+IMAGE_PATH = re.compile(
+    rf"""(['"])({_IMAGE})\1|(?<![^\s(])(~?[^\s'"()]*\.(?:png|jpe?g|webp|gif|bmp))(?=[\s.,;:!?)]|$)""", re.I
+)
+
+
+def image_paths(text: str) -> tuple[str, list[str]]:
+    """The prompt without the paths of the image files it names, and those files' absolute paths
+    (as Ollama's CLI finds them: a path, quoted where it has spaces, of an existing file with an
+    image's suffix; `~` is the home folder)."""
+    found: list[str] = []
+
+    def take(m: re.Match[str]) -> str:
+        path = os.path.expanduser(m.group(2) or m.group(3))
+        if not os.path.isfile(path):
+            return m.group(0)
+        found.append(os.path.abspath(path))
+        return ""
+
+    rest = IMAGE_PATH.sub(take, text)
+    return (re.sub(r"  +", " ", rest).strip() if found else text), found
 
 
 def _bar(transient: bool = True, quiet: bool = False) -> Progress:
@@ -490,6 +517,14 @@ class _Chat:
         self.think: bool | str | None = args.think  # None: as the model's template does
         self.hide_thinking: bool = args.hidethinking
         self.last_reasoning: str | None = None  # the last reply's, for /show thinking
+        self._sees: bool | None = None  # whether the model reads images (asked once)
+
+    def sees(self) -> bool:
+        """Whether the loaded model reads images (loaded with a vision projector)."""
+        if self._sees is None:
+            found = self.kinfer.status(self.loaded.model)
+            self._sees = bool(found) and found[0].images is not None
+        return self._sees
 
     def say(self, text: str) -> None:
         """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
@@ -498,7 +533,13 @@ class _Chat:
     def ask(self, text: str) -> Result | None:
         """One question and its reply, printed; None when Ctrl-C stopped it (the turn is dropped)."""
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
-        messages.append({"role": "user", "content": text})
+        question: dict[str, Any] = {"role": "user", "content": text}
+        rest, images = image_paths(text)
+        if images and self.sees():  # a vision model: the image files the prompt names are shown to it
+            question = {"role": "user", "content": rest, "images": images}
+            for path in images:
+                err.print(f"Added image '{path}'", markup=False, highlight=False)
+        messages.append(question)
         args = self.args
         start = time.perf_counter()
         stream = self.kinfer.stream_chat(
@@ -733,7 +774,7 @@ class _Chat:
         except RpcError as exc:
             self.error(advice.for_error(exc.code, exc.message, exc.data).text(_message_width(), "kinfer: "))
             return
-        self.loaded, self.turns = loaded, []
+        self.loaded, self.turns, self._sees = loaded, [], None
         self.load_seconds = time.perf_counter() - start
         self.say(f"Loaded {loaded.model} ({loaded.backend}); the conversation starts over.")
 
@@ -1858,6 +1899,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     loading.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     loading.add_argument("--gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
     loading.add_argument("--context-length", type=int, default=None, help="context per slot")
+    loading.add_argument(
+        "--projector",
+        default=None,
+        metavar="FILE",
+        help="the model's vision projector (mmproj GGUF): a prompt's image paths are then read",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     talking = _Parser(add_help=False)  # chat and run

@@ -204,3 +204,41 @@ def test_openai_image_url_parts_and_ollama_images(served, tmp_path):
     # a model without a projector: 400 naming the field
     with pytest.raises(openai.BadRequestError, match="images"):
         oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": parts}])
+
+
+def test_kinfer_run_shows_the_images_a_prompt_names(projector, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from kinfer_rpc.cli import image_paths
+
+    path = tmp_path / "red picture.png"
+    path.write_bytes(RED)
+    assert image_paths(f"What is in '{path}'?") == ("What is in ?", [str(path)])
+    assert image_paths("What is in /no/such.png?") == ("What is in /no/such.png?", [])
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env.update(KINFER_HOME=str(tmp_path / "home"), KINFER_MODELS=str(tmp_path / "models"))
+    kinfer = os.path.join(os.path.dirname(sys.executable), "kinfer")
+    question = f"Describe '{path}'"
+    common = ["--temperature", "0", "--max-tokens", "4", "--context-length", "512"]
+    seeing = subprocess.run(
+        [kinfer, "run", embedded_default_path(), question, "--projector", projector, *common],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert seeing.returncode == 0, seeing.stderr
+    assert f"Added image '{path}'" in seeing.stderr
+    # a model without a projector gets the prompt as it was written
+    blind = subprocess.run(
+        [kinfer, "run", embedded_default_path(), question, *common],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert blind.returncode == 0 and "Added image" not in blind.stderr, blind.stderr

@@ -25,6 +25,10 @@ export interface ChatMessage {
   toolCallId?: string; // a 'tool' message: the id of the call it answers
   name?: string; // a 'tool' message: the function's name
   reasoning?: string; // an assistant message's reasoning, as a result gave it (the template keeps or drops it)
+  /** Images the message shows, before its content: base64 of an image file, a data: URL, or an
+   *  absolute path on the server's machine; for a model loaded with a vision projector
+   *  (load's `options.projector`), else -31006. */
+  images?: string[];
 }
 export interface TopLogprob { token: number; text: string; logprob: number }
 /** A generated token's natural log probability, from the raw logits (before sampling and any grammar). */

@@ -189,6 +189,10 @@ class LlamaModel(LlamaVocab):
                 raise
         self._projector: Projector | None = None
         self.vision = False
+        if options.projector and self._mtp is not None:
+            self.close()
+            # the MTP head follows the target's passes over tokens; an image's pass has none
+            raise ValueError("a model loaded with draftPolicy mtp takes no vision projector (options.projector)")
         if options.projector:
             try:
                 from kinfer_rpc.default_plugins.llama.vision import Projector

@@ -74,8 +74,19 @@ def test_an_image_is_read_and_encoded_once_by_its_content(seeing, tmp_path):
     assert again["text"] == first["text"] == third["text"]
     assert again["usage"]["promptTokens"] == first["usage"]["promptTokens"]
     # another image is encoded
-    ask(client, model, [base64.b64encode(BLUE).decode()])["result"]
+    other = ask(client, model, [base64.b64encode(BLUE).decode()])["result"]
     assert image_counts(client, model)["encoded"] == after["encoded"] + 1
+    # the prefix pool shares the cells before the image, never the image's: the same image and
+    # another one get as many cached tokens, fewer than the prompt up to the image's end
+    assert other["usage"]["cachedTokens"] == again["usage"]["cachedTokens"] > 0, (other["usage"], again["usage"])
+    assert again["usage"]["cachedTokens"] < again["usage"]["promptTokens"] - 16
+
+
+def test_initialize_says_the_llama_backend_reads_images():
+    with RpcClient.spawn() as client:
+        features = client.initialize()["capabilities"]["backendFeatures"]["llama"]
+        assert features["vision"] is True and "visionUnavailable" not in features
+        client.close(timeout=10)
 
 
 def test_images_take_their_place_among_the_turns(seeing):

@@ -89,6 +89,21 @@ def test_initialize_says_the_llama_backend_reads_images():
         client.close(timeout=10)
 
 
+def test_the_image_reaches_the_model(seeing):
+    """Two images, the same words: the first reply token's distribution differs (the projector's
+    embeddings are in the prompt, not placeholders); the same image twice: it is the same."""
+    client, model = seeing
+
+    def first(image: bytes) -> list[float]:
+        message = {"role": "user", "content": "What colour is it?", "images": [base64.b64encode(image).decode()]}
+        options = {"temperature": 0, "maxTokens": 1, "logprobs": True, "topLogprobs": 5}
+        reply = client.call("inference/chat", {"model": model, "messages": [message], "options": options})
+        return [t["logprob"] for t in reply["logprobs"][0]["topLogprobs"]]
+
+    red = first(RED)
+    assert first(RED) == red and first(BLUE) != red
+
+
 def test_images_take_their_place_among_the_turns(seeing):
     client, model = seeing
     b64 = base64.b64encode(RED).decode()

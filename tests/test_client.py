@@ -52,8 +52,8 @@ from kinfer_rpc.client import (
     TokenLogprob,
     ToolCall,
     Usage,
-    _error,
 )
+from kinfer_rpc.client.wire import _error
 
 ROOT = Path(__file__).resolve().parent.parent
 KINFER_RPC = [os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")]

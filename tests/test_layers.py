@@ -59,6 +59,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 def _layer(module: str) -> str:
     if module == "kinfer_rpc.terminal" or module.startswith("kinfer_rpc.terminal."):
         return "kinfer_rpc.cli"  # the `kinfer` command's own modules
+    if module == "kinfer_rpc.client" or module.startswith("kinfer_rpc.client."):
+        return "kinfer_rpc.client"  # the Python client's own modules
     if module == "kinfer_rpc.integrations" or module.startswith("kinfer_rpc.integrations."):
         return "kinfer_rpc.integrations"  # adapters for other tools: clients on top, as the CLI is
     for prefix in ("kinfer_rpc.protocol", "kinfer_rpc.host", "kinfer_rpc.engine", "kinfer_rpc.default_plugins"):

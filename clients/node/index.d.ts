@@ -5,108 +5,27 @@ import type { ChildProcess } from 'node:child_process';
 export { CancellationTokenSource, ResponseError };
 export declare const REQUEST_CANCELLED: -32800;
 
-/** A tool call the model made (`arguments` is a JSON object, not a string as in OpenAI's API). */
-export interface ToolCall {
-  id: string;
-  type: 'function';
-  function: { name: string; arguments: Record<string, unknown> };
-}
-/** A tool the model may call (OpenAI's shape); `parameters` is a JSON schema. */
-export interface Tool {
-  type: 'function';
-  function: { name: string; description?: string; parameters?: Record<string, unknown> };
-}
+// The protocol's own types (ChatMessage, Tool, ToolCall, GenerateOptions, InfillOptions,
+// InferenceResult, TokenLogprob, EmbedResult, RerankResult, ...) and ErrorCodes: generated from
+// spec/metaModel.json into protocol.d.ts and protocol.js.
+export * from './protocol.js';
+import type {
+  ChatMessage,
+  EmbedResult,
+  GenerateOptions,
+  InferencePartialResult,
+  InferenceResult,
+  InfillOptions,
+  RerankResult,
+  TokenLogprob,
+  Tool,
+  ToolCall,
+} from './protocol.js';
+
 /** 'auto' (the default with tools), 'none', 'required', a function's name, or OpenAI's object form. */
 export type ToolChoice = 'auto' | 'none' | 'required' | (string & {}) | { type: 'function'; function: { name: string } };
-export interface ChatMessage {
-  role: string; // 'system' | 'user' | 'assistant' | 'tool' | ...
-  content?: string; // required but for an assistant message with toolCalls
-  toolCalls?: ToolCall[]; // an assistant message's calls, as a result gave them
-  toolCallId?: string; // a 'tool' message: the id of the call it answers
-  name?: string; // a 'tool' message: the function's name
-  reasoning?: string; // an assistant message's reasoning, as a result gave it (the template keeps or drops it)
-  /** Images the message shows, before its content: base64 of an image file, a data: URL, or an
-   *  absolute path on the server's machine; for a model loaded with a vision projector
-   *  (load's `options.projector`), else -31006. */
-  images?: string[];
-}
-export interface TopLogprob { token: number; text: string; logprob: number }
-/** A generated token's natural log probability, from the raw logits (before sampling and any grammar). */
-export interface TokenLogprob extends TopLogprob {
-  /** The `topLogprobs` most likely tokens of the position, best first. */
-  topLogprobs: TopLogprob[];
-}
-/** Request options (GenerateOptions in spec/specification.md), camelCase. */
-export interface GenerateOptions {
-  maxTokens?: number;
-  stop?: string | string[];
-  temperature?: number;
-  topK?: number;
-  topP?: number;
-  minP?: number;
-  repeatPenalty?: number;
-  repeatLastN?: number;
-  seed?: number;
-  drafts?: number;
-  draftPolicy?: string;
-  ignoreEos?: boolean;
-  /** Hold the reply to a JSON schema, or to any JSON object ('json'); named as Ollama names it. */
-  format?: Record<string, unknown> | 'json';
-  /** Hold the reply to a grammar in llguidance's Lark-like syntax. */
-  grammar?: string;
-  /** Hold the reply to a regular expression (the whole reply matches). */
-  regex?: string;
-  /** Return each generated token's log probability (`logprobs` in the result and partial results). */
-  logprobs?: boolean;
-  /** 0..20: and this many most likely tokens of each position; needs `logprobs: true`. */
-  topLogprobs?: number;
-  /** A thinking model (chat): the most tokens its reasoning takes before its end is forced. */
-  maxReasoningTokens?: number;
-  /** Reuse cached chunks of at least this many tokens that moved, by shifting KV cells (0: never); gives up the same reply. */
-  cacheReuse?: number;
-  [option: string]: unknown;
-}
-/** inference/infill's options: generate's, and `stopAtLine`. */
-export interface InfillOptions extends GenerateOptions {
-  /** End the reply at the first line break after non-blank text (a line completion). */
-  stopAtLine?: boolean;
-}
 /** One `$/progress` value of a streamed reply. */
-export interface PartialResult {
-  text: string;
-  tokens: number[];
-  reasoning?: string; // a thinking model's new reasoning (`text` is then the answer's alone)
-  logprobs?: TokenLogprob[]; // with options.logprobs
-  toolCalls?: ToolCall[]; // with tools: the calls completed since the previous value
-}
-export interface InferenceResult {
-  model: string;
-  text: string;
-  tokens: number[];
-  /** 'stop' | 'length' | 'toolCalls' (the model called tools) | 'cancelled' (in a -32800's data) */
-  stopReason: string;
-  seed: number;
-  /** draftTokens / draftAccepted: drafted tokens and those kept; cachedTokens: prompt tokens whose cells came from the prefix pool. */
-  usage: {
-    promptTokens: number;
-    completionTokens: number;
-    draftTokens: number;
-    draftAccepted: number;
-    cachedTokens: number;
-    /** Of completionTokens, those of a thinking model's reasoning (its end included). */
-    reasoningTokens: number;
-  };
-  timings: { queueMs: number; promptMs: number; generateMs: number; tokensPerSecond: number };
-  /** A thinking model's reasoning, apart from `text` (present when the reply began in a reasoning block). */
-  reasoning?: string;
-  /** With options.logprobs: one entry per token. */
-  logprobs?: TokenLogprob[];
-  /** Chat with tools: the calls the model made (absent when none). */
-  toolCalls?: ToolCall[];
-  /** inference/infill (and generate with a suffix): characters left out of a short context, from
-   * the prefix's start, the suffix's end, the extra context's start and the middle's start (with a middle). */
-  dropped?: { prefix: number; suffix: number; extra: number; middle?: number };
-}
+export type PartialResult = InferencePartialResult;
 export interface WorkDoneProgress { kind: 'begin' | 'report' | 'end'; title?: string; message?: string; percentage?: number }
 export interface CallOptions {
   model?: string;
@@ -147,10 +66,7 @@ export interface EmbedOptions {
   dimensions?: number;
   token?: CancellationToken;
 }
-export interface EmbedResult { model: string; embeddings: number[][]; usage: { promptTokens: number } }
 export interface RerankOptions { model?: string; topN?: number; returnDocuments?: boolean; token?: CancellationToken }
-export interface RerankedDocument { index: number; relevanceScore: number; document?: string }
-export interface RerankResult { model: string; results: RerankedDocument[]; usage: { promptTokens: number } }
 export interface StartOptions {
   command?: string;
   args?: string[];

@@ -32,6 +32,7 @@ const {
 export { CancellationTokenSource, ResponseError };
 
 /** The error code of a cancelled request (LSP's RequestCancelled). */
+export { ErrorCodes } from './protocol.js';
 export const REQUEST_CANCELLED = -32800;
 
 /** inference/chat's params: the messages, and the tools and `think` beside the options. */

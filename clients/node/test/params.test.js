@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { KinferClient } from '../index.js';
+import { ErrorCodes, KinferClient, REQUEST_CANCELLED } from '../index.js';
 
 const messages = [{ role: 'user', content: 'Weather in Paris?' }];
 const weather = {
@@ -101,4 +101,10 @@ test('embed and rerank send their params as given, and leave out what is not set
     { method: 'inference/embed', params: { input: ['a', 'b'], model: 'm', dimensions: 128 } },
     { method: 'inference/rerank', params: { query: 'q', documents: ['d1', 'd2'], topN: 1, returnDocuments: true } },
   ]);
+});
+
+test('the error codes by name come from the meta model', () => {
+  assert.equal(ErrorCodes.RequestCancelled, REQUEST_CANCELLED);
+  assert.equal(ErrorCodes.InvalidParams, -32602);
+  assert.ok(Object.isFrozen(ErrorCodes));
 });

@@ -1,6 +1,6 @@
 // Compiled by `npm test` (tsc --noEmit -p test/types): the declarations in index.d.ts take the
 // calls the README and the tests make, and refuse what the protocol does not have. Not run.
-import { CancellationTokenSource, KinferClient, REQUEST_CANCELLED, ResponseError } from '../../index.js';
+import { CancellationTokenSource, ErrorCodes, KinferClient, REQUEST_CANCELLED, ResponseError } from '../../index.js';
 import type { ChatMessage, InferenceResult, PartialResult, Stream, Tool, ToolCall, TokenLogprob } from '../../index.js';
 
 const weather: Tool = {
@@ -67,3 +67,7 @@ export async function thinking(kinfer: KinferClient): Promise<string> {
   await kinfer.chat(messages, { think: 'max' });
   return stream.reasoning + (reply.reasoning ?? '') + tokens;
 }
+
+// The error codes by name, generated from the meta model: a code the protocol has, typed as itself.
+export const cancelled: -32800 = ErrorCodes.RequestCancelled;
+export const notFound: -31001 = ErrorCodes.ModelNotFound;

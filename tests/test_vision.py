@@ -144,6 +144,11 @@ def test_what_is_not_an_image_is_refused(seeing):
     assert bad["code"] == errors.INVALID_PARAMS and bad["data"]["field"] == "messages[0].images[0]", bad
     unreadable = error_of(ask(client, model, [base64.b64encode(b"no picture here").decode()]))
     assert unreadable["code"] == errors.INVALID_PARAMS and "image" in unreadable["message"], unreadable
+    # a small file that would unpack into 1.6 GB of pixels is refused before it is decoded
+    bomb = bytearray(png(1, 1, (0, 0, 0)))
+    bomb[16:24] = (20000).to_bytes(4, "big") * 2
+    huge = error_of(ask(client, model, [base64.b64encode(bytes(bomb)).decode()]))
+    assert huge["code"] == errors.INVALID_PARAMS and "20000x20000" in huge["message"], huge
     missing = error_of(ask(client, model, ["/no/such/picture.png"]))
     assert missing["code"] == errors.INVALID_PARAMS, missing
     marker = error_of(ask(client, model, [base64.b64encode(RED).decode()], text="<__media__> twice"))

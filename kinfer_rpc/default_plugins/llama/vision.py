@@ -74,6 +74,34 @@ def mtmd() -> ModuleType:
         return _module
 
 
+MAX_PIXELS = 50_000_000  # the largest image read (its pixels are decoded whole before any resize)
+
+
+def dimensions(data: bytes) -> tuple[int, int] | None:
+    """An image file's width and height from its header (PNG, GIF, BMP, JPEG), None where the
+    header says nothing this reads: checked before llama.cpp decodes the file, so a small file
+    that unpacks into gigabytes of pixels is refused first."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data[:2] == b"BM" and len(data) >= 26:
+        return abs(int.from_bytes(data[18:22], "little", signed=True)), abs(
+            int.from_bytes(data[22:26], "little", signed=True)
+        )
+    if data[:2] == b"\xff\xd8":  # JPEG: the first start-of-frame marker has the size
+        i = 2
+        while i + 9 <= len(data) and data[i] == 0xFF:
+            marker = data[i + 1]
+            if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+                i += 2
+                continue
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                return int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(data[i + 5 : i + 7], "big")
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None
+
+
 class _Chunk:
     """An image's tokenized chunk (mtmd_input_chunk), freed with its last reference."""
 
@@ -135,6 +163,9 @@ class Projector:
 
     def _image(self, data: bytes, ids: list[int], media: list[Media]) -> None:
         M = self.M
+        size = dimensions(data)
+        if size is not None and size[0] * size[1] > MAX_PIXELS:
+            raise ValueError(f"the image is {size[0]}x{size[1]} pixels, more than {MAX_PIXELS:,} (scale it down)")
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False, None)
         if not bitmap:

@@ -8,10 +8,13 @@ not that a model sees anything."""
 from __future__ import annotations
 
 import base64
+import hashlib
+from pathlib import Path
 
 import pytest
 from make_vision_projector import make_vision_projector, png
 from rpcclient import RpcClient, error_of
+from test_store import MEDIA, OllamaStore, _place
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import vision
@@ -198,7 +201,16 @@ def served(tmp_path_factory, projector):
 
     from kinfer_rpc.client import Client
 
-    s = Served(tmp_path_factory.mktemp("http-vision"))
+    home = tmp_path_factory.mktemp("http-vision")
+    # an Ollama vision model: SmolLM2's blob and the projector as its projector layer
+    ollama = OllamaStore(home / "ollama")
+    src = Path(embedded_default_path())
+    digest = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
+    model_layer = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
+    projector_layer = ollama.blob(Path(projector).read_bytes(), "projector")
+    ollama.manifest("registry.ollama.ai/library/llava/7b", [model_layer, projector_layer])
+    s = Served(home)
     try:
         attach = [str(BIN / "kinfer-rpc"), "--attach", "--socket", str(s.socket)]
         with Client(attach, env=s.env) as c:
@@ -232,6 +244,11 @@ def test_openai_image_url_parts_and_ollama_images(served, tmp_path):
     assert reply.prompt_eval_count > 16
     gen = client.generate(model=model, prompt="What is it?", images=[RED], options={"num_predict": 4})
     assert gen.prompt_eval_count > 16
+    # an Ollama model with a projector layer: shown as Ollama shows it, and it reads images
+    assert "vision" in client.show("llava:7b").capabilities
+    question = [{"role": "user", "content": "What is it?", "images": [RED]}]
+    ollama_vision = client.chat(model="llava:7b", messages=question, options={"num_predict": 2})
+    assert ollama_vision.prompt_eval_count > 16
     # a model without a projector: 400 naming the field
     with pytest.raises(openai.BadRequestError, match="images"):
         oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": parts}])

@@ -497,7 +497,8 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             def read() -> dict[str, Any]:
                 ref = store.resolve(name)
                 d = store.describe(ref)
-                capabilities = ["completion"]
+                # a projector layer: the model reads images where the backend can (Ollama's "vision")
+                capabilities = ["completion", "vision"] if ref.projector else ["completion"]
                 return {
                     "license": ref.license or "",
                     "modelfile": "",

@@ -67,8 +67,13 @@ class Slots:
         # an image's placeholders say nothing of the image: cells are shared only before the first
         limit = min(limit, job.exact)
         if self.prefix < 0 or limit <= 0:
-            self.free.sort()
-            job.slot = self.free.pop(0)
+            if self.prefix < 0:
+                self.free.sort()
+                job.slot = self.free.pop(0)
+            else:  # nothing to share (one token, or an image first): the free slot the pool misses least
+                job.slot = self._coldest_free()
+                self.free.remove(job.slot)
+                self.kept.pop(job.slot, None)  # its cells go: the pool no longer holds them
             self.model.seq_remove(job.slot)
             self.exact.pop(job.slot, None)
             job.n_past = 0

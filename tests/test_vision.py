@@ -145,6 +145,9 @@ def test_what_is_not_an_image_is_refused(seeing):
     client, model = seeing
     bad = error_of(ask(client, model, ["not base64!"]))
     assert bad["code"] == errors.INVALID_PARAMS and bad["data"]["field"] == "messages[0].images[0]", bad
+    for odd in ("a string", [123], [""], [None], ["data:image/png,raw"], ["data:image/png;base64,!!"], {"a": 1}):
+        wrong = error_of(ask(client, model, odd))
+        assert wrong["code"] == errors.INVALID_PARAMS and wrong["data"]["field"].startswith("messages[0].images"), wrong
     unreadable = error_of(ask(client, model, [base64.b64encode(b"no picture here").decode()]))
     assert unreadable["code"] == errors.INVALID_PARAMS and "image" in unreadable["message"], unreadable
     # a small file that would unpack into 1.6 GB of pixels is refused before it is decoded

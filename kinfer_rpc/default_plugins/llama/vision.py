@@ -15,6 +15,7 @@ import collections
 import ctypes
 import hashlib
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -64,6 +65,13 @@ def mtmd() -> ModuleType:
                 raise RuntimeError(why)
             folder = library_dir()
             assert folder is not None, "available() found the folder"
+            lib = next(folder / n for n in _NAMES if (folder / n).is_file())
+            if sys.platform == "linux" and native.private_cxx_runtime(lib.resolve()) and native.loaded_cxx_runtime():
+                # as native.check refuses such a libllama: two C++ runtimes in one process crash
+                raise RuntimeError(
+                    f"{lib} carries its own copy of the C++ runtime (linked with -static-libstdc++) and this process "
+                    "has loaded the shared one: use a libmtmd built by patches/build_llama.sh (kinfer setup)"
+                )
             os.environ.setdefault("MTMD_CPP_LIB", str(folder))  # what llama_cpp.mtmd_cpp loads from
             import llama_cpp.mtmd_cpp as M
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_store import MEDIA, OllamaStore, _place
 
-from kinfer_rpc.cli import _call_text
+from kinfer_rpc.cli.chat import _call_text
 from kinfer_rpc.client import Client, ToolCall
 from kinfer_rpc.host.store import embedded_default_path
 

@@ -160,7 +160,7 @@ def test_show_the_license(licensed_store):
 
 
 def test_the_state_ps_shows():
-    from kinfer_rpc.cli import _state
+    from kinfer_rpc.cli.servers import _state
 
     def model(state: str, busy: int = 0, queued: int = 0) -> dict:
         return {"name": "m", "state": state, "slotsBusy": busy, "slots": 4, "queued": queued}

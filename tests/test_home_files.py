@@ -155,7 +155,7 @@ def test_pull_writes_no_file_through_a_link(tmp_path):
 
 def test_the_chat_history_is_never_written_through_a_link(tmp_path, monkeypatch):
     pytest.importorskip("readline")
-    from kinfer_rpc import cli
+    from kinfer_rpc.cli import chat as cli
 
     monkeypatch.setenv("KINFER_HOME", str(tmp_path))
     target = tmp_path / "victim"

@@ -8,7 +8,7 @@ right below it and the contract, never one above and never past the next (the pr
 the engine only through the host, which owns the requests); the built-in plugins import only the contract and each
 other, as a third-party plugin would. The client library speaks the protocol from outside: it shares
 the framing (bytes <-> messages) and imports nothing else of the server; the `kinfer` CLI
-(`cli.py` and its `terminal/` package), a tool on top of everything, may import any of it, as
+(the `cli/` and `terminal/` packages), a tool on top of everything, may import any of it, as
 may the adapters for other tools (`kinfer_rpc.integrations`: LangChain's chat model, the `llm`
 plugin).
 """
@@ -57,7 +57,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _layer(module: str) -> str:
-    if module == "kinfer_rpc.terminal" or module.startswith("kinfer_rpc.terminal."):
+    if module.startswith(("kinfer_rpc.terminal", "kinfer_rpc.cli.")) or module == "kinfer_rpc.cli":
         return "kinfer_rpc.cli"  # the `kinfer` command's own modules
     if module == "kinfer_rpc.client" or module.startswith("kinfer_rpc.client."):
         return "kinfer_rpc.client"  # the Python client's own modules

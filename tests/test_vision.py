@@ -262,7 +262,7 @@ def test_kinfer_run_shows_the_images_a_prompt_names(projector, tmp_path):
     import subprocess
     import sys
 
-    from kinfer_rpc.cli import image_paths
+    from kinfer_rpc.cli.chat import image_paths
 
     path = tmp_path / "red picture.png"
     path.write_bytes(RED)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ def test_streamed_and_concurrent_requests_with_images(seeing):
     assert replies[0]["text"] == one["text"]  # the same reply beside another request's image
 
 
-def test_what_is_not_an_image_is_refused(seeing):
+def test_what_is_not_an_image_is_refused(seeing, tmp_path):
     client, model = seeing
     bad = error_of(ask(client, model, ["not base64!"]))
     assert bad["code"] == errors.INVALID_PARAMS and bad["data"]["field"] == "messages[0].images[0]", bad
@@ -155,6 +156,10 @@ def test_what_is_not_an_image_is_refused(seeing):
     bomb[16:24] = (20000).to_bytes(4, "big") * 2
     huge = error_of(ask(client, model, [base64.b64encode(bytes(bomb)).decode()]))
     assert huge["code"] == errors.INVALID_PARAMS and "20000x20000" in huge["message"], huge
+    os.mkfifo(tmp_path / "pipe.png")  # a reader would wait forever: never opened
+    for path in (tmp_path / "pipe.png", "/dev/zero", tmp_path):
+        never = error_of(ask(client, model, [str(path)]))
+        assert never["code"] == errors.INVALID_PARAMS, never
     missing = error_of(ask(client, model, ["/no/such/picture.png"]))
     assert missing["code"] == errors.INVALID_PARAMS, missing
     marker = error_of(ask(client, model, [base64.b64encode(RED).decode()], text="<__media__> twice"))

@@ -292,7 +292,12 @@ class Handlers:
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
-        messages = params.messages(f.raw("messages"))
+        raw = f.raw("messages")
+        if isinstance(raw, list) and any(isinstance(m, dict) and m.get("images") for m in raw):
+            # images by path are read from files: off the event loop (a slow disk stalls this request alone)
+            messages = await anyio.to_thread.run_sync(params.messages, raw)
+        else:
+            messages = params.messages(raw)
         options = f.raw("options")
         tool_list = params.tools(f.raw("tools"))
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)

@@ -81,6 +81,9 @@ class LoadOptions:
     # the GPU (index in MachineInfo.gpus) that holds the whole model with split_mode "none", and
     # the small tensors and intermediate results with "row"; None: not set (llama.cpp's 0)
     main_gpu: int | None = None
+    # the model's vision projector (llama.cpp's mmproj GGUF): images in prompts (Vision); None:
+    # text only
+    projector: str | None = None
 
 
 @attrs.frozen
@@ -262,6 +265,40 @@ class ShiftsCells(Protocol):
     def can_shift(self) -> bool: ...
 
     def seq_shift(self, seq: int, start: int, end: int, delta: int) -> None: ...
+
+
+@attrs.frozen(eq=False)
+class Media:
+    """An image in a prompt: it takes `length` positions of the prompt from index `start` (the
+    prompt's token list holds placeholders there), `key` is its content's hash, `handle` the
+    backend's own form of it (its tokenized chunk)."""
+
+    start: int
+    length: int
+    key: str
+    handle: Any = None
+
+
+@runtime_checkable
+class Vision(Protocol):
+    """Optional LoadedModel capability: images in prompts, where `vision` is true (a model loaded
+    with its projector).
+
+    `media_prompt(pieces, add_special)` tokenizes a prompt of text pieces (str) and images (the
+    bytes of a PNG, JPEG, ... file) into its token list, with placeholders where the images go,
+    and each image's Media; any thread; ValueError for an image it cannot read.
+    `eval_media(seq, media, pos)` puts an image's embeddings into sequence `seq`'s cells from
+    position `pos` (a pass, or several, of their own), on the engine thread; an image whose
+    content was encoded before comes from a cache, not the encoder. `media_stats()`: how many
+    images were encoded and how many came from that cache, since the load."""
+
+    vision: bool
+
+    def media_prompt(self, pieces: Sequence[str | bytes], add_special: bool) -> tuple[list[int], list[Media]]: ...
+
+    def eval_media(self, seq: int, media: Media, pos: int) -> None: ...
+
+    def media_stats(self) -> dict[str, int]: ...
 
 
 # A model's fill-in-the-middle tokens: prefix, suffix, middle, pad, repository, file separator.
@@ -563,6 +600,7 @@ CONTRACTS: dict[str, tuple[type, tuple[type, ...]]] = {
             FillInMiddle,
             Embeds,
             Reranks,
+            Vision,
         ),
     ),
 }

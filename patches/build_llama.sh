@@ -5,7 +5,8 @@
 #
 #   bash patches/build_llama.sh [DEST]
 #
-# With ggml's RPC backend (libggml-rpc, and the `ggml-rpc-server` program beside the libraries).
+# With ggml's RPC backend (libggml-rpc, and the `ggml-rpc-server` program beside the libraries)
+# and llama.cpp's multimodal library (libmtmd: images for models with a vision projector).
 # CPU only and portable (AVX2) unless CMAKE_ARGS adds options (bench/gpu_setup.sh builds the CUDA
 # libraries with -DGGML_CUDA=ON this way). CC and CXX pick the compiler, as in any CMake build.
 # SRC: a llama.cpp source tree or .tgz to use instead of downloading the sdist from PyPI.
@@ -61,15 +62,16 @@ for p in "$here"/llama-*.patch; do
   if command -v patch > /dev/null; then patch -d "$work/llama.cpp" -p1 --quiet --forward < "$p"
   else (cd "$work/llama.cpp" && git apply "$p"); fi
 done
-step "configuring (CMake: shared libraries, CPU with AVX2, the RPC backend${CMAKE_ARGS:+, $CMAKE_ARGS})"
+step "configuring (CMake: shared libraries, CPU with AVX2, the RPC backend, mtmd${CMAKE_ARGS:+, $CMAKE_ARGS})"
 cmake -S "$work/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DGGML_RPC=ON -DGGML_RPC_RDMA=OFF \
+  -DLLAMA_BUILD_MTMD=ON -DMTMD_VIDEO=OFF \
   ${CMAKE_ARGS:-} > "$work/cmake.log" 2>&1 || { cat "$work/cmake.log"; exit 1; }
-step "compiling libllama and ggml on $(nproc) cores (about 2 minutes on 2; the log: build.log)"
-cmake --build "$work/build" --target llama -j "$(nproc)" 2>&1 | tee "$work/build.log" | progress compiling ||
+step "compiling libllama, ggml and libmtmd on $(nproc) cores (about 4 minutes on 2; the log: build.log)"
+cmake --build "$work/build" --target llama mtmd -j "$(nproc)" 2>&1 | tee "$work/build.log" | progress compiling ||
   { tail -50 "$work/build.log"; exit 1; }
 # ggml's RPC server (llama.cpp's tools/rpc, the `ggml-rpc-server` program): it needs only ggml, so
 # it is compiled here against the libraries just built instead of configuring llama.cpp's tools.

@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 FAKE_CMAKE = r"""#!/usr/bin/env bash
+echo "$@" >> "$CMAKE_CALLS"
 if [ "$1" = --build ]; then
   mkdir -p "$2/bin"
   for pct in 3 9 14 27 33 48 51 66 72 88 95 100; do
@@ -46,6 +47,7 @@ def test_build_llama_says_each_step_and_the_progress(tmp_path):
         "SRC": str(src),
         "CXX": str(tools / "c++"),
         "PYTHON": "true",  # the library check needs real libraries
+        "CMAKE_CALLS": str(tmp_path / "cmake-calls"),
     }
     dest = tmp_path / "lib"
     proc = subprocess.run(
@@ -72,5 +74,9 @@ def test_build_llama_says_each_step_and_the_progress(tmp_path):
         "done:",
     ]
     assert (dest.parent / "convert" / "convert_hf_to_gguf.py").exists()
+    configure, build = (tmp_path / "cmake-calls").read_text().splitlines()
+    # llama.cpp's multimodal library (images) is built beside libllama, without its tools
+    assert "-DLLAMA_BUILD_MTMD=ON" in configure.split() and "-DLLAMA_BUILD_TOOLS=OFF" in configure.split()
+    assert build.split()[build.split().index("--target") + 1 :][:2] == ["llama", "mtmd"]
     percents = [int(line.split(": ")[1].split("%")[0]) for line in said if line.startswith("  compiling:")]
     assert percents == [3, 14, 27, 33, 48, 51, 66, 72, 88, 95, 100], said  # a line every 10% off a terminal

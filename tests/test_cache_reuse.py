@@ -15,7 +15,7 @@ from rpcclient import RpcError
 
 from kinfer_rpc.engine.job import GenerateOptions, Job
 from kinfer_rpc.engine.slots import Slots, reuse_plan
-from kinfer_rpc.types import common_prefix
+from kinfer_rpc.types import Media, common_prefix
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -212,3 +212,36 @@ def test_cache_reuse_is_refused_where_cells_cannot_move(spawn, fim_path):
             c.call("inference/infill", {"prefix": "x = ", "options": {"cacheReuse": bad}})
         assert e.value.code == -32602 and "cacheReuse" in e.value.message
     assert c.call("inference/infill", {"prefix": "x = ", "options": {"cacheReuse": 0, "maxTokens": 1}})["tokens"]
+
+
+def test_the_pool_shares_and_keeps_only_the_cells_before_an_image():
+    """An image's positions hold placeholders in the prompt's tokens: the pool never shares
+    them (the same placeholders stand for any image), nor keeps what comes after them."""
+    model = Cells()
+    slots = Slots(model, 2, 10_000)
+    base = list(range(100, 160))
+
+    def image_job(start: int) -> Job:
+        return Job(list(base), GenerateOptions(), media=(Media(start, 16, "an image's hash"),))
+
+    job = image_job(10)
+    slots.take(job, [])
+    assert job.n_past == 0
+    model.fill(job)
+    slots.give_back(job, [])
+    assert slots.kept[job.slot] == base[:10] and sorted(model.seqs[job.slot]) == list(range(10))
+    again = image_job(10)  # the same tokens: only those before the image come from the pool
+    slots.take(again, [])
+    assert again.cached == 10
+    model.fill(again)
+    # a running job's cells are shared up to its first image too
+    other = Job(list(base), GenerateOptions())
+    slots.take(other, [again])
+    assert other.cached <= 10
+    slots.give_back(again, [other])
+    # a prompt that begins with an image shares nothing; the slot it takes leaves the pool
+    first = image_job(0)
+    slots.take(first, [other])
+    assert first.n_past == 0 and first.slot not in slots.kept and first.slot not in slots.free
+    slots._trim()  # the pool's trimming never touches a busy slot's cells
+    assert first.slot not in slots.kept

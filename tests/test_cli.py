@@ -131,12 +131,13 @@ def test_doctor_json():
     assert isinstance(report["devices"], list) and isinstance(report["gpus"], list)
     assert report["error"] is not None or any(d["type"] == "cpu" for d in report["devices"])
     assert report["loadCheck"]["ok"] is True
+    assert isinstance(report["vision"]["available"], bool)  # libmtmd beside libllama: images read
 
 
 def test_doctor_text():
     out = kinfer("doctor", "--no-load").stdout
     labels = [line.split()[0] for line in out.splitlines() if line.strip()]
-    for label in ("backends", "gpu", "memory", "default"):
+    for label in ("backends", "gpu", "memory", "default", "images"):
         assert label in labels, out
     assert DEFAULT in out
 

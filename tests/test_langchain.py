@@ -181,6 +181,9 @@ def test_messages_keep_tool_calls_and_their_results():
     ]
     with pytest.raises(ValueError, match="image_url"):
         kinfer_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "data:,"}}])])
+    url = "data:image/png;base64,iVBORw0K"
+    blocks = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    assert kinfer_messages([HumanMessage(blocks)]) == [{"role": "user", "content": "What is it?", "images": [url]}]
 
 
 @pytest.mark.model

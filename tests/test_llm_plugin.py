@@ -239,3 +239,20 @@ def test_a_thinking_models_reasoning_is_a_reasoning_part(daemon, env):
     log = last_log(env)
     assert log["reasoning"] and log["reasoning"] not in out
     assert json.loads(log["token_details"])["reasoning_tokens"] == 7
+
+
+def test_an_image_attachment_is_the_messages_image(tmp_path):
+    import llm
+    from llm.parts import AttachmentPart, Message, TextPart
+
+    from kinfer_rpc.integrations.llm_kinfer import kinfer_messages
+
+    shot = tmp_path / "shot.png"
+    shot.write_bytes(b"\x89PNG\r\n\x1a\n")
+    parts = [TextPart("What is it?"), AttachmentPart(llm.Attachment(path=str(shot)))]
+    parts.append(AttachmentPart(llm.Attachment(content=b"GIF89a")))
+    assert kinfer_messages([Message("user", parts)]) == [
+        {"role": "user", "content": "What is it?", "images": [str(shot), "R0lGODlh"]}
+    ]
+    with pytest.raises(ValueError, match="URL"):
+        kinfer_messages([Message("user", [AttachmentPart(llm.Attachment(url="https://x/y.png"))])])

@@ -7,6 +7,7 @@ The last tests load and chat with it by name through a real `kinfer-rpc` process
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -19,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from make_vision_projector import make_vision_projector, png
 
 from kinfer_rpc import errors
+from kinfer_rpc.default_plugins.llama import vision
 from kinfer_rpc.host import gguf as gguf_meta
 from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
@@ -107,7 +110,8 @@ def stores(tmp_path_factory, gguf):
     ollama.manifest("registry.ollama.ai/library/smollm2/q4", [model])
     ollama.manifest("registry.ollama.ai/someone/smollm2/135m", [model])
     ollama.manifest("example.com:5000/team/smollm2/latest", [model])
-    ollama.manifest("registry.ollama.ai/library/llava/7b", [model, ollama.blob(b"\0" * 64, "projector")])
+    projector = Path(make_vision_projector(base / "mmproj.gguf")).read_bytes()  # SmolLM2's embeddings
+    ollama.manifest("registry.ollama.ai/library/llava/7b", [model, ollama.blob(projector, "projector")])
     ollama.manifest("registry.ollama.ai/library/tuned/latest", [model, ollama.blob(b"\0" * 64, "adapter")])
     ollama.manifest(
         "registry.ollama.ai/library/mlxmodel/latest",
@@ -320,7 +324,8 @@ def test_unsupported_layers(store):
     assert err.code == errors.NOT_SUPPORTED and "LoRA adapter" in err.message
     vision = store.resolve("llava:7b")  # a vision model serves text; its projector is known
     assert vision.unsupported is None and vision.projector is not None
-    assert Path(vision.projector).parent.name == "blobs" and Path(vision.projector).read_bytes() == b"\0" * 64
+    assert Path(vision.projector).parent.name == "blobs"
+    assert Path(vision.projector).read_bytes()[:4] == b"GGUF"
     ref = store.resolve("mlxmodel")
     assert ref.format == "mlx" and [n for n, _ in ref.blobs] == ["model.embed_tokens.weight", "lm_head.weight"]
 
@@ -442,14 +447,26 @@ def test_server_chats_with_an_ollama_model_by_name(server):
 
 
 @pytest.mark.model
-def test_a_vision_model_answers_text_and_refuses_images(server):
+def test_a_vision_model_answers_text_and_reads_images(server):
+    """An Ollama model with a projector layer loads with it (where libmtmd is there: else for text
+    alone, and a message's images are refused)."""
     reply = server.call("inference/generate", {"model": "llava:7b", "prompt": "Hello", "options": {"maxTokens": 2}})
     assert reply["usage"]["completionTokens"] >= 1
-    err = server.request(
+    image = base64.b64encode(png(8, 8, (0, 128, 0))).decode()
+    answer = server.request(
         "inference/chat",
-        {"model": "llava:7b", "messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]},
-    )["error"]
-    assert err["code"] == errors.NOT_SUPPORTED and err["data"] == {"field": "messages[0].images"}, err
+        {
+            "model": "llava:7b",
+            "messages": [{"role": "user", "content": "What is this?", "images": [image]}],
+            "options": {"maxTokens": 2},
+        },
+    )
+    if vision.available()[0]:
+        assert answer["result"]["usage"]["promptTokens"] > 16, answer
+        assert server.call("model/status", {"model": "llava:7b"})["models"][0]["images"]["encoded"] == 1
+    else:
+        err = answer["error"]
+        assert err["code"] == errors.NOT_SUPPORTED and err["data"]["field"] == "messages[0].images", err
 
 
 def test_server_errors_are_answers_not_crashes(server):

@@ -402,6 +402,13 @@ export interface LoadOptions {
   prefix?: number;
   /** What lives in GPU and host memory: `auto` (default), `gpu`, `cpu`, `experts-host`, or a plugin's placement. */
   placement?: string;
+  /**
+   * The path of the model's vision projector (llama.cpp's mmproj GGUF): chat messages' `images` are then read through
+   * it (llama backend, with llama.cpp's libmtmd beside libllama; `initialize`'s backendFeatures.llama.vision says
+   * whether it is there, else -31006). No such file: -32602. Default: an Ollama model's projector layer, where the
+   * backend reads images.
+   */
+  projector?: string;
 }
 
 /** The result of `model/load`: the model as it was loaded. */
@@ -608,6 +615,11 @@ export interface ModelStatusReady {
    */
   reproducible?: Reproducibility;
   /**
+   * A model loaded with a vision projector: the images its projector encoded and those its cache of encoded images
+   * answered (by the hash of the image's bytes).
+   */
+  images?: ImageCounts;
+  /**
    * The placement that decided what lives in GPU and host memory, or null when none ran (the backend places the model
    * itself, or gpuLayers was set without a placement).
    */
@@ -632,6 +644,16 @@ export interface ModelStatusReady {
    * running a request, or kept until unloaded).
    */
   expiresIn?: number;
+}
+
+/** What a vision model's projector did (model/status). */
+export interface ImageCounts {
+  /** Images the projector encoded since the load. */
+  encoded: number;
+  /** Images whose embeddings came from the cache instead (an image sent again). */
+  cached: number;
+  /** Images whose embeddings the cache holds now (at most 64, 256 MiB). */
+  kept: number;
 }
 
 /** The params of `inference/generate`: exactly one of `prompt` and `tokens`. */
@@ -713,6 +735,13 @@ export interface ChatMessage {
   role: string;
   /** The message's text. May be empty or absent in an assistant message that carries `toolCalls`. */
   content?: string;
+  /**
+   * Images the message shows, each the base64 of an image file (PNG, JPEG, BMP, GIF...), a `data:` URL of one (base64),
+   * or the absolute path of one on the server's machine (a `file:` URL too). They go before the message's content, in
+   * order, for a model loaded with a vision projector (LoadOptions.projector, or an Ollama model's projector layer); a
+   * model without one refuses them with -31006 `{field, model}`; an image that cannot be read is -32602.
+   */
+  images?: string[];
   /**
    * An assistant's reasoning, as a result gave it: passed to the template (as `reasoning_content` and `thinking`),
    * which keeps or drops it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -226,6 +227,30 @@ def _write_out(text: str) -> None:
     sys.stdout.flush()
 
 
+_IMAGE = r"[^\n]*?\.(?:png|jpe?g|webp|gif|bmp)"
+# a quoted path of an image file, or an unquoted one (no spaces), ended by space or punctuation
+IMAGE_PATH = re.compile(
+    rf"""(['"])({_IMAGE})\1|(?<![^\s(])(~?[^\s'"()]*\.(?:png|jpe?g|webp|gif|bmp))(?=[\s.,;:!?)]|$)""", re.I
+)
+
+
+def image_paths(text: str) -> tuple[str, list[str]]:
+    """The prompt without the paths of the image files it names, and those files' absolute paths
+    (as Ollama's CLI finds them: a path, quoted where it has spaces, of an existing file with an
+    image's suffix; `~` is the home folder)."""
+    found: list[str] = []
+
+    def take(m: re.Match[str]) -> str:
+        path = os.path.expanduser(m.group(2) or m.group(3))
+        if not os.path.isfile(path):
+            return m.group(0)
+        found.append(os.path.abspath(path))
+        return ""
+
+    rest = IMAGE_PATH.sub(take, text)
+    return (re.sub(r"  +", " ", rest).strip() if found else text), found
+
+
 class _Chat:
     """One conversation: the model, the options it sends, the system message and the turns."""
 
@@ -250,6 +275,14 @@ class _Chat:
         self.think: bool | str | None = args.think  # None: as the model's template does
         self.hide_thinking: bool = args.hidethinking
         self.last_reasoning: str | None = None  # the last reply's, for /show thinking
+        self._sees: bool | None = None  # whether the model reads images (asked once)
+
+    def sees(self) -> bool:
+        """Whether the loaded model reads images (loaded with a vision projector)."""
+        if self._sees is None:
+            found = self.kinfer.status(self.loaded.model)
+            self._sees = bool(found) and found[0].images is not None
+        return self._sees
 
     def say(self, text: str) -> None:
         """What a command answers: on stdout, or on stderr where stdout is for --json documents."""
@@ -258,7 +291,13 @@ class _Chat:
     def ask(self, text: str) -> Result | None:
         """One question and its reply, printed; None when Ctrl-C stopped it (the turn is dropped)."""
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
-        messages.append({"role": "user", "content": text})
+        question: dict[str, Any] = {"role": "user", "content": text}
+        rest, images = image_paths(text)
+        if images and self.sees():  # a vision model: the image files the prompt names are shown to it
+            question = {"role": "user", "content": rest, "images": images}
+            for path in images:
+                err.print(f"Added image '{path}'", markup=False, highlight=False)
+        messages.append(question)
         args = self.args
         start = time.perf_counter()
         stream = self.kinfer.stream_chat(
@@ -493,7 +532,7 @@ class _Chat:
         except RpcError as exc:
             self.error(advice.for_error(exc.code, exc.message, exc.data).text(_message_width(), "kinfer: "))
             return
-        self.loaded, self.turns = loaded, []
+        self.loaded, self.turns, self._sees = loaded, [], None
         self.load_seconds = time.perf_counter() - start
         self.say(f"Loaded {loaded.model} ({loaded.backend}); the conversation starts over.")
 

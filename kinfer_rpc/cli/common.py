@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from kinfer_rpc.cli.output import _bar, err
@@ -25,6 +26,8 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, attr, None)
         if value is not None:
             options[name] = value
+    if getattr(args, "projector", None) is not None:
+        options["projector"] = os.path.abspath(os.path.expanduser(args.projector))
     return options
 
 

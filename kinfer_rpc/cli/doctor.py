@@ -106,6 +106,15 @@ def _rpc_support() -> dict[str, Any]:
     }
 
 
+def _vision_support() -> dict[str, Any]:
+    """Whether llama.cpp's multimodal library (libmtmd) is beside the libllama kinfer loads:
+    models loaded with a vision projector then read images."""
+    from kinfer_rpc.default_plugins.llama import vision
+
+    ok, why = vision.available()
+    return {"available": ok, "reason": why or None}
+
+
 def _stores() -> dict[str, Any]:
     """Where the models are read from, and how many each holds."""
     from kinfer_rpc.host.store import ModelStore, kinfer_dir, kinfer_home, ollama_dir
@@ -206,6 +215,7 @@ def _doctor(args: argparse.Namespace) -> int:
     report["gpus"] = [d for d in report["devices"] if d["type"] in ("gpu", "igpu", "accel")]
     report["libllama"] = _libllama()
     report["rpc"] = _rpc_support()
+    report["vision"] = _vision_support()
     folder = kinfer_dir()
     report["modelsDir"] = {"path": str(folder), "exists": folder.is_dir()}
     report["stores"] = _stores()
@@ -245,6 +255,8 @@ def _doctor(args: argparse.Namespace) -> int:
         line("libllama", f"[red]not found[/red] (from {escape(lib['from'])})")
     rpc = report["rpc"]
     line("rpc", "yes: options.rpcServers, kinfer rpc-server" if rpc["available"] else escape(f"no: {rpc['reason']}"))
+    seeing = report["vision"]
+    line("images", "yes: options.projector, --projector" if seeing["available"] else escape(f"no: {seeing['reason']}"))
     line("backends", ", ".join(report.get("backends", [])) or "[red]none[/red]")
     if report.get("brokenPlugins"):
         line("broken", ", ".join(b.get("name", "?") for b in report["brokenPlugins"]))

@@ -76,6 +76,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     loading.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     loading.add_argument("--gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
     loading.add_argument("--context-length", type=int, default=None, help="context per slot")
+    loading.add_argument(
+        "--projector",
+        default=None,
+        metavar="FILE",
+        help="the model's vision projector (mmproj GGUF): a prompt's image paths are then read",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     talking = _Parser(add_help=False)  # chat and run

@@ -413,6 +413,8 @@ class ModelStatus:
     pinned: bool = False
     keep_alive: float = -1.0
     expires_in: float | None = None
+    # a model loaded with a vision projector: {"encoded", "cached", "kept"} images (None: none)
+    images: dict[str, int] | None = None
 
     @classmethod
     def from_json(cls, m: dict[str, Any]) -> ModelStatus:
@@ -445,6 +447,7 @@ class ModelStatus:
             m.get("pinned", False),
             m.get("keepAlive", -1.0),
             m.get("expiresIn"),
+            m.get("images"),
         )
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "ModelStatusLoading",
     "ModelStatusFailed",
     "ModelStatusReady",
+    "ImageCounts",
     "InferenceGenerateParams",
     "InferenceChatParams",
     "ChatMessage",
@@ -508,6 +509,12 @@ class LoadOptions(TypedDict):
     # What lives in GPU and host memory: `auto` (default), `gpu`, `cpu`, `experts-host`, or a plugin's placement.
     placement: NotRequired[str]
 
+    # The path of the model's vision projector (llama.cpp's mmproj GGUF): chat messages' `images` are then read through
+    # it (llama backend, with llama.cpp's libmtmd beside libllama; `initialize`'s backendFeatures.llama.vision says
+    # whether it is there, else -31006). No such file: -32602. Default: an Ollama model's projector layer, where the
+    # backend reads images.
+    projector: NotRequired[str]
+
 
 class LoadedModel(TypedDict):
     """The result of `model/load`: the model as it was loaded."""
@@ -755,6 +762,10 @@ class ModelStatusReady(TypedDict):
     # has begun.
     reproducible: NotRequired["Reproducibility"]
 
+    # A model loaded with a vision projector: the images its projector encoded and those its cache of encoded images
+    # answered (by the hash of the image's bytes).
+    images: NotRequired["ImageCounts"]
+
     # The placement that decided what lives in GPU and host memory, or null when none ran (the backend places the model
     # itself, or gpuLayers was set without a placement).
     placement: str | None
@@ -781,6 +792,19 @@ class ModelStatusReady(TypedDict):
     # Seconds until it is unloaded for being idle, counted while it is idle; absent while it never expires (pinned,
     # running a request, or kept until unloaded).
     expiresIn: NotRequired[float]
+
+
+class ImageCounts(TypedDict):
+    """What a vision model's projector did (model/status)."""
+
+    # Images the projector encoded since the load.
+    encoded: int
+
+    # Images whose embeddings came from the cache instead (an image sent again).
+    cached: int
+
+    # Images whose embeddings the cache holds now (at most 64, 256 MiB).
+    kept: int
 
 
 class InferenceGenerateParams(WorkDoneProgressParams, PartialResultParams):
@@ -860,6 +884,13 @@ class ChatMessage(TypedDict):
 
     # The message's text. May be empty or absent in an assistant message that carries `toolCalls`.
     content: NotRequired[str]
+
+    # Images the message shows, each the base64 of an image file (PNG, JPEG, BMP, GIF...), a `data:` URL of one
+    # (base64), or the absolute path of one on the server's machine (a `file:` URL too). They go before the message's
+    # content, in order, for a model loaded with a vision projector (LoadOptions.projector, or an Ollama model's
+    # projector layer); a model without one refuses them with -31006 `{field, model}`; an image that cannot be read is
+    # -32602.
+    images: NotRequired[list[str]]
 
     # An assistant's reasoning, as a result gave it: passed to the template (as `reasoning_content` and `thinking`),
     # which keeps or drops it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import itertools
 import os
@@ -108,13 +109,31 @@ def _chat_params(
     return _params(
         model,
         _inference_options(options),
-        messages=messages,
+        messages=[_with_images(m) for m in messages],
         tools=tools,
         toolChoice=tool_choice,
         parallelToolCalls=parallel_tool_calls,
         think=think,
         keepAlive=options.get("keep_alive"),
     )
+
+
+def _with_images(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose `images` are as the protocol takes them: bytes (an image file's) as
+    base64, a path (os.PathLike) as its absolute path; strings (base64, a data: URL, an
+    absolute path) as they are."""
+    images = message.get("images")
+    if not images:
+        return message
+    out = []
+    for image in images:
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            out.append(base64.b64encode(bytes(image)).decode("ascii"))
+        elif isinstance(image, os.PathLike):
+            out.append(os.path.abspath(os.fspath(image)))
+        else:
+            out.append(image)
+    return {**message, "images": out}
 
 
 def _error(response: dict[str, Any]) -> RpcError:

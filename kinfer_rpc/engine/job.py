@@ -15,7 +15,7 @@ import numpy as np
 from kinfer_rpc.engine.reasoning import Reasoning, Thinking
 from kinfer_rpc.engine.sampling import SamplingOptions, TokenLogprob
 from kinfer_rpc.engine.text import TextStream
-from kinfer_rpc.types import DraftPolicy
+from kinfer_rpc.types import DraftPolicy, Media
 
 
 @attrs.frozen
@@ -102,6 +102,9 @@ class Job:
     cached: int = 0  # prompt tokens whose cells came from the prefix pool
     window: list[int] = attrs.field(factory=lambda: [0, 0])  # drafted, accepted since the last pause
     owner: int = 0  # the connection that asked for it: slots are shared fairly between owners
+    # the prompt's images, in prompt order: their positions hold placeholders in `prompt`, and
+    # their embeddings go into the cells through the model's Vision capability
+    media: tuple[Media, ...] = ()
     last_row: int = 0  # the engine step of its last row, while rows are shared (Engine._fair_rows)
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
     # The reply's grammar (llguidance.LLMatcher: format, grammar or regex), at the state after
@@ -131,6 +134,12 @@ class Job:
         self.greedy = sampling.temperature <= 0 and sampling.repeat_penalty == 1.0 and self.options.logprobs is None
         self.plain = self.greedy and self.constraint is None
         self.drafting = bool(self.options.drafts) and self.options.draft_policy is not None
+
+    @property
+    def exact(self) -> int:
+        """How many of the job's first tokens stand for themselves: those before its prompt's first
+        image (all without one)."""
+        return self.media[0].start if self.media else 1 << 62
 
     def reasoned(self) -> None:
         """The reasoning block has closed: the constraint it held applies from the next token."""

@@ -46,6 +46,7 @@ from kinfer_rpc.types import (
     Proposes,
     SeqChunk,
     SessionPolicy,
+    Vision,
     contract_problems,
 )
 
@@ -614,9 +615,11 @@ class Engine:
         self._chainable = self._steady and all(j.plain for j in decoding)
         owners = decoding[:]
         for job in reading:
+            if budget > 0 and job.media and not self._read_media(job):
+                continue
             left = len(job.prompt) - job.n_past
             if budget > 0:
-                take = min(left, budget)
+                take = min(left, budget, self._to_media(job))
                 ends = take == left
                 chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))
                 owners.append(job)
@@ -629,6 +632,32 @@ class Engine:
             order = sorted(range(len(chunks)), key=lambda i: chunks[i].seq)
             chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
         return chunks, owners
+
+    def _read_media(self, job: Job) -> bool:
+        """Put the images that come next in the job's prompt into its cells: each in passes of
+        its own, on this thread, before the step's pass is planned (the text between them goes
+        in the step's passes as any prompt's does). False if one failed: the job ends with the error."""
+        model = self.model
+        for media in job.media:
+            if media.start == job.n_past:
+                assert isinstance(model, Vision) and model.vision, "images go only to a model that reads them"
+                try:
+                    model.eval_media(job.slot, media, job.n_past)
+                except Exception as exc:  # one request's image must not stop the engine
+                    log.exception("reading an image failed")
+                    job.error = errors.KinferError(errors.INVALID_PARAMS, f"the model could not read an image: {exc}")
+                    job.cancelled = True  # it leaves at the next step; job.error answers it
+                    return False
+                job.n_past += media.length
+        return True
+
+    @staticmethod
+    def _to_media(job: Job) -> int:
+        """How many of the job's prompt tokens from n_past come before its next image."""
+        for media in job.media:
+            if media.start >= job.n_past:
+                return media.start - job.n_past
+        return len(job.prompt) - job.n_past
 
     def _take(self, chunks: list[SeqChunk], owners: list[Job], logits: np.ndarray, events: list[_Event]) -> None:
         """Sample every row that asked for logits; the text work waits for the next pass."""

@@ -64,9 +64,16 @@ class Slots:
         """Give `job` a slot and set job.n_past to what its cells already hold."""
         prompt = job.prompt
         limit = len(prompt) - 1  # the last prompt token is always computed: it gives the logits
+        # an image's placeholders say nothing of the image: cells are shared only before the first
+        limit = min(limit, job.exact)
         if self.prefix < 0 or limit <= 0:
-            self.free.sort()
-            job.slot = self.free.pop(0)
+            if self.prefix < 0:
+                self.free.sort()
+                job.slot = self.free.pop(0)
+            else:  # nothing to share (one token, or an image first): the free slot the pool misses least
+                job.slot = self._coldest_free()
+                self.free.remove(job.slot)
+                self.kept.pop(job.slot, None)  # its cells go: the pool no longer holds them
             self.model.seq_remove(job.slot)
             self.exact.pop(job.slot, None)
             job.n_past = 0
@@ -86,6 +93,7 @@ class Slots:
                 common_prefix(other.prompt + other.generated[: max(0, other.n_past - len(other.prompt))], prompt),
                 other.n_past,
                 limit,
+                other.exact,
             )
             n = self._usable(other.slot, n, reuse)
             if n > best_busy_len:
@@ -149,7 +157,9 @@ class Slots:
         self.last_used[slot] = self.clock
         if self.prefix >= 0:
             history = job.prompt + job.generated
-            self.kept[slot] = history[: job.n_past]
+            self.kept[slot] = history[: min(job.n_past, job.exact)]
+            if job.exact < job.n_past:  # cells past an image's placeholders are of no use to others
+                self.model.seq_remove(slot, job.exact, -1)
             self.free.append(slot)
             self._trim()
             return []

@@ -310,6 +310,7 @@ class LoadRequest:
     drafts: int | None = attrs.field(default=None, metadata=_meta(_int("options.drafts", lo=0, hi=64), "drafts"))
     prefix: int | None = attrs.field(default=None, metadata=_meta(_int("options.prefix", lo=-1, hi=1 << 30), "prefix"))
     placement: str | None = attrs.field(default=None, metadata=_meta(_str("options.placement"), "placement"))
+    projector: str | None = attrs.field(default=None, metadata=_meta(_str("options.projector"), "projector"))
 
     def __attrs_post_init__(self) -> None:
         _check(self)
@@ -347,6 +348,7 @@ class LoadRequest:
             tensor_split=self.tensor_split or (),
             split_mode=self.split_mode,
             main_gpu=self.main_gpu,
+            projector=self.projector,
         )
         extras = LoadExtras(
             max_queue=_or(self.max_queue, 4096),

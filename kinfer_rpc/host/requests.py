@@ -26,7 +26,7 @@ from kinfer_rpc.host.options import SEED_BITS, RequestOptions
 from kinfer_rpc.host.render import Renderer
 from kinfer_rpc.host.runtime import Loaded, Runtime
 from kinfer_rpc.host.tools import ToolChoice
-from kinfer_rpc.types import LoadedModel
+from kinfer_rpc.types import LoadedModel, Media, Vision
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -60,7 +60,9 @@ class Infill:
 
 @attrs.frozen
 class Chat:
-    """A conversation (messages shaped for chat templates), maybe with tools to call."""
+    """A conversation (messages shaped for chat templates), maybe with tools to call. A message's
+    `images` (the bytes of image files) go before its content, where a model with a vision
+    projector reads them."""
 
     messages: tuple[dict[str, Any], ...]
     model: str | None = None
@@ -210,6 +212,73 @@ def _special_markers(entry: Loaded) -> dict[str, int]:
         return out
 
 
+# Where a message's images go in the text its chat template renders (llama.cpp's own marker): the
+# rendered prompt is cut there, and each image's embeddings take the place of the marker.
+IMAGE_MARKER = "<__media__>"
+
+
+def _images_of(
+    messages: list[dict[str, Any]], model: LoadedModel, name: str
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the template renders them (each image a marker before its message's
+    content) and the images in prompt order; -31006 for images to a model that reads none."""
+    images: list[bytes] = []
+    out = []
+    for i, m in enumerate(messages):
+        mine = m.get("images")
+        if not mine:
+            out.append({k: v for k, v in m.items() if k != "images"} if "images" in m else m)
+            continue
+        if not (isinstance(model, Vision) and model.vision):
+            raise errors.KinferError(
+                errors.NOT_SUPPORTED,
+                f"model {name!r} reads no images: it was loaded without a vision projector (model/load's "
+                "options.projector, or an Ollama model's projector layer)",
+                {"field": f"messages[{i}].images", "model": name},
+            )
+        if IMAGE_MARKER in str(m.get("content") or ""):
+            raise errors.invalid_params(
+                f"messages[{i}].content holds {IMAGE_MARKER}, the marker of an image's place: "
+                "a message with images cannot",
+                {"field": f"messages[{i}].content"},
+            )
+        images += mine
+        rest = {k: v for k, v in m.items() if k != "images"}
+        out.append({**rest, "content": IMAGE_MARKER * len(mine) + m["content"]})
+    return out, images
+
+
+def _media_prompt(entry: Loaded, text: str, images: list[bytes], add_bos: bool) -> tuple[list[int], tuple[Media, ...]]:
+    """The rendered prompt's tokens, its images' placeholders among them, and the images."""
+    pieces: list[str | bytes] = []
+    parts = text.split(IMAGE_MARKER)
+    if len(parts) != len(images) + 1:
+        raise errors.invalid_params(
+            f"the chat template of {entry.name!r} rendered {len(parts) - 1} of the messages' {len(images)} images "
+            "(it drops or repeats a message's content)",
+            {"field": "messages"},
+        )
+    for part, image in zip(parts, images):
+        pieces += [part, image]
+    pieces.append(parts[-1])
+    with entry.engine.hold() as model:
+        assert isinstance(model, Vision), "_images_of let images through only to a model that reads them"
+        try:
+            ids, media = model.media_prompt(pieces, add_bos)
+        except ValueError as exc:
+            raise errors.invalid_params(f"an image of the messages: {exc}", {"field": "messages"}) from None
+    if media and media[-1].start + media[-1].length >= len(ids):
+        raise errors.invalid_params("the prompt ends with an image: the chat template adds nothing after it")
+    context = model.info.context_length
+    if len(ids) > context:
+        raise errors.KinferError(
+            errors.CONTEXT_OVERFLOW,
+            f"the prompt is {len(ids)} tokens (its images' included), more than the context's {context}",
+            {"promptTokens": len(ids), "contextLength": context},
+        )
+    return ids, tuple(media)
+
+
 def _model_of(entry: Loaded) -> LoadedModel:
     """The entry's model; a clear error when an unload (or the server's end) took it while the
     request was on its way (a thread hop or a render since the entry was found)."""
@@ -331,6 +400,7 @@ class Requests:
             if entry.system and not any(m["role"] == "system" for m in messages):
                 messages = [{"role": "system", "content": entry.system}, *messages]
             model = _model_of(entry)
+            messages, images = _images_of(messages, model, entry.name)
             tool_list = list(req.tools)
             choice = req.tool_choice
             calling = bool(tool_list) and choice.mode != "none"  # "none": the tools are not offered
@@ -380,14 +450,20 @@ class Requests:
                     )
                     opts = attrs.evolve(opts, reasoning=Reasoning(tuple(end), budget))
             add_bos = model.info.add_bos and not (model.info.bos_text and text.startswith(model.info.bos_text))
-            ids = await anyio.to_thread.run_sync(
-                entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
-            )
+            media: tuple[Media, ...] = ()
+            if images:
+                ids, media = await anyio.to_thread.run_sync(
+                    _media_prompt, entry, text, images, add_bos, limiter=entry.tokenizer
+                )
+            else:
+                ids = await anyio.to_thread.run_sync(
+                    entry.tokenize, text, add_bos, True, model.info.context_length, limiter=entry.tokenizer
+                )
             if not calling:
-                return await self._run(entry, ids, opts, sink, owner=owner, received=received)
+                return await self._run(entry, ids, opts, sink, owner=owner, received=received, media=media)
             names = [t["function"]["name"] for t in tool_list]
             reply = await self._run(
-                entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received
+                entry, ids, opts, sink, tools.CallStream(fmt, names), owner=owner, received=received, media=media
             )
             content, calls = tools.parse_calls(reply.text, fmt, names)
             if not req.parallel_tool_calls:
@@ -420,9 +496,11 @@ class Requests:
         *,
         owner: int = 0,
         received: float | None = None,
+        media: tuple[Media, ...] = (),
     ) -> Reply:
         """Run a job, sending its pieces to `sink` as they come (with the tool calls each
-        completed, when `calls` reads them). `received`: when the request arrived (traces)."""
+        completed, when `calls` reads them). `received`: when the request arrived (traces).
+        `media`: the prompt's images (Vision.media_prompt)."""
         # A cancel answers at once: an abandoned compile ends on its own thread (bounded by the
         # grammar limits and grammar.COMPILES), its matcher dropped.
         constraint = None
@@ -461,6 +539,7 @@ class Requests:
             on_done=on_done,
             constraint=constraint,
             owner=owner,
+            media=media,
         )
         if sink is not None:
             sink.started(lambda: reply_of(job, entry.name, text_of))

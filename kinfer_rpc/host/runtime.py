@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
 import anyio
@@ -27,10 +28,12 @@ from kinfer_rpc.host.plugins import Plugins
 from kinfer_rpc.host.store import ModelRef, ModelStore
 from kinfer_rpc.types import (
     Backend,
+    BackendFeatures,
     LoadedModel,
     LoadOptions,
     MachineAware,
     MachineInfo,
+    Media,
     ModelFacts,
     PlacementPlan,
     Reproducible,
@@ -147,6 +150,30 @@ class Loaded:
             return None
         with self.engine.hold() as model:
             return self.grammars.matcher(model, *opts.constraint)
+
+
+def _projector(ref: ModelRef, backend: Backend, given: str | None) -> str | None:
+    """The vision projector a load gives the backend: the file options.projector names (a path;
+    ~ is the home folder; -32602 if there is none, -31006 if the backend reads no images), else
+    the one the store found (an Ollama model's projector layer) where the backend reads images;
+    without that the model loads for text, and says so in the log."""
+    features = backend.features() if isinstance(backend, BackendFeatures) else {}
+    if given is None:
+        if ref.projector is not None and not features.get("vision"):
+            why = features.get("visionUnavailable") or f"the {backend.name} backend reads no images"
+            log.warning("%s loads for text, without its vision projector: %s", ref.name, why)
+            return None
+        return ref.projector
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise errors.invalid_params(
+            f"options.projector: no file {given!r} (the path of a vision projector GGUF, llama.cpp's mmproj)",
+            {"field": "options.projector"},
+        )
+    if not features.get("vision"):
+        why = features.get("visionUnavailable") or f"the {backend.name} backend reads no images"
+        raise errors.KinferError(errors.NOT_SUPPORTED, f"options.projector: {why}", {"field": "options.projector"})
+    return str(path.resolve())
 
 
 def _check_cache_reuse(entry: Loaded) -> None:
@@ -390,6 +417,8 @@ class Runtime:
             # device; the count is fixed for the life of the load either way.
             draft_model = await anyio.to_thread.run_sync(self._draft_model, policy, extra.draft_model, backend)
             opts = attrs.evolve(opts, drafts=extra.drafts, mtp=policy == "mtp", draft_model=draft_model)
+            # A projector named by the load, else the one the store found (an Ollama model's layer).
+            opts = attrs.evolve(opts, projector=_projector(ref, backend, opts.projector))
             placement = extra.placement
             if placement is not None and placement not in self.plugins.placements:
                 raise errors.invalid_params(
@@ -737,13 +766,20 @@ class Runtime:
         on_done: Callable[[Job], None] | None = None,
         constraint: Any = None,
         owner: int = 0,
+        media: tuple[Media, ...] = (),
     ) -> Job:
         """Submit a job of `ids` with generate options `opts` (and the matcher Loaded.constrain
-        compiled from them) to the entry's engine."""
+        compiled from them) to the entry's engine; `media`: the prompt's images."""
         if opts.cache_reuse:
             _check_cache_reuse(entry)
         job = Job(
-            ids, self.drafting(entry, opts), on_piece=on_piece, on_done=on_done, constraint=constraint, owner=owner
+            ids,
+            self.drafting(entry, opts),
+            on_piece=on_piece,
+            on_done=on_done,
+            constraint=constraint,
+            owner=owner,
+            media=media,
         )
         entry.engine.submit(job)
         return job

@@ -61,6 +61,31 @@ def _text(content: str | list[Any], role: str) -> str:
     return "".join(texts)
 
 
+def _user(content: str | list[Any]) -> dict[str, Any]:
+    """A user's message: its text, and its images (`image_url` blocks with a base64 data: URL,
+    or `image` blocks of base64 data) for a model loaded with a vision projector."""
+    if isinstance(content, str):
+        return {"role": "user", "content": content}
+    images: list[str] = []
+    rest: list[Any] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image_url":
+            value = block.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+                raise ValueError("kinfer reads an image_url block's image from a base64 data: URL only")
+            images.append(url)
+        elif kind == "image" and isinstance(block.get("base64") or block.get("data"), str):
+            images.append(block.get("base64") or block["data"])
+        else:
+            rest.append(block)
+    message: dict[str, Any] = {"role": "user", "content": _text(rest, "user")}
+    if images:
+        message["images"] = images
+    return message
+
+
 def kinfer_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     """LangChain's messages as the protocol's: tool calls and their results with their ids."""
     out: list[dict[str, Any]] = []
@@ -69,7 +94,7 @@ def kinfer_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         if isinstance(m, SystemMessage):
             out.append({"role": "system", "content": _text(m.content, "system")})
         elif isinstance(m, HumanMessage):
-            out.append({"role": "user", "content": _text(m.content, "user")})
+            out.append(_user(m.content))
         elif isinstance(m, AIMessage):
             message: dict[str, Any] = {"role": "assistant", "content": _text(m.content, "assistant")}
             thought = m.additional_kwargs.get("reasoning_content")

@@ -21,13 +21,15 @@ call a tool in the prompt's first response; once tool results are in, it answers
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, Literal
 
 import llm
-from llm.parts import Message, ReasoningPart, StreamEvent, TextPart, ToolCallPart, ToolResultPart
+from llm.parts import AttachmentPart, Message, ReasoningPart, StreamEvent, TextPart, ToolCallPart, ToolResultPart
 from pydantic import Field
 
 from kinfer_rpc.client import Client, Result, Stream, Thought
@@ -93,10 +95,12 @@ OPTIONS = {
 
 def kinfer_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """llm's messages (the whole conversation) as the protocol's: a tool result is a `tool`
-    message naming its call; attachments are refused (kinfer reads text)."""
+    message naming its call; an image attachment (`llm -a shot.png`) is the message's image, for
+    a model loaded with a vision projector (its path, or its bytes as base64; kinfer fetches no
+    URL); other attachments are refused."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        texts, calls, thoughts = [], [], []
+        texts, calls, thoughts, images = [], [], [], []
         for part in m.parts:
             if isinstance(part, TextPart):
                 texts.append(part.text)
@@ -108,6 +112,8 @@ def kinfer_messages(messages: list[Message]) -> list[dict[str, Any]]:
             elif isinstance(part, ToolResultPart):
                 result = {"role": "tool", "name": part.name, "content": part.output}
                 out.append({**result, "toolCallId": part.tool_call_id} if part.tool_call_id else result)
+            elif isinstance(part, AttachmentPart) and part.attachment is not None:
+                images.append(_image(part.attachment))
             else:
                 raise ValueError(f"kinfer reads text: a {type(part).__name__} cannot be sent")
         if m.role == "tool":
@@ -117,9 +123,20 @@ def kinfer_messages(messages: list[Message]) -> list[dict[str, Any]]:
             message["toolCalls"] = calls
         if m.role == "assistant" and "".join(thoughts):  # the template keeps or drops it
             message["reasoning"] = "".join(thoughts)
-        if texts or calls:
+        if images:
+            message["images"] = images
+        if texts or calls or images:
             out.append(message)
     return out
+
+
+def _image(attachment: llm.Attachment) -> str:
+    """An image attachment as the protocol takes it: a file's absolute path, or base64."""
+    if attachment.path:
+        return os.path.abspath(attachment.path)
+    if attachment.content is not None:
+        return base64.b64encode(attachment.content).decode("ascii")
+    raise ValueError("kinfer reads an image from a file or its bytes, not from a URL (it fetches nothing)")
 
 
 class _Kinfer:
@@ -128,6 +145,8 @@ class _Kinfer:
 
     can_stream = True
     supports_schema = True
+    # images, for a model loaded with a vision projector (others refuse them: -31006)
+    attachment_types: set[str] | frozenset[str] = frozenset({"image/png", "image/jpeg", "image/gif", "image/bmp"})
     supports_tools = True
     Options = Options
 

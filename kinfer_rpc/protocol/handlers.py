@@ -26,7 +26,7 @@ from kinfer_rpc.protocol.connection import RequestContext
 from kinfer_rpc.protocol.fields import Fields
 from kinfer_rpc.protocol.options import load_request, request_options
 from kinfer_rpc.protocol.results import embeddings_json, engine_status, piece_json, ranking_json, reply_json
-from kinfer_rpc.types import LoadedModel, LoadOptions
+from kinfer_rpc.types import LoadedModel, LoadOptions, Vision
 
 
 class _Progress:
@@ -241,6 +241,9 @@ class Handlers:
                     "ubatch": entry.options.ubatch,
                     "gpuLayers": entry.options.gpu_layers,
                     **({"reproducible": self._reproducible(model)} if model is not None else {}),
+                    # a model that reads images: how many its projector encoded, and how many came
+                    # from the cache of images it encoded before
+                    **({"images": model.media_stats()} if isinstance(model, Vision) and model.vision else {}),
                     **self._placement_fields(entry),
                     **_sharing(entry),
                 }
@@ -289,7 +292,12 @@ class Handlers:
     async def inference_chat(self, ctx: RequestContext | None, /, **p: Any) -> dict[str, Any]:
         f = Fields(p, "params")
         name = f.str("model")
-        messages = params.messages(f.raw("messages"))
+        raw = f.raw("messages")
+        if isinstance(raw, list) and any(isinstance(m, dict) and m.get("images") for m in raw):
+            # images by path are read from files: off the event loop (a slow disk stalls this request alone)
+            messages = await anyio.to_thread.run_sync(params.messages, raw)
+        else:
+            messages = params.messages(raw)
         options = f.raw("options")
         tool_list = params.tools(f.raw("tools"))
         choice = params.tool_choice(f.raw("toolChoice"), tool_list)

@@ -168,9 +168,9 @@ def _messages(value: object) -> list[dict[str, Any]]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{at} must be an object", at)
-        if m.get("images"):
-            raise unsupported(f"{at}.images", "images are not supported yet")
         message: dict[str, Any] = {"role": m.get("role"), "content": m.get("content") or ""}
+        if m.get("images"):  # base64, as Ollama's clients send them
+            message["images"] = m["images"]
         if m.get("thinking"):
             message["reasoning"] = m["thinking"]
         calls = m.get("tool_calls")
@@ -183,7 +183,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
         out.append(message)
     if not out:
         raise ApiError(400, "messages must not be empty", "messages")
-    return _checked(lambda: params.messages(out))
+    return _checked(lambda: params.messages(out, paths=False))
 
 
 # One line of a chat's or a generate's response: (the reply when done, its text, its thinking, done)
@@ -242,7 +242,7 @@ def chat_request(body: dict[str, Any]) -> Call:
 def generate_request(body: dict[str, Any]) -> Call:
     _refuse_unknown(body, GENERATE_FIELDS)
     think = _think(body)
-    for name in ("template", "context", "images"):
+    for name in ("template", "context"):
         if body.get(name):
             raise unsupported(name, "kinfer renders a model's own chat template and keeps no context tokens")
     model = _name(body)
@@ -258,6 +258,8 @@ def generate_request(body: dict[str, Any]) -> Call:
     request: Chat | Generate | Infill
     if (suffix or body.get("raw")) and think not in (None, False):
         raise unsupported("think", "a raw prompt or a suffix goes without the chat template, which opens the reasoning")
+    if (suffix or body.get("raw")) and body.get("images"):
+        raise unsupported("images", "a raw prompt or a suffix takes no images (they go through the chat template)")
     if suffix:
         if not isinstance(suffix, str):
             raise ApiError(400, "suffix must be a string", "suffix")
@@ -267,8 +269,11 @@ def generate_request(body: dict[str, Any]) -> Call:
             raise unsupported("system", "a raw prompt takes no system message")
         request = Generate(model, prompt, None, None, options, keep)
     else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        chat = _checked(lambda: params.messages(messages))
+        user: dict[str, Any] = {"role": "user", "content": prompt}
+        if body.get("images"):  # the prompt's images, read through the model's chat template
+            user["images"] = body["images"]
+        messages = ([{"role": "system", "content": system}] if system else []) + [user]
+        chat = _checked(lambda: params.messages(messages, paths=False))
         request = Chat(tuple(chat), model, options=options, keep_alive=keep, think=think)
     return Call(request, model, _stream(body), num_ctx, keep)
 
@@ -492,7 +497,8 @@ def routes(service: Service, owners: Owners) -> list[Route]:
             def read() -> dict[str, Any]:
                 ref = store.resolve(name)
                 d = store.describe(ref)
-                capabilities = ["completion"]
+                # a projector layer: the model reads images where the backend can (Ollama's "vision")
+                capabilities = ["completion", "vision"] if ref.projector else ["completion"]
                 return {
                     "license": ref.license or "",
                     "modelfile": "",

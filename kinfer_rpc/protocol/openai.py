@@ -225,6 +225,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
             raise unsupported(f"{at}.function_call", "give tool_calls instead")
         role = m.get("role")
         content = m.get("content")
+        images: list[str] = []
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -233,10 +234,16 @@ def _messages(value: object) -> list[dict[str, Any]]:
                     texts.append(part["text"])
                 elif kind == "refusal" and isinstance(part.get("refusal"), str):
                     texts.append(part["refusal"])
+                elif kind == "image_url":
+                    images.append(_image_url(part.get("image_url"), f"{at}.content[{j}]"))
                 else:
-                    raise unsupported(f"{at}.content[{j}]", f"a {kind or 'non-text'} part (kinfer reads text)")
+                    raise unsupported(
+                        f"{at}.content[{j}]", f"a {kind or 'non-text'} part (kinfer reads text and images)"
+                    )
             content = "".join(texts)
         message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if images:  # before the message's text, whatever their place among its parts
+            message["images"] = images
         if m.get("reasoning_content") is not None:  # DeepSeek's, vLLM's and llama-server's name
             message["reasoning"] = m["reasoning_content"]
         if m.get("tool_calls"):
@@ -249,7 +256,15 @@ def _messages(value: object) -> list[dict[str, Any]]:
             if m.get("name") is not None:
                 message["name"] = m["name"]
         out.append(message)
-    return _checked(lambda: params.messages(out))
+    return _checked(lambda: params.messages(out, paths=False))
+
+
+def _image_url(value: object, at: str) -> str:
+    """An image_url part's image: a data: URL (kinfer fetches nothing from the network)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url.partition(",")[0] + ",":
+        raise unsupported(f"{at}.image_url", "an image other than a base64 data: URL (kinfer fetches nothing)")
+    return url
 
 
 # reasoning_effort -> think: a level, or "none" (no reasoning)

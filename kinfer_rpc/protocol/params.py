@@ -3,7 +3,10 @@ files. Option objects are read by kinfer_rpc.protocol.options."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import os
 import re
 from typing import Any
 
@@ -13,7 +16,7 @@ from kinfer_rpc.host.tools import ToolChoice
 from kinfer_rpc.protocol.fields import Fields
 
 
-def messages(value: object) -> list[dict[str, Any]]:
+def messages(value: object, paths: bool = True) -> list[dict[str, Any]]:
     """A chat's messages, shaped for chat templates as Hugging Face and llama.cpp (--jinja) pass
     them. A plain message is {role, content}, as it always was. An assistant message with
     `toolCalls` gets `tool_calls`: [{id, type: "function", function: {name, arguments}}] with
@@ -21,7 +24,9 @@ def messages(value: object) -> list[dict[str, Any]]:
     and `content` "" when it had none. A tool's result {"role": "tool", content, toolCallId?,
     name?} gets `tool_call_id` and `name` (the name of the call it answers when not given). An
     assistant's `reasoning` (a thinking model's, as a result gave it) gets `reasoning_content`
-    and `thinking`, the names templates read it by; the template keeps or drops it."""
+    and `thinking`, the names templates read it by; the template keeps or drops it. A message's
+    `images` (each base64, a data: URL, or with `paths` the absolute path of a file) become the
+    files' bytes; the host puts them before the message's content."""
     if not isinstance(value, list) or not value:
         raise errors.invalid_params("messages must be a non-empty list of {role, content}")
     out: list[dict[str, Any]] = []
@@ -33,12 +38,6 @@ def messages(value: object) -> list[dict[str, Any]]:
             raise errors.invalid_params(f"{where} must be an object with string role and content")
         role = m["role"]
         check_text(role, f"{where}.role")
-        if m.get("images"):
-            raise errors.KinferError(
-                errors.NOT_SUPPORTED,
-                f"{where}.images: this server does not read images yet (a model with a vision projector answers text)",
-                {"field": f"{where}.images"},
-            )
         calls = m.get("toolCalls")
         if calls == []:  # as OpenAI's clients send with no calls
             calls = None
@@ -54,6 +53,8 @@ def messages(value: object) -> list[dict[str, Any]]:
             )
         check_text(content, f"{where}.content")
         msg: dict[str, Any] = {"role": role, "content": content}
+        if m.get("images") is not None:
+            msg["images"] = images(m["images"], f"{where}.images", paths)
         thought = m.get("reasoning")
         if thought is not None:
             if role != "assistant" or not isinstance(thought, str):
@@ -77,6 +78,51 @@ def messages(value: object) -> list[dict[str, Any]]:
             if name is not None:
                 msg["name"] = name
         out.append(msg)
+    return out
+
+
+MAX_IMAGE_BYTES = 32 << 20  # the largest image file a message may carry
+
+
+def images(value: object, field: str, paths: bool = True) -> list[bytes]:
+    """A message's images as the bytes of their files: each a base64 string, a data: URL
+    (base64), or where `paths` allows (the stdio and socket protocol, whose clients share this
+    machine's files) the absolute path of a file (or a file: URL). What the bytes hold (PNG,
+    JPEG, ...) is for the model's projector to read."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _bad(
+            field,
+            "a list of images (base64 strings"
+            + (", data: URLs or absolute file paths)" if paths else " or data: URLs)"),
+        )
+    out = []
+    for j, text in enumerate(value):
+        at = f"{field}[{j}]"
+        path = text[len("file://") :] if text.startswith("file://") else text
+        if paths and os.path.isabs(path) and os.path.isfile(path):
+            try:
+                size = os.path.getsize(path)
+                if size > MAX_IMAGE_BYTES:
+                    raise errors.invalid_params(
+                        f"{at}: {path} is {size} bytes, more than an image may be", {"field": at}
+                    )
+                with open(path, "rb") as fh:
+                    out.append(fh.read())
+            except OSError as exc:
+                raise errors.invalid_params(f"{at}: {path} cannot be read: {exc.strerror}", {"field": at}) from None
+            continue
+        data = text
+        if text.startswith("data:"):
+            head, sep, data = text.partition(",")
+            if not sep or not head.endswith(";base64"):
+                raise _bad(at, "a base64 data: URL (data:image/png;base64,...)")
+        if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise errors.invalid_params(f"{at} is larger than an image may be ({MAX_IMAGE_BYTES} bytes)", {"field": at})
+        try:
+            out.append(base64.b64decode(data.strip(), validate=True))
+        except (binascii.Error, ValueError):
+            where = ", a data: URL or an absolute path of a file" if paths else " or a data: URL"
+            raise _bad(at, f"an image as base64{where}") from None
     return out
 
 

@@ -41,15 +41,27 @@ class LlamaBackend:
 
         pooling, dimensions = declared_pooling(path)
         if pooling is not None:
+            if options.projector:
+                raise ValueError("an embedding model takes no vision projector (options.projector)")
             return LlamaEmbedder(path, options, progress, pooling, dimensions)
         return LlamaModel(path, options, progress)
 
     def features(self) -> dict[str, Any]:
         """Whether its llama.cpp can spread a model over RPC servers (options.rpcServers), found
         from the library files, without loading them; and that it embeds (a GGUF that declares a
-        pooling loads as an embedding model or reranker: embed.py)."""
+        pooling loads as an embedding model or reranker: embed.py); and whether it reads images
+        (a model loaded with its projector, through llama.cpp's libmtmd: vision.py)."""
+        from kinfer_rpc.default_plugins.llama import vision
+
         ok, why = rpc.build_support()
-        return {"rpc": ok, **({"rpcUnavailable": why} if not ok else {}), "embeddings": True}
+        seeing, blind = vision.available()
+        return {
+            "rpc": ok,
+            **({"rpcUnavailable": why} if not ok else {}),
+            "embeddings": True,
+            "vision": seeing,
+            **({"visionUnavailable": blind} if not seeing else {}),
+        }
 
 
 class MtpPolicy:

@@ -20,10 +20,11 @@ from kinfer_rpc.default_plugins import cpu_share
 from kinfer_rpc.default_plugins.llama import buft, library, rpc
 from kinfer_rpc.default_plugins.llama.batch import Batch
 from kinfer_rpc.default_plugins.llama.vocab import LlamaVocab
-from kinfer_rpc.types import FIM_KEYS, LoadOptions, ModelInfo, SeqChunk
+from kinfer_rpc.types import FIM_KEYS, LoadOptions, Media, ModelInfo, SeqChunk
 
 if TYPE_CHECKING:
     from kinfer_rpc.default_plugins.llama.mtp import Mtp
+    from kinfer_rpc.default_plugins.llama.vision import Projector
 
 log = logging.getLogger("kinfer_rpc.llama")
 _KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -186,6 +187,24 @@ class LlamaModel(LlamaVocab):
             except BaseException:
                 self.close()
                 raise
+        self._projector: Projector | None = None
+        self.vision = False
+        if options.projector and self._mtp is not None:
+            self.close()
+            # the MTP head follows the target's passes over tokens; an image's pass has none
+            raise ValueError("a model loaded with draftPolicy mtp takes no vision projector (options.projector)")
+        if options.projector:
+            try:
+                from kinfer_rpc.default_plugins.llama.vision import Projector
+
+                self._projector = Projector(
+                    L, self.model, options.projector, threads=threads, use_gpu=not self.on_cpu, tokenize=self.tokenize
+                )
+                self.vision = True
+            except BaseException:
+                self.close()
+                raise
+        self._batch_size = options.batch
         self._pieces: dict[int, bytes] = {}
         # Asked once per generated token: a set lookup, not a call into the library.
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
@@ -407,6 +426,21 @@ class LlamaModel(LlamaVocab):
             return ids
         return [t if g else -1 for t, g in zip(ids, self._rows_greedy)]
 
+    # -- images (the Vision capability, with a projector: vision.py) ----------------------------
+    def media_prompt(self, pieces: Sequence[str | bytes], add_special: bool) -> tuple[list[int], list[Media]]:
+        if self._projector is None:
+            raise ValueError("this model was loaded without a vision projector: it reads no images")
+        return self._projector.prompt(pieces, add_special)
+
+    def eval_media(self, seq: int, media: Media, pos: int) -> None:
+        if self._projector is None:
+            raise ValueError("this model was loaded without a vision projector: it reads no images")
+        self._next_ok = False
+        self._projector.eval(self.ctx, seq, media, pos, self._batch_size)
+
+    def media_stats(self) -> dict[str, int]:
+        return self._projector.stats() if self._projector is not None else {}
+
     def seq_remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         self._next_ok = False
         self.L.llama_memory_seq_rm(self.mem, seq, start, end)
@@ -440,6 +474,10 @@ class LlamaModel(LlamaVocab):
         if self._mtp is not None:
             self._mtp.close()
             self._mtp = None
+        if getattr(self, "_projector", None) is not None:
+            assert self._projector is not None
+            self._projector.close()
+            self._projector = None
         if self.ctx:
             self.L.llama_free(self.ctx)
             self.ctx = None

@@ -44,7 +44,8 @@ def test_the_initialize_result_lists_every_method_the_spec_has(client):
     spec = metamodel.model().model
     assert sorted(caps["methods"]) == sorted(r["method"] for r in spec["requests"])
     assert {"textDocument/completion", "textDocument/inlineCompletion"} <= set(caps["methods"])
-    assert caps["textDocumentSync"] == {"openClose": True, "change": 2}
+    assert caps["textDocumentSync"] == {"openClose": True, "change": 2, "save": {"includeText": False}}
+    assert caps["executeCommandProvider"] == {"commands": ["kinfer.accepted", "kinfer.stats"]}
     assert caps["completionProvider"] == {"resolveProvider": False}
     assert caps["inlineCompletionProvider"] == {}
     assert caps["cancellation"] is True and "llama" in caps["backends"]  # kinfer's own, as before

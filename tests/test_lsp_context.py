@@ -149,7 +149,7 @@ def test_idle_time_reads_the_chunks_into_the_pool_once_and_a_completion_stops_it
             assert got["items"] and infill.cancelled == 1
             # idle again, the same chunks: no second warm
             await anyio.sleep(0.3)
-            assert len(infill.calls) == 2 and editor.warms == 1
+            assert len(infill.calls) == 2 and editor.warms == 0  # the one warm was stopped
             # new chunks (another file): warmed once more
             await open_doc(editor, "def square(x):\n    y = x * x\n    return y\n", uri="file:///pkg/sq.py")
             await editor.did_change(

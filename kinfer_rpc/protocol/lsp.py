@@ -398,7 +398,7 @@ class Editor:
         self._bg_kind = ""  # what runs in it: "warm" or "speculation"
         self._warm_target: tuple[str, str] | None = None  # (uri, language) of the last document worked on
         self._warmed: list[tuple[str, str]] | None = None  # the chunks read into the pool last
-        self.warms = 0  # warming requests sent (for tests and stats)
+        self.warms = 0  # warming requests that ran to their end (for tests and stats)
         self._speculate: tuple[str, Answered, str] | None = None  # (uri, answer, text): what to compute ahead
         self._answered: dict[str, Answered] = {}  # uri -> its last answer
         self._spec: dict[str, Speculation] = {}  # uri -> the completion computed ahead for it
@@ -624,13 +624,15 @@ class Editor:
                 scope.cancel()
 
         result: dict[str, Any] | None = None
+        watch = _Watch(on_piece)
         with scope:
-            result = await self._infill(_Watch(on_piece), **params)
+            result = await self._infill(watch, **params)
         if result is not None:
             self._last_model = result.get("model", "") or self._last_model
             text, _ = cut(result["text"], indent, None)
             return text, result.get("model", ""), dict(result.get("usage") or {})
-        return stopped or "", self._last_model, {}
+        partial = watch.partial() if callable(watch.partial) else {}  # the reply so far, as infill had it
+        return stopped or "", self._last_model, dict(partial.get("usage") or {})
 
     async def _speculated(self, uri: str, prefix: str, middle: str, suffix: str) -> Answer | None:
         """The completion computed ahead for this view, when there is one (waiting for it if it
@@ -840,8 +842,8 @@ class Editor:
         model = await self._model_name()
         if model is not None:
             params["model"] = model
-        self.warms += 1
         await self._infill(None, **params)
+        self.warms += 1
 
     async def _run_speculation(self, uri: str, answered: Answered, text: str) -> None:
         """The completion of the document as it is once `text` is accepted at the cursor."""

@@ -20,6 +20,15 @@ end are clamped, and so are the ranges of the answers.
 A notification's mistakes (params of the wrong type, a malformed edit) are logged in one line:
 a notification has no answer to carry an error.
 
+Each completion also carries the repository as llama.vim gathers it: the ring's chunks of the
+documents the editor showed (protocol/ring.py), read into the prefix pool in idle time
+(`background`). A request's context chooses its options (Automatic: one line, a tight time
+budget; Invoked: lines on); `n` alternatives share the first one's prompt through the prefix
+pool; infill's streamed pieces let the layer stop it early (nIndent, tMaxPredictMs) or give up
+on a long prompt (tMaxPromptMs). Items carry a `kinfer.accepted` command: the client runs it on
+acceptance, and the completion that follows is computed ahead and served when the next request's
+view matches.
+
 Settings come from `initializationOptions.completion` and `workspace/didChangeConfiguration`
 (`settings.kinfer.completion` or `settings.completion`); docs/editors.md describes the shape.
 """

@@ -78,3 +78,73 @@ def test_vscode_languageserver_protocol_client_with_a_fim_model(node, tmp_path):
         assert item["textEdit"]["range"]["end"] == {"line": 1, "character": 14}
     assert isinstance(report["inline"]["items"], list)
     assert report["exitCode"] == 0
+
+
+# -- typing a function into a file of this repository ------------------------------------------------
+RING_PY = Path(__file__).resolve().parent.parent / "kinfer_rpc" / "protocol" / "ring.py"
+TYPED = "\n\ndef chunk_count(ring):\n    return len(ring"
+
+
+def typing(node, cmd, env, init_options, typed=TYPED):
+    args = [node, str(NODE_DIR / "typing.js"), json.dumps(cmd), json.dumps(init_options), str(RING_PY), typed]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert proc.stdout.strip(), f"no report\nstderr: {proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "error" not in report, report["error"]
+    return report
+
+
+def test_typing_a_function_into_a_file_of_this_repository(node, tmp_path):
+    log = tmp_path / "infill.jsonl"
+    cmd, env = fake_server(log, delay=0.05)
+    report = typing(node, cmd, env, {"completion": {"maxTokens": 8}})
+    assert report["commands"] == ["kinfer.accepted", "kinfer.stats"]
+    source = RING_PY.read_text()
+    assert report["typedText"] == source + TYPED
+    # one request a keystroke, each cancelled by the next (-32800) or made stale (empty)
+    assert report["requests"] == len(TYPED) + 1
+    assert report["cancelled"] + report["empty"] >= len(TYPED) - 3
+    started = [e for e in events(log) if e["event"] == "start"]
+    done = [e for e in events(log) if e["event"] == "done"]
+    assert len(done) < len(started)  # the stale ones stopped
+    # the last keystroke's request: the whole text before the cursor, an Automatic request's options
+    last = next(e for e in reversed(started) if e["prefix"] == source + TYPED)
+    assert last["options"]["stopAtLine"] is True and "tMaxPredictMs" not in last["options"]
+    (item,) = report["last"]["items"]
+    assert item["insertText"].startswith("_fake(")
+    # accepted: the next suggestion was computed ahead (an infill of the text with it) and served
+    after = source + TYPED + item["insertText"]
+    assert [e["prefix"] for e in started].count(after) == 1
+    assert report["next"]["items"] and report["finalText"] == after
+    assert report["stats"]["documents"][RING_PY.as_uri()] == {
+        "answered": 2,
+        "offered": 2,
+        "accepted": 1,
+        "acceptedChars": len(item["insertText"]),
+        "speculated": 1,
+    }
+    assert report["exitCode"] == 0
+
+
+@pytest.mark.model
+def test_typing_a_function_with_a_fim_model(node, tmp_path):
+    model = fim_model(tmp_path)
+    if model is None:
+        pytest.skip("the server has no inference/infill or tests/modelgen no FIM model helper")
+    env = {k: v for k, v in os.environ.items() if k != "KINFER_RPC_PLUGINS"}
+    init = {
+        "completion": {
+            "model": model,
+            "loadOptions": {"contextLength": 4096, "slots": 1},
+            "maxTokens": 8,
+            "automatic": {"tMaxPromptMs": 0},  # the first request loads the model
+        }
+    }
+    report = typing(node, [sys.executable, "-m", "kinfer_rpc"], env, init)
+    print("last:", report["last"], report["lastMs"], "ms; next:", report.get("next"), report.get("nextMs"), "ms")
+    print("stats:", report["stats"])
+    assert report["typedText"] == RING_PY.read_text() + TYPED
+    stats = report["stats"]["documents"][RING_PY.as_uri()]
+    if report["last"] and report["last"]["items"]:
+        assert stats["accepted"] == 1 and stats["speculated"] == 1
+    assert report["exitCode"] == 0

@@ -327,6 +327,7 @@ class Answered:
     suffix: str
     view: View
     ids: dict[str, str]  # item id -> its text
+    profile: str | None = None  # the request's, which the completion computed ahead takes too
 
 
 def _indent(line: str) -> int:
@@ -572,7 +573,7 @@ class Editor:
         if options.get("stopAtLine"):
             answer = attrs.evolve(answer, texts=tuple(t.removesuffix("\n").removesuffix("\r") for t in answer.texts))
         if view is not None:
-            done = Answered(pin.language, prefix, middle, suffix, view, {})
+            done = Answered(pin.language, prefix, middle, suffix, view, {}, pin.profile)
             self._answered[pin.uri] = done
             if self.settings.speculate == "always" and answer.texts and answer.texts[0].strip():
                 self._speculate = (pin.uri, done, answer.texts[0])
@@ -860,7 +861,7 @@ class Editor:
         spec = Speculation(_key(prefix, middle, suffix))
         self._spec[uri] = spec
         try:
-            enabled, options = self.settings.options_for(answered.language)
+            enabled, options = self.settings.options_for(answered.language, answered.profile)
             if not enabled:
                 return
             options, knobs = split_knobs(options)

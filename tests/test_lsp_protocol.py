@@ -94,3 +94,39 @@ def test_completions_on_the_wire(client):
     with pytest.raises(RpcError) as raised:
         client.call("textDocument/completion", {"textDocument": {"uri": URI}, "position": {"line": 0, "character": 0}})
     assert raised.value.code == -32602
+
+
+def test_accepted_items_and_stats_on_the_wire(client):
+    client.initialize({"initializationOptions": {"completion": {"n": 2, "speculate": "never"}}})
+    client.notify(
+        "textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": "ab\n"}}
+    )
+    client.notify("textDocument/didSave", {"textDocument": {"uri": URI}, "text": "ab\n"})
+    params = {"textDocument": {"uri": URI}, "position": {"line": 0, "character": 2}}
+    result = client.call("textDocument/completion", {**params, "context": {"triggerKind": 1}})
+    (item,) = result["items"]  # the fake answers the same text for both: one item
+    assert item["command"]["command"] == "kinfer.accepted" and item["data"]["usage"]
+    inline = client.call(
+        "textDocument/inlineCompletion",
+        {
+            **params,
+            "context": {
+                "triggerKind": 0,
+                "selectedCompletionInfo": {
+                    "range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 2}},
+                    "text": "abc",
+                },
+            },
+        },
+    )
+    assert inline["items"][0]["insertText"] == "abc_fake(3,1)"
+    command = item["command"]
+    assert (
+        client.call("workspace/executeCommand", {"command": command["command"], "arguments": command["arguments"]})
+        is None
+    )
+    stats = client.call("workspace/executeCommand", {"command": "kinfer.stats", "arguments": [{"uri": URI}]})
+    assert stats["documents"][URI] == {"answered": 2, "offered": 2, "accepted": 1, "acceptedChars": 10, "speculated": 0}
+    with pytest.raises(RpcError) as raised:
+        client.call("workspace/executeCommand", {"command": "kinfer.nope"})
+    assert raised.value.code == -32602

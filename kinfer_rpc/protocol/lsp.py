@@ -504,6 +504,7 @@ class Editor:
             for key in [k for k in self._live if k[0] == uri]:
                 self._live.pop(key)[1].cancel()
             self._spec.pop(uri, None)
+            self._answered.pop(uri, None)
 
         self._notified("textDocument/didClose", args, apply)
 
@@ -592,6 +593,8 @@ class Editor:
         if view.extra:
             params["extra"] = [{"filename": name, "text": text} for name, text in view.extra]
         indent = _indent(middle) if knobs["nIndent"] else None
+        if model is None and not (self._last_model and self._loaded(self._last_model)):
+            knobs = {**knobs, "tMaxPromptMs": 0}  # infill may load a model first: no prompt budget then
         texts: list[str] = []
         usage: list[dict[str, Any]] = []
         name = ""

@@ -1,6 +1,7 @@
 """kinfer-rpc as a language server, driven from Node by vscode-languageserver-protocol (the
 protocol layer VS Code's LSP client is built on): initialize, didOpen, incremental didChange,
-completion and inline completion, shutdown and exit.
+completion and inline completion, shutdown and exit; and typing a function into a file of this
+repository as VS Code does (tests/lsp_node/typing.js), accepting a suggestion and getting the next.
 
 The client lives in tests/lsp_node (its own package.json: not a dependency of clients/node).
 Skipped when node or npm is missing or `npm ci` cannot reach a registry.

@@ -94,6 +94,28 @@ def test_edits_make_the_chunk_around_them_and_replace_their_older_self():
     run(main)
 
 
+def test_a_long_documents_own_chunks_go_when_far_from_the_cursor():
+    infill = FakeInfill()
+    editor = make_editor(infill)
+    uri = "file:///pkg/big.py"
+    big = "".join(f"line_{i} = {i}\n" for i in range(300))
+
+    def lines(text):
+        return int(text.split(" = ", 1)[0].removeprefix("line_")), text.count("\n")
+
+    async def main():
+        await open_doc(editor, big, uri=uri)
+        await editor.completion(None, **ask(editor, lsp.COMPLETION, 250, 0, uri))
+        # lines 0-63 (taken on open) and 96-159 (a chunk's length above the cursor): far; not
+        # the chunk around the cursor, which the prompt's prefix and suffix have
+        assert [lines(e["text"]) for e in infill.calls[-1]["extra"]] == [(0, 64), (96, 64)]
+        await editor.completion(None, **ask(editor, lsp.COMPLETION, 10, 0, uri))
+        # now the chunk taken around line 250 is far, and the one at the start near
+        assert [lines(e["text"]) for e in infill.calls[-1]["extra"]] == [(192, 64), (96, 64)]
+
+    run(main)
+
+
 def test_the_ring_is_bounded_by_characters_and_ignores_tiny_chunks():
     ring = Ring(chunks=16, chunk_lines=4, chars=40)
     assert not ring.add("a.py", "python", "x\n")  # fewer than 3 lines worth having

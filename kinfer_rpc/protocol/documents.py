@@ -359,7 +359,7 @@ class Documents:
     ) -> Pending[View]:
         """`doc` seen from an LSP position, with the text of `extra` (most relevant first) within
         OPEN_FILES_CHARS, as they are once every job before this one has run; with `ring`, the
-        ring's chunks of other files (not those of `extra`) before them. `insert`: (a position
+        ring's chunks (not those of `extra`, of `doc` only those far from the cursor) before them. `insert`: (a position
         before the cursor, a text) the view takes as typed in place of what lies between them
         (an inline completion's selected item)."""
         doc.touched = next(self._clock)
@@ -368,6 +368,8 @@ class Documents:
         def job() -> View:
             at, cl, cc = doc.text.locate(line, character)
             self._pick(doc, cl)
+            if ring:
+                self.ring.pick_far(doc.filename, doc.language, doc.text, cl)
             before, after = doc.text.split(at)
             start: Position | None = None
             if insert is not None:
@@ -394,7 +396,8 @@ class Documents:
                 body = d.text.tail(left)
                 others.append((d.filename, body))
                 left -= len(body)
-            chunks = self.ring.extra(doc.language, {doc.filename, *(d.filename for d in extra)}) if ring else []
+            whole = {d.filename for d in extra}
+            chunks = self.ring.extra(doc.language, whole, (doc.filename, cl)) if ring else []
             return View(tuple(before), tuple(after), cl, cc, near[i:], (*chunks, *reversed(others)), start)
 
         return self.jobs.result(job)

@@ -838,10 +838,8 @@ class Editor:
         if doc is None:
             return
         enabled, options = self.settings.options_for(language)
-        exclude = {doc.filename}
-        if self.settings.open_files:
-            exclude |= {d.filename for d in self.documents.relevant(doc)}
-        chunks = self.documents.ring.extra(language, exclude)
+        exclude = {d.filename for d in self.documents.relevant(doc)} if self.settings.open_files else set()
+        chunks = self.documents.ring.extra(language, exclude, (doc.filename, doc.line))
         if not enabled or not chunks or chunks == self._warmed:
             return
         self._warmed = chunks

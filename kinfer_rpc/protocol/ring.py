@@ -8,9 +8,13 @@ common, counted as llama.vim does: twice the lines in common over the lines of b
 chunk of a region being typed in stays one chunk; past `chunks` chunks (16) or `chars`
 characters, the oldest go.
 
-A completion sends the chunks of its language, but not those of its own document (the prompt
-has it already) nor of the documents `openFiles` sends whole, to `inference/infill` as `extra`,
-oldest first: infill keeps the extra context's end when it cuts it.
+A completion sends the chunks of its language, but not those of the documents `openFiles` sends
+whole, to `inference/infill` as `extra`, oldest first: infill keeps the extra context's end when
+it cuts it. Of its own document it sends only the chunks far from the cursor (a chunk's length
+away or more, as their lines were when taken): infill's prefix and suffix keep only the text
+near the cursor, so the far text of a long document is context like another file's (llama.vim
+gathers it for that too: a completion also takes the chunks a chunk's length above and below
+the cursor).
 
 Chunks are added from the documents' jobs (possibly the worker thread) and read on the event
 loop: a lock guards them.
@@ -36,6 +40,8 @@ class Chunk:
     language: str
     text: str
     lines: frozenset[str]
+    first: int = 0  # its lines in its document when taken: [first, last)
+    last: int = 0
 
 
 def similarity(a: frozenset[str], b: frozenset[str]) -> float:
@@ -72,8 +78,9 @@ class Ring:
             dropped = True
         return dropped
 
-    def add(self, filename: str, language: str, text: str) -> bool:
-        """Take `text` as a chunk; whether the ring changed."""
+    def add(self, filename: str, language: str, text: str, first: int = 0, last: int = 0) -> bool:
+        """Take `text` (lines `first` to `last` of its document) as a chunk; whether the ring
+        changed."""
         if self.chunks <= 0:
             return False
         lines = _lines(text)
@@ -84,7 +91,7 @@ class Ring:
                 return False
             kept = [c for c in self._chunks if similarity(c.lines, lines) <= SIMILAR]
             self._chunks = deque(kept)
-            self._chunks.append(Chunk(filename, language, text, lines))
+            self._chunks.append(Chunk(filename, language, text, lines, first, last))
             self._trim()
             self.version += 1
             return True
@@ -95,17 +102,41 @@ class Ring:
         if self.chunks <= 0:
             return False
         half = max(1, self.chunk_lines // 2)
-        first = max(0, (line // half - 1) * half)
+        return self._take(filename, language, text, max(0, (line // half - 1) * half))
+
+    def pick_far(self, filename: str, language: str, text: Text, line: int) -> bool:
+        """Take the chunks of `text` a chunk's length above and below `line` (those that exist);
+        whether the ring changed. Called inside a job."""
+        if self.chunks <= 0:
+            return False
+        half = max(1, self.chunk_lines // 2)
+        above = (line - 2 * self.chunk_lines) // half * half
+        below = -(-(line + self.chunk_lines) // half) * half
+        changed = above >= 0 and self._take(filename, language, text, above)
+        if below < text.line_count:
+            changed = self._take(filename, language, text, below) or changed
+        return changed
+
+    def _take(self, filename: str, language: str, text: Text, first: int) -> bool:
         last = first + self.chunk_lines
         start = text.line_start(min(first, text.line_count - 1))
         end = text.line_start(last) if last < text.line_count else text.length
-        return self.add(filename, language, text.slice(start, end))
+        return self.add(filename, language, text.slice(start, end), first, last)
 
-    def extra(self, language: str, exclude: Collection[str]) -> list[tuple[str, str]]:
-        """(filename, text) of the chunks of `language` from other files than `exclude`,
-        oldest first."""
+    def extra(
+        self, language: str, exclude: Collection[str], own: tuple[str, int] | None = None
+    ) -> list[tuple[str, str]]:
+        """(filename, text) of the chunks of `language` from other files than `exclude`, oldest
+        first; of the file `own[0]`, only those a chunk's length or more from line `own[1]`."""
         with self._lock:
-            return [(c.filename, c.text) for c in self._chunks if c.language == language and c.filename not in exclude]
+            return [
+                (c.filename, c.text)
+                for c in self._chunks
+                if c.language == language and c.filename not in exclude and (own is None or self._far(c, *own))
+            ]
+
+    def _far(self, c: Chunk, filename: str, line: int) -> bool:
+        return c.filename != filename or c.last <= line - self.chunk_lines or c.first >= line + self.chunk_lines
 
     def __len__(self) -> int:
         return len(self._chunks)

@@ -86,8 +86,9 @@ RING_PY = Path(__file__).resolve().parent.parent / "kinfer_rpc" / "protocol" / "
 TYPED = "\n\ndef chunk_count(ring):\n    return len(ring"
 
 
-def typing(node, cmd, env, init_options, typed=TYPED):
+def typing(node, cmd, env, init_options, typed=TYPED, wait_ms=0):
     args = [node, str(NODE_DIR / "typing.js"), json.dumps(cmd), json.dumps(init_options), str(RING_PY), typed]
+    args.append(str(wait_ms))
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
     assert proc.stdout.strip(), f"no report\nstderr: {proc.stderr[-3000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -103,7 +104,7 @@ def test_typing_a_function_into_a_file_of_this_repository(node, tmp_path):
     source = RING_PY.read_text()
     assert report["typedText"] == source + TYPED
     # one request a keystroke, each cancelled by the next (-32800) or made stale (empty)
-    assert report["requests"] == len(TYPED) + 1
+    assert report["requests"] == len(TYPED) + 2  # and the one after acceptance, and one more
     assert report["cancelled"] + report["empty"] >= len(TYPED) - 3
     started = [e for e in events(log) if e["event"] == "start"]
     done = [e for e in events(log) if e["event"] == "done"]
@@ -116,10 +117,11 @@ def test_typing_a_function_into_a_file_of_this_repository(node, tmp_path):
     # accepted: the next suggestion was computed ahead (an infill of the text with it) and served
     after = source + TYPED + item["insertText"]
     assert [e["prefix"] for e in started].count(after) == 1
-    assert report["next"]["items"] and report["finalText"] == after
+    assert report["next"]["items"] and report["finalText"] == after + " "
+    assert [e["prefix"] for e in started].count(after + " ") == 1  # one more character: asked afresh
     assert report["stats"]["documents"][RING_PY.as_uri()] == {
-        "answered": 2,
-        "offered": 2,
+        "answered": 3,
+        "offered": 3,
         "accepted": 1,
         "acceptedChars": len(item["insertText"]),
         "speculated": 1,
@@ -141,8 +143,9 @@ def test_typing_a_function_with_a_fim_model(node, tmp_path):
             "automatic": {"tMaxPromptMs": 0},  # the first request loads the model
         }
     }
-    report = typing(node, [sys.executable, "-m", "kinfer_rpc"], env, init)
+    report = typing(node, [sys.executable, "-m", "kinfer_rpc"], env, init, wait_ms=1000)
     print("last:", report["last"], report["lastMs"], "ms; next:", report.get("next"), report.get("nextMs"), "ms")
+    print("fresh:", report.get("fresh"), report.get("freshMs"), "ms")
     print("stats:", report["stats"])
     assert report["typedText"] == RING_PY.read_text() + TYPED
     stats = report["stats"]["documents"][RING_PY.as_uri()]

@@ -2,7 +2,9 @@
 // as VS Code's client does: a didChange per keystroke, an Automatic inline completion after each
 // (the one before cancelled with $/cancelRequest), then the last suggestion accepted (inserted,
 // its command run through workspace/executeCommand) and the next one asked for.
-// Usage: node typing.js '<server argv as JSON>' '<init options JSON>' FILE 'TYPED'
+// Usage: node typing.js '<server argv as JSON>' '<init options JSON>' FILE 'TYPED' [WAIT_MS]
+// (WAIT_MS: how long the client waits after running the command before asking again; then it
+// types one more character and asks once more, a request nothing was computed ahead for.)
 // Prints one JSON report on stdout.
 'use strict';
 const fs = require('fs');
@@ -21,6 +23,7 @@ async function main() {
   const initOptions = JSON.parse(process.argv[3] || 'null');
   const file = process.argv[4];
   const typed = process.argv[5];
+  const waitMs = Number(process.argv[6] || 0);
   const server = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'inherit'] });
   const exited = new Promise((resolve) => server.on('exit', (code) => resolve(code)));
   const connection = createProtocolConnection(
@@ -84,9 +87,14 @@ async function main() {
     const item = last.items[0];
     await insert(item.insertText);  // the client inserts the suggestion, then runs its command
     await connection.sendRequest(ExecuteCommandRequest.type, { command: item.command.command, arguments: item.command.arguments });
+    await sleep(waitMs);
     t0 = Date.now();
     report.next = await ask();
     report.nextMs = Date.now() - t0;
+    await insert(' ');
+    t0 = Date.now();
+    report.fresh = await ask();
+    report.freshMs = Date.now() - t0;
   }
   await connection.sendNotification(DidSaveTextDocumentNotification.type, { textDocument: { uri } });
   report.stats = await connection.sendRequest(ExecuteCommandRequest.type, { command: 'kinfer.stats', arguments: [{ uri }] });

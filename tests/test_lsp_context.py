@@ -155,6 +155,7 @@ def test_idle_time_reads_the_chunks_into_the_pool_once_and_a_completion_stops_it
         editor.initialize({"completion": {"ring": {"warmMs": 50}}})
         async with anyio.create_task_group() as tg:
             tg.start_soon(editor.background)
+            await anyio.sleep(0.01)  # it runs
             await open_doc(editor, GEOMETRY, uri="file:///pkg/geometry.py")
             await open_doc(editor, MAIN, uri="file:///pkg/main.py")
             await editor.did_change(
@@ -343,6 +344,7 @@ def test_an_accepted_item_is_counted_and_the_next_completion_is_served_from_the_
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(editor.background)
+            await anyio.sleep(0.01)  # it runs
             await open_doc(editor, "import geometry\n\nprint(geometry.)\n", uri=uri)
             got = await editor.inline_completion(None, **ask(editor, lsp.INLINE_COMPLETION, 2, 15, uri))
             (item,) = got["items"]
@@ -365,13 +367,23 @@ def test_an_accepted_item_is_counted_and_the_next_completion_is_served_from_the_
             await editor.did_change(textDocument={"uri": uri}, contentChanges=[change(2, 27, 2, 27, "r")])
             got = await editor.inline_completion(None, **ask(editor, lsp.INLINE_COMPLETION, 2, 28, uri))
             assert [i["insertText"] for i in got["items"]] == ["never asked"] and len(infill.calls) == 3
+            # accepted, and asked again at once (before the background took the work up): the
+            # request waits for the completion computed ahead
+            (item,) = got["items"]
+            await editor.did_change(textDocument={"uri": uri}, contentChanges=[change(2, 28, 2, 28, "never asked")])
+            infill.text = " + 1"
+            await editor.execute_command(None, command=lsp.ACCEPTED, arguments=item["command"]["arguments"])
+            got = await editor.inline_completion(None, **ask(editor, lsp.INLINE_COMPLETION, 2, 39, uri))
+            assert [i["insertText"] for i in got["items"]] == [" + 1"]
+            assert len(infill.calls) == 4  # the one computed ahead, none for the request
+            assert before(infill.calls[-1]).endswith("circle_area(rnever asked")
             stats = await editor.execute_command(None, command=lsp.STATS, arguments=[{"uri": uri}])
             assert stats["documents"][uri] == {
-                "answered": 3,
-                "offered": 3,
-                "accepted": 1,
-                "acceptedChars": len("circle_area("),
-                "speculated": 1,
+                "answered": 4,
+                "offered": 4,
+                "accepted": 2,
+                "acceptedChars": len("circle_area(never asked"),
+                "speculated": 2,
             }
             # an id nobody offered is ignored; an unknown command is refused
             assert await editor.execute_command(None, command=lsp.ACCEPTED, arguments=[{"uri": uri, "id": "x"}]) is None
@@ -390,6 +402,7 @@ def test_speculate_always_computes_ahead_after_each_answer_and_never_not_even_on
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(editor.background)
+            await anyio.sleep(0.01)  # it runs
             editor.initialize({"completion": {"speculate": "always", "ring": False}})
             await open_doc(editor, "x = ", uri=uri)
             await editor.completion(None, **ask(editor, lsp.COMPLETION, 0, 4, uri))

@@ -409,7 +409,9 @@ class Editor:
         self._warm_target: tuple[str, str] | None = None  # (uri, language) of the last document worked on
         self._warmed: list[tuple[str, str]] | None = None  # the chunks read into the pool last
         self.warms = 0  # warming requests that ran to their end (for tests and stats)
-        self._speculate: tuple[str, Answered, str] | None = None  # (uri, answer, text): what to compute ahead
+        # What to compute ahead next: (uri, the answer, the accepted text, its Speculation)
+        self._speculate: tuple[str, Answered, str, Speculation] | None = None
+        self._running = False  # background() runs (else nothing is computed ahead)
         self._answered: dict[str, Answered] = {}  # uri -> its last answer
         self._spec: dict[str, Speculation] = {}  # uri -> the completion computed ahead for it
         self._offered: dict[str, tuple[str, str]] = {}  # item id -> (uri, text)
@@ -532,7 +534,6 @@ class Editor:
         live = self._live.pop(key, None)
         if live is not None:
             live[1].cancel()  # stale: it answers an empty result
-        self._speculate = None  # this request's answer is what a speculation would follow
         if self._bg_kind == "warm" and self._bg_scope is not None:
             self._bg_scope.cancel()  # a warm never delays a completion (a speculation may serve it)
         self._touched(uri)
@@ -577,9 +578,32 @@ class Editor:
             done = Answered(pin.language, prefix, middle, suffix, view, {}, pin.profile)
             self._answered[pin.uri] = done
             if self.settings.speculate == "always" and answer.texts and answer.texts[0].strip():
-                self._speculate = (pin.uri, done, answer.texts[0])
-                self._wake.set()
+                self._queue(pin.uri, done, answer.texts[0])
         return answer, view
+
+    def _queue(self, uri: str, answered: Answered, text: str) -> None:
+        """Compute ahead the completion of `uri` once `text` is accepted after `answered`: its
+        Speculation is there at once (a request that matches it waits for it); what was queued
+        before and not started is dropped."""
+        if not self._running:
+            return
+        spec = self._spec.get(uri)
+        key = _key(answered.prefix, answered.middle + text, answered.suffix)
+        if spec is not None and spec.key == key:
+            return  # computed ahead already (or being computed)
+        self._drop_queued()
+        spec = self._spec[uri] = Speculation(key)
+        self._speculate = (uri, answered, text, spec)
+        self._wake.set()
+
+    def _drop_queued(self, uri: str | None = None) -> None:
+        """Forget the speculation queued and not started (only `uri`'s, when given)."""
+        if self._speculate is not None and uri in (None, self._speculate[0]):
+            queued_uri, _, _, spec = self._speculate
+            self._speculate = None
+            spec.done.set()
+            if self._spec.get(queued_uri) is spec:
+                del self._spec[queued_uri]
 
     async def _alternatives(self, view: View, options: dict[str, Any], knobs: dict[str, Any]) -> Answer:
         """`n` completions of one view, one after the other: the first with the settings' options,
@@ -656,6 +680,7 @@ class Editor:
             if spec.answer is not None:
                 self.stats.setdefault(uri, DocStats()).speculated += 1
                 return spec.answer
+        self._drop_queued(uri)
         if self._bg_scope is not None:
             self._bg_scope.cancel()
         return None
@@ -779,11 +804,7 @@ class Editor:
             stats.accepted_chars += len(text)
             answered = self._answered.get(uri)
             if self.settings.speculate != "never" and answered is not None and arg.get("id") in answered.ids:
-                spec = self._spec.get(uri)
-                key = _key(answered.prefix, answered.middle + text, answered.suffix)
-                if spec is None or spec.key != key:  # not computed ahead already
-                    self._speculate = (uri, answered, text)
-                    self._wake.set()
+                self._queue(uri, answered, text)
             return None
         if command == STATS:
             asked = arg.get("uri")
@@ -797,6 +818,14 @@ class Editor:
         """Runs while the server does: computes the completion that follows an answer's
         acceptance as soon as the answer is out, and reads the ring's chunks into the prefix
         pool once the editor has been idle `ring.warmMs` (a completion arriving stops it)."""
+        self._running = True
+        try:
+            await self._background()
+        finally:
+            self._running = False
+            self._drop_queued()
+
+    async def _background(self) -> None:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -856,11 +885,9 @@ class Editor:
         await self._infill(None, **params)
         self.warms += 1
 
-    async def _run_speculation(self, uri: str, answered: Answered, text: str) -> None:
+    async def _run_speculation(self, uri: str, answered: Answered, text: str, spec: Speculation) -> None:
         """The completion of the document as it is once `text` is accepted at the cursor."""
         prefix, middle, suffix = answered.prefix, answered.middle + text, answered.suffix
-        spec = Speculation(_key(prefix, middle, suffix))
-        self._spec[uri] = spec
         try:
             enabled, options = self.settings.options_for(answered.language, answered.profile)
             if not enabled:

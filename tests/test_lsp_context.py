@@ -418,3 +418,25 @@ def test_speculate_always_computes_ahead_after_each_answer_and_never_not_even_on
             tg.cancel_scope.cancel()
 
     run(main)
+
+
+def test_stopping_the_editor_stops_its_background_work():
+    infill = FakeInfill(wait=True)
+    editor = make_editor(infill)
+
+    async def main():
+        editor.initialize({"completion": {"ring": {"warmMs": 20}}})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(editor.background)
+            await open_doc(editor, GEOMETRY, uri="file:///pkg/geometry.py")
+            await open_doc(editor, MAIN, uri="file:///pkg/main.py")
+            await infill.started.wait()  # a warm runs
+            editor.stop()
+            await anyio.sleep(0.05)
+            assert infill.cancelled == 1
+            await open_doc(editor, "def cube(x):\n    y = x ** 3\n    return y\n", uri="file:///pkg/cube.py")
+            await anyio.sleep(0.2)
+            assert len(infill.calls) == 1  # nothing more
+            tg.cancel_scope.cancel()
+
+    run(main)

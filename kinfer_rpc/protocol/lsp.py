@@ -825,6 +825,13 @@ class Editor:
             self._running = False
             self._drop_queued()
 
+    def stop(self) -> None:
+        """The server is ending: the background work stops, and nothing more is queued."""
+        self.settings = attrs.evolve(self.settings, ring=RingSettings(chunks=0, warm_ms=0), speculate="never")
+        self._drop_queued()
+        if self._bg_scope is not None:
+            self._bg_scope.cancel()
+
     async def _background(self) -> None:
         while True:
             await self._wake.wait()

@@ -491,6 +491,7 @@ class Session:
             # Whatever ends the server (exit, stdin closed, a signal, the client gone), every
             # request still running is answered: -32800 with its partial result.
             self.connection.cancel_all()
+            self.editor.stop()  # warming, computing ahead: no one will ask for it now
             with anyio.move_on_after(2.0):
                 while self.connection.running:
                     await anyio.sleep(0.01)

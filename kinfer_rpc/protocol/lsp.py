@@ -565,7 +565,7 @@ class Editor:
                 prefix, middle, suffix = view.texts()
                 answer = await self._speculated(pin.uri, prefix, middle, suffix)
                 if answer is None:
-                    answer = await self._alternatives(view, options, knobs)
+                    answer = await self._alternatives((prefix, middle, suffix), view.extra, options, knobs)
         finally:
             live = self._live.get(key)
             if live is not None and live[0] == pin.generation:
@@ -605,21 +605,28 @@ class Editor:
             if self._spec.get(queued_uri) is spec:
                 del self._spec[queued_uri]
 
-    async def _alternatives(self, view: View, options: dict[str, Any], knobs: dict[str, Any]) -> Answer:
-        """`n` completions of one view, one after the other: the first with the settings' options,
-        the others with other seeds (and, when the settings are greedy, a temperature): the
-        prefix pool holds the prompt the first read, so the others read only its last token."""
-        prefix, middle, suffix = view.texts()
+    async def _alternatives(
+        self,
+        texts: tuple[str, str, str],
+        extra: tuple[tuple[str, str], ...],
+        options: dict[str, Any],
+        knobs: dict[str, Any],
+    ) -> Answer:
+        """`n` completions of a view's prefix, middle and suffix (and extra files), one after the
+        other: the first with the settings' options, the others with other seeds (and, when the
+        settings are greedy, a temperature): the prefix pool holds the prompt the first read, so
+        the others read only its last token."""
+        prefix, middle, suffix = texts
         model = await self._model_name()
         params: dict[str, Any] = {"prefix": prefix, "middle": middle, "suffix": suffix}
         if model is not None:
             params["model"] = model
-        if view.extra:
-            params["extra"] = [{"filename": name, "text": text} for name, text in view.extra]
+        if extra:
+            params["extra"] = [{"filename": name, "text": text} for name, text in extra]
         indent = _indent(middle) if knobs["nIndent"] else None
         if model is None and not (self._last_model and self._loaded(self._last_model)):
             knobs = {**knobs, "tMaxPromptMs": 0}  # infill may load a model first: no prompt budget then
-        texts: list[str] = []
+        found: list[str] = []
         usage: list[dict[str, Any]] = []
         name = ""
         for i in range(knobs["n"]):
@@ -630,9 +637,9 @@ class Editor:
                     opts["temperature"] = ALT_TEMPERATURE
             text, name, used = await self._infill_once({**params, "options": opts}, knobs, indent)
             usage.append(used)
-            if text not in texts:
-                texts.append(text)
-        return Answer(tuple(texts), name, tuple(usage))
+            if text not in found:
+                found.append(text)
+        return Answer(tuple(found), name, tuple(usage))
 
     async def _infill_once(
         self, params: dict[str, Any], knobs: dict[str, Any], indent: int | None
@@ -904,8 +911,7 @@ class Editor:
             cut_at = max(middle.rfind("\n"), middle.rfind("\r")) + 1
             if cut_at:  # the accepted text ended a line: the prompt's middle is the new last line
                 prefix, middle = prefix + middle[:cut_at], middle[cut_at:]
-            ahead = View((prefix, middle), (suffix,), 0, 0, "", answered.view.extra)
-            spec.answer = await self._alternatives(ahead, options, knobs)
+            spec.answer = await self._alternatives((prefix, middle, suffix), answered.view.extra, options, knobs)
             if options.get("stopAtLine"):
                 spec.answer = attrs.evolve(
                     spec.answer, texts=tuple(t.removesuffix("\n").removesuffix("\r") for t in spec.answer.texts)

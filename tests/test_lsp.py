@@ -83,7 +83,7 @@ def test_incremental_changes_around_astral_characters():
 # -- settings -----------------------------------------------------------------------------------
 def test_settings_defaults_languages_and_their_options():
     s = parse_settings(None, "completion")
-    assert s.options_for("python") == (True, lsp.DEFAULT_OPTIONS)
+    assert s.options_for("python") == (True, {**lsp.KNOBS, **lsp.DEFAULT_OPTIONS})
     s = parse_settings(
         {
             "model": "coder",
@@ -97,9 +97,19 @@ def test_settings_defaults_languages_and_their_options():
     assert s.model == "coder" and s.load_options == {"contextLength": 2048}
     assert s.options_for("python") == (
         True,
-        {**lsp.DEFAULT_OPTIONS, "maxTokens": 128, "stop": ["\n\n"], "stopAtLine": False},
+        {**lsp.KNOBS, **lsp.DEFAULT_OPTIONS, "maxTokens": 128, "stop": ["\n\n"], "stopAtLine": False},
     )
-    assert s.options_for("rust") == (True, {**lsp.DEFAULT_OPTIONS, "maxTokens": 32, "stop": ["\n\n"]})
+    assert s.options_for("rust") == (True, {**lsp.KNOBS, **lsp.DEFAULT_OPTIONS, "maxTokens": 32, "stop": ["\n\n"]})
+    # by trigger: an Automatic request gets one line in a tight time budget, an Invoked one lines on
+    assert s.options_for("rust", "automatic")[1] == {
+        **lsp.KNOBS,
+        **lsp.DEFAULT_OPTIONS,
+        "maxTokens": 32,
+        "stop": ["\n\n"],
+        "tMaxPromptMs": 500,
+        "tMaxPredictMs": 250,
+    }
+    assert s.options_for("python", "invoked")[1]["stopAtLine"] is False
     assert s.options_for("markdown")[0] is False
 
 
@@ -218,6 +228,8 @@ def test_completion_replaces_the_word_before_the_cursor_with_it_and_the_continua
         assert item["textEdit"]["range"] == {"start": pos(1, 7), "end": pos(1, 10)}
         p = request(editor, lsp.INLINE_COMPLETION, 1, 10)
         inline = await editor.inline_completion(None, **p)
+        (command,) = [i.pop("command") for i in inline["items"]]
+        assert command["command"] == "kinfer.accepted"
         assert inline == {
             "items": [{"insertText": "_name(x)\n    return x", "range": {"start": pos(1, 10), "end": pos(1, 10)}}]
         }

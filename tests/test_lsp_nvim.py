@@ -218,3 +218,87 @@ def test_nvim_omnifunc_completes_from_a_fim_model(tmp_path):
     report = run_nvim(tmp_path, [KINFER_RPC], env, init, wait_ms=90000, typed=" +")
     assert report["completed"], report
     assert report["lines"] == ["def add(a, b):", "    return a + b"]
+
+
+TYPE_INTO_REPO = r"""
+local out, root = vim.env.KINFER_TEST_OUT, vim.env.KINFER_TEST_ROOT
+local report = {}
+local initialized = false
+vim.o.hidden = true  -- a buffer left stays loaded (and open on the server)
+local id = vim.lsp.start_client({
+  name = 'kinfer',
+  cmd = vim.fn.json_decode(vim.env.KINFER_LSP_CMD),
+  root_dir = root,
+  init_options = vim.fn.json_decode(vim.env.KINFER_LSP_INIT),
+  on_init = function() initialized = true end,
+})
+vim.wait(30000, function() return initialized end, 20)
+-- two files of this repository: the one with the definition, then the one typed into
+for _, name in ipairs({ 'text.py', 'ring.py' }) do
+  vim.cmd('edit ' .. vim.fn.fnameescape(root .. '/kinfer_rpc/protocol/' .. name))
+  vim.bo.filetype = 'python'
+  vim.lsp.buf_attach_client(0, id)
+end
+local buf = vim.api.nvim_get_current_buf()
+vim.bo[buf].omnifunc = 'v:lua.vim.lsp.omnifunc'
+vim.bo[buf].autoindent = false  -- the keys typed are the text typed
+vim.o.completeopt = 'menu'
+vim.wait(300)
+local typed = '<CR>def label_width(label):<CR>    return utf16_'
+vim.api.nvim_feedkeys(vim.api.nvim_replace_termcodes('Go' .. typed .. '<C-x><C-o>', true, false, true), 'nt', false)
+local deadline = vim.loop.now() + 30000
+local timer = vim.loop.new_timer()
+timer:start(100, 50, vim.schedule_wrap(function()
+  local line = vim.api.nvim_buf_get_lines(buf, -2, -1, false)[1]
+  if (vim.startswith(line, '    return utf16_') and #line > 17) or vim.loop.now() > deadline then
+    timer:stop()
+    report.lines = vim.api.nvim_buf_get_lines(buf, 0, -1, false)
+    vim.fn.writefile({ vim.fn.json_encode(report) }, out .. '/report.json')
+    vim.cmd('qa!')
+  end
+end))
+"""
+
+
+def test_nvim_types_a_function_into_a_file_of_this_repository(tmp_path):
+    """Neovim's client, two files of this repository open: a function typed at the end of
+    kinfer_rpc/protocol/ring.py that uses text.py's `utf16_len`; the completion request carries
+    text.py's definition (the ring) and its answer lands in the buffer. Nothing is written."""
+    root = Path(__file__).resolve().parent.parent
+    ring_py, text_py = root / "kinfer_rpc" / "protocol" / "ring.py", root / "kinfer_rpc" / "protocol" / "text.py"
+    log = tmp_path / "infill.jsonl"
+    cmd, env = fake_server(log)
+    script = tmp_path / "type.lua"
+    script.write_text(TYPE_INTO_REPO)
+    env = {
+        **env,
+        "KINFER_TEST_OUT": str(tmp_path),
+        "KINFER_TEST_ROOT": str(root),
+        "KINFER_LSP_CMD": json.dumps(cmd),
+        "KINFER_LSP_INIT": json.dumps({"completion": {"maxTokens": 16}}),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    before = ring_py.read_text()
+    proc = subprocess.run(
+        [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n", "-c", f"luafile {script}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        cwd=root,  # the server (python -c) imports this checkout's kinfer_rpc
+    )
+    report_file = tmp_path / "report.json"
+    assert report_file.exists(), f"nvim wrote no report\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    report = json.loads(report_file.read_text())
+    assert ring_py.read_text() == before  # typed in the buffer only
+    typed = "\ndef label_width(label):\n    return utf16_"  # after a blank line: the file ends with a line break
+    start = [e for e in events(log) if e["event"] == "start"][-1]
+    assert start["prefix"] == before + typed
+    # the ring: text.py's first 64 lines, and ring.py's own, far above the cursor
+    assert [e["filename"] for e in start["extra"]] == [str(text_py), str(ring_py)]
+    assert "def utf16_len(text: str) -> int:" in start["extra"][0]["text"]
+    expected = f"    return utf16__fake({len(start['prefix'])},{len(start['suffix'])})"
+    assert report["lines"][-1] == expected
+    assert report["lines"][:-3] == before.splitlines()

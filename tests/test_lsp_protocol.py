@@ -44,7 +44,8 @@ def test_the_initialize_result_lists_every_method_the_spec_has(client):
     spec = metamodel.model().model
     assert sorted(caps["methods"]) == sorted(r["method"] for r in spec["requests"])
     assert {"textDocument/completion", "textDocument/inlineCompletion"} <= set(caps["methods"])
-    assert caps["textDocumentSync"] == {"openClose": True, "change": 2}
+    assert caps["textDocumentSync"] == {"openClose": True, "change": 2, "save": {"includeText": False}}
+    assert caps["executeCommandProvider"] == {"commands": ["kinfer.accepted", "kinfer.stats"]}
     assert caps["completionProvider"] == {"resolveProvider": False}
     assert caps["inlineCompletionProvider"] == {}
     assert caps["cancellation"] is True and "llama" in caps["backends"]  # kinfer's own, as before
@@ -92,4 +93,40 @@ def test_completions_on_the_wire(client):
     client.notify("textDocument/didClose", {"textDocument": {"uri": URI}})
     with pytest.raises(RpcError) as raised:
         client.call("textDocument/completion", {"textDocument": {"uri": URI}, "position": {"line": 0, "character": 0}})
+    assert raised.value.code == -32602
+
+
+def test_accepted_items_and_stats_on_the_wire(client):
+    client.initialize({"initializationOptions": {"completion": {"n": 2, "speculate": "never"}}})
+    client.notify(
+        "textDocument/didOpen", {"textDocument": {"uri": URI, "languageId": "python", "version": 1, "text": "ab\n"}}
+    )
+    client.notify("textDocument/didSave", {"textDocument": {"uri": URI}, "text": "ab\n"})
+    params = {"textDocument": {"uri": URI}, "position": {"line": 0, "character": 2}}
+    result = client.call("textDocument/completion", {**params, "context": {"triggerKind": 1}})
+    (item,) = result["items"]  # the fake answers the same text for both: one item
+    assert item["command"]["command"] == "kinfer.accepted" and item["data"]["usage"]
+    inline = client.call(
+        "textDocument/inlineCompletion",
+        {
+            **params,
+            "context": {
+                "triggerKind": 0,
+                "selectedCompletionInfo": {
+                    "range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 2}},
+                    "text": "abc",
+                },
+            },
+        },
+    )
+    assert inline["items"][0]["insertText"] == "abc_fake(3,1)"
+    command = item["command"]
+    assert (
+        client.call("workspace/executeCommand", {"command": command["command"], "arguments": command["arguments"]})
+        is None
+    )
+    stats = client.call("workspace/executeCommand", {"command": "kinfer.stats", "arguments": [{"uri": URI}]})
+    assert stats["documents"][URI] == {"answered": 2, "offered": 2, "accepted": 1, "acceptedChars": 10, "speculated": 0}
+    with pytest.raises(RpcError) as raised:
+        client.call("workspace/executeCommand", {"command": "kinfer.nope"})
     assert raised.value.code == -32602

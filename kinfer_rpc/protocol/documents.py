@@ -31,6 +31,7 @@ import anyio.lowlevel
 import attrs
 
 from kinfer_rpc import errors
+from kinfer_rpc.protocol.ring import Ring
 from kinfer_rpc.protocol.text import Text
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class Document:
     opened: int
     touched: int
     folders: tuple[str, ...]  # its path's folders, to tell how near another document is
+    line: int = 0  # where it was last edited or completed in (the ring's chunk on save)
 
     @property
     def filename(self) -> str:
@@ -184,6 +186,7 @@ class View:
     character: int
     word: str  # the identifier characters just before the cursor on its line
     extra: tuple[tuple[str, str], ...] = ()  # (filename, text) of other documents, most relevant last
+    start: Position | None = None  # where an inserted text (a selected completion) starts, clamped
 
     def texts(self) -> tuple[str, str, str]:
         """The prefix (up to the cursor's line), the middle (that line before the cursor) and
@@ -279,7 +282,13 @@ class Documents:
     def __init__(self) -> None:
         self.open: dict[str, Document] = {}
         self.jobs = Jobs()
+        self.ring = Ring()  # chunks of what the editor showed (protocol/ring.py)
         self._clock = itertools.count(1)
+
+    def _pick(self, doc: Document, line: int) -> None:
+        """The ring's chunk of `doc` around `line` (inside a job)."""
+        doc.line = line
+        self.ring.pick(doc.filename, doc.language, doc.text, line)
 
     def get(self, uri: str) -> Document | None:
         return self.open.get(uri)
@@ -288,7 +297,12 @@ class Documents:
         doc = Document(uri, language, version, Text(), next(self._clock), 0, _folders(uri))
         self.open[uri] = doc
         if text:
-            self.jobs.run(lambda: doc.text.reset(text), large=len(text) > LARGE_TEXT)
+
+            def job() -> None:
+                doc.text.reset(text)
+                self._pick(doc, 0)
+
+            self.jobs.run(job, large=len(text) > LARGE_TEXT)
 
     def did_change(self, uri: str, version: int | None, changes: object) -> None:
         doc = self.open.get(uri)
@@ -309,8 +323,16 @@ class Documents:
             odd = apply_edits(doc.text, edits)
             if odd:
                 log.warning("didChange of %s: %d range(s) past the document's end or backwards", clip(uri), odd)
+            if edits:
+                rng = edits[-1][0]
+                self._pick(doc, rng[0][0] if rng is not None else 0)
 
         self.jobs.run(job, large=large)
+
+    def did_save(self, uri: str) -> None:
+        doc = self.open.get(uri)
+        if doc is not None:
+            self.jobs.run(lambda: self._pick(doc, doc.line), large=False)
 
     def did_close(self, uri: str) -> None:
         self.open.pop(uri, None)  # jobs still queued for it change a text nobody reads
@@ -325,15 +347,37 @@ class Documents:
             key=lambda d: (d.touched, -_distance(d.folders, doc.folders), d.opened),
         )
 
-    def view(self, doc: Document, line: int, character: int, extra: Iterable[Document] = ()) -> Pending[View]:
+    def view(
+        self,
+        doc: Document,
+        line: int,
+        character: int,
+        extra: Iterable[Document] = (),
+        *,
+        ring: bool = False,
+        insert: tuple[Position, str] | None = None,
+    ) -> Pending[View]:
         """`doc` seen from an LSP position, with the text of `extra` (most relevant first) within
-        OPEN_FILES_CHARS, as they are once every job before this one has run."""
+        OPEN_FILES_CHARS, as they are once every job before this one has run; with `ring`, the
+        ring's chunks (not those of `extra`, of `doc` only those far from the cursor) before them. `insert`: (a position
+        before the cursor, a text) the view takes as typed in place of what lies between them
+        (an inline completion's selected item)."""
         doc.touched = next(self._clock)
         extra = list(extra)
 
         def job() -> View:
             at, cl, cc = doc.text.locate(line, character)
+            self._pick(doc, cl)
+            if ring:
+                self.ring.pick_far(doc.filename, doc.language, doc.text, cl)
             before, after = doc.text.split(at)
+            start: Position | None = None
+            if insert is not None:
+                a, sl, sc = doc.text.locate(*insert[0])
+                if a > at:
+                    a, sl, sc = at, cl, cc
+                start = (sl, sc)
+                before = [*doc.text.split(a)[0], insert[1]]
             tail, n = [], 0
             for chunk in reversed(before):
                 tail.append(chunk)
@@ -352,7 +396,9 @@ class Documents:
                 body = d.text.tail(left)
                 others.append((d.filename, body))
                 left -= len(body)
-            return View(tuple(before), tuple(after), cl, cc, near[i:], tuple(reversed(others)))
+            whole = {d.filename for d in extra}
+            chunks = self.ring.extra(doc.language, whole, (doc.filename, cl)) if ring else []
+            return View(tuple(before), tuple(after), cl, cc, near[i:], (*chunks, *reversed(others)), start)
 
         return self.jobs.result(job)
 

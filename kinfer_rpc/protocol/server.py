@@ -255,6 +255,7 @@ class Session:
                 "inference/rerank": r.inference_rerank,
                 "textDocument/completion": lsp.completion,
                 "textDocument/inlineCompletion": lsp.inline_completion,
+                "workspace/executeCommand": lsp.execute_command,
             },
             {
                 "initialized": self.initialized,
@@ -262,6 +263,7 @@ class Session:
                 "textDocument/didOpen": lsp.did_open,
                 "textDocument/didChange": lsp.did_change,
                 "textDocument/didClose": lsp.did_close,
+                "textDocument/didSave": lsp.did_save,
                 "workspace/didChangeConfiguration": lsp.did_change_configuration,
             },
             gate=self.gate,
@@ -469,6 +471,7 @@ class Session:
             self.watchdog.catch_signals()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
+            tg.start_soon(self.editor.background)
             if self.owns:
                 tg.start_soon(self.service.background)
             else:
@@ -488,6 +491,7 @@ class Session:
             # Whatever ends the server (exit, stdin closed, a signal, the client gone), every
             # request still running is answered: -32800 with its partial result.
             self.connection.cancel_all()
+            self.editor.stop()  # warming, computing ahead: no one will ask for it now
             with anyio.move_on_after(2.0):
                 while self.connection.running:
                     await anyio.sleep(0.01)

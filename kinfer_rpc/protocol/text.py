@@ -327,6 +327,25 @@ class Text:
         tail.insert(0, chunk[cut:])
         return head, tail
 
+    def slice(self, start: int, end: int) -> str:
+        """The characters from `start` to `end` (clamped to the text), reading only the chunks
+        that hold them."""
+        start, end = max(0, start), min(end, self.length)
+        if start >= end:
+            return ""
+        bi, ci, pos = self._seek(CHARS, start)
+        rest = itertools.chain(
+            self._blocks[bi].chunks[ci:],
+            itertools.chain.from_iterable(b.chunks for b in itertools.islice(self._blocks, bi + 1, None)),
+        )
+        out: list[str] = []
+        for chunk in rest:
+            out.append(chunk[max(0, start - pos) : end - pos])
+            pos += len(chunk)
+            if pos >= end:
+                break
+        return "".join(out)
+
     def tail(self, n: int) -> str:
         """The last `n` characters."""
         out: list[str] = []

@@ -204,6 +204,8 @@ export interface ServerCapabilities {
   completionProvider: CompletionOptions;
   /** LSP 3.18: `textDocument/inlineCompletion` is answered (`{}`). */
   inlineCompletionProvider: { [key: string]: unknown };
+  /** LSP: the commands `workspace/executeCommand` runs: `kinfer.accepted` and `kinfer.stats`. */
+  executeCommandProvider: ExecuteCommandOptions;
 }
 
 /** A plugin that loaded. */
@@ -1219,6 +1221,8 @@ export interface TextDocumentSyncOptions {
   openClose: true;
   /** Incremental: didChange carries ranges and their new text. */
   change: 2;
+  /** `{includeText: false}`: didSave is sent (the ring takes the chunk around the last edit). */
+  save: { [key: string]: unknown };
 }
 
 /** LSP's CompletionOptions as kinfer sets them. */
@@ -1262,7 +1266,11 @@ export interface TextDocumentItem {
   text: string;
 }
 
-/** A document and a position in it; other LSP members (`context`, tokens) are accepted and ignored. */
+/**
+ * A document and a position in it, and optionally LSP's `context`: `triggerKind` (completion: 2 and 3 are Automatic;
+ * inline completion: 0 Invoked, 1 Automatic) and, for inline completion, `selectedCompletionInfo` `{range, text}`,
+ * taken as typed; tokens are accepted and ignored.
+ */
 export interface TextDocumentPositionParams {
   /** An open document. */
   textDocument: TextDocumentIdentifier;
@@ -1316,14 +1324,21 @@ export interface CompletionItem {
   kind: 1;
   /** `kinfer (MODEL)`. */
   detail: string;
-  /** true. */
+  /** true for the first item (the best alternative). */
   preselect: boolean;
-  /** "0". */
+  /** The item's rank: "0", "1"... */
   sortText: string;
   /** PlainText. */
   insertTextFormat: 1;
   /** What accepting the item does. */
   textEdit: TextEdit;
+  /** `kinfer.accepted` with `[{uri, id}]`: the client runs it when the item is accepted. */
+  command?: Command;
+  /**
+   * On the first item: `{usage: [...]}`, each alternative's `inference/infill` usage (prompt, cached and completion
+   * tokens).
+   */
+  data?: { [key: string]: unknown };
 }
 
 /** The result of `textDocument/completion`. */
@@ -1336,10 +1351,12 @@ export interface CompletionList {
 
 /** LSP 3.18's InlineCompletionItem. */
 export interface InlineCompletionItem {
-  /** The model's continuation. */
+  /** The model's continuation (after the selected completion's text, when the request's context had one). */
   insertText: string;
-  /** The cursor (an empty range): the text is inserted there. */
+  /** The cursor (an empty range), or the selected completion's range when the request's context had one. */
   range: Range;
+  /** `kinfer.accepted` with `[{uri, id}]`: the client runs it when the item is accepted. */
+  command?: Command;
 }
 
 /** The result of `textDocument/inlineCompletion`. */
@@ -1544,4 +1561,38 @@ export interface NoReasoningData {
   field: string;
   /** The model's name. */
   model: string;
+}
+
+/** LSP's ExecuteCommandOptions. */
+export interface ExecuteCommandOptions {
+  /** The commands run. */
+  commands: string[];
+}
+
+/** LSP's Command. */
+export interface Command {
+  /** `kinfer: accepted`. */
+  title: string;
+  /** `kinfer.accepted`. */
+  command: string;
+  /** `[{uri, id}]`: the item offered. */
+  arguments?: unknown[];
+}
+
+/** The params of `workspace/executeCommand`. */
+export interface ExecuteCommandParams {
+  /** `kinfer.accepted` or `kinfer.stats`. */
+  command: string;
+  /** `kinfer.accepted`: the item's command's arguments; `kinfer.stats`: `[{uri}]` for one document, nothing for all. */
+  arguments?: unknown[];
+  /** Accepted and ignored. */
+  workDoneToken?: unknown;
+}
+
+/** The params of `textDocument/didSave`. */
+export interface DidSaveTextDocumentParams {
+  /** The document. */
+  textDocument: TextDocumentIdentifier;
+  /** Accepted and ignored (the server has the text). */
+  text?: string;
 }

@@ -121,6 +121,10 @@ __all__ = [
     "EmbedDimensionsData",
     "LoadConflictData",
     "NoReasoningData",
+    "ExecuteCommandOptions",
+    "Command",
+    "ExecuteCommandParams",
+    "DidSaveTextDocumentParams",
 ]
 
 # The levels of `initializationOptions.logLevel` (and of `--log-level` for stderr).
@@ -309,6 +313,9 @@ class ServerCapabilities(TypedDict):
 
     # LSP 3.18: `textDocument/inlineCompletion` is answered (`{}`).
     inlineCompletionProvider: dict[str, Any]
+
+    # LSP: the commands `workspace/executeCommand` runs: `kinfer.accepted` and `kinfer.stats`.
+    executeCommandProvider: "ExecuteCommandOptions"
 
 
 class PluginInfo(TypedDict):
@@ -1438,6 +1445,9 @@ class TextDocumentSyncOptions(TypedDict):
     # Incremental: didChange carries ranges and their new text.
     change: Literal[2]
 
+    # `{includeText: false}`: didSave is sent (the ring takes the chunk around the last edit).
+    save: dict[str, Any]
+
 
 class CompletionOptions(TypedDict):
     """LSP's CompletionOptions as kinfer sets them."""
@@ -1490,7 +1500,10 @@ class TextDocumentItem(TypedDict):
 
 
 class TextDocumentPositionParams(TypedDict):
-    """A document and a position in it; other LSP members (`context`, tokens) are accepted and ignored."""
+    """A document and a position in it, and optionally LSP's `context`: `triggerKind` (completion: 2 and 3 are
+    Automatic; inline completion: 0 Invoked, 1 Automatic) and, for inline completion, `selectedCompletionInfo`
+    `{range, text}`, taken as typed; tokens are accepted and ignored.
+    """
 
     # An open document.
     textDocument: "TextDocumentIdentifier"
@@ -1553,10 +1566,10 @@ class CompletionItem(TypedDict):
     # `kinfer (MODEL)`.
     detail: str
 
-    # true.
+    # true for the first item (the best alternative).
     preselect: bool
 
-    # "0".
+    # The item's rank: "0", "1"...
     sortText: str
 
     # PlainText.
@@ -1564,6 +1577,13 @@ class CompletionItem(TypedDict):
 
     # What accepting the item does.
     textEdit: "TextEdit"
+
+    # `kinfer.accepted` with `[{uri, id}]`: the client runs it when the item is accepted.
+    command: NotRequired["Command"]
+
+    # On the first item: `{usage: [...]}`, each alternative's `inference/infill` usage (prompt, cached and completion
+    # tokens).
+    data: NotRequired[dict[str, Any]]
 
 
 class CompletionList(TypedDict):
@@ -1579,11 +1599,14 @@ class CompletionList(TypedDict):
 class InlineCompletionItem(TypedDict):
     """LSP 3.18's InlineCompletionItem."""
 
-    # The model's continuation.
+    # The model's continuation (after the selected completion's text, when the request's context had one).
     insertText: str
 
-    # The cursor (an empty range): the text is inserted there.
+    # The cursor (an empty range), or the selected completion's range when the request's context had one.
     range: "Range"
+
+    # `kinfer.accepted` with `[{uri, id}]`: the client runs it when the item is accepted.
+    command: NotRequired["Command"]
 
 
 class InlineCompletionList(TypedDict):
@@ -1817,6 +1840,49 @@ class NoReasoningData(TypedDict):
 
     # The model's name.
     model: str
+
+
+class ExecuteCommandOptions(TypedDict):
+    """LSP's ExecuteCommandOptions."""
+
+    # The commands run.
+    commands: list[str]
+
+
+class Command(TypedDict):
+    """LSP's Command."""
+
+    # `kinfer: accepted`.
+    title: str
+
+    # `kinfer.accepted`.
+    command: str
+
+    # `[{uri, id}]`: the item offered.
+    arguments: NotRequired[list[Any]]
+
+
+class ExecuteCommandParams(TypedDict):
+    """The params of `workspace/executeCommand`."""
+
+    # `kinfer.accepted` or `kinfer.stats`.
+    command: str
+
+    # `kinfer.accepted`: the item's command's arguments; `kinfer.stats`: `[{uri}]` for one document, nothing for all.
+    arguments: NotRequired[list[Any]]
+
+    # Accepted and ignored.
+    workDoneToken: NotRequired[Any]
+
+
+class DidSaveTextDocumentParams(TypedDict):
+    """The params of `textDocument/didSave`."""
+
+    # The document.
+    textDocument: "TextDocumentIdentifier"
+
+    # Accepted and ignored (the server has the text).
+    text: NotRequired[str]
 
 
 # Any JSON value.

@@ -17,6 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+import anyio
+
+from kinfer_rpc.protocol.lsp import Editor
+
 FAKE_SERVER = r"""
 import json, os, sys, time
 import anyio
@@ -138,3 +142,67 @@ def typing_edits(n: int, lines: int, width: int, seed: int = 0) -> tuple[list[di
             out.append(edit(line, c, line, c, "\n"))
             out.append(edit(line, c, line + 1, 0, ""))
     return out, delta
+
+
+URI = "file:///tmp/example.py"
+
+
+def pos(line, character):
+    return {"line": line, "character": character}
+
+
+def change(sl, sc, el, ec, text):
+    return {"range": {"start": pos(sl, sc), "end": pos(el, ec)}, "text": text}
+
+
+# -- the editor over a fake infill ----------------------------------------------------------------
+class FakeInfill:
+    """inference/infill's contract: records calls; each waits for `release` unless told not to."""
+
+    def __init__(self, wait: bool = False, text: str = "_name(x)\n    return x"):
+        self.text = text
+        self.calls: list[dict] = []
+        self.cancelled = 0
+        self.finished = 0
+        self.wait = wait
+        self.release = anyio.Event()
+        self.started = anyio.Event()
+
+    async def __call__(self, ctx, /, **p):
+        self.calls.append(p)
+        self.started.set()
+        try:
+            if self.wait:
+                await self.release.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        self.finished += 1
+        return {"model": "fake-fim", "text": self.text, "tokens": [1, 2], "stopReason": "stop"}
+
+
+def before(call):
+    """The text before the cursor an infill call was given: its prefix and middle."""
+    return call["prefix"] + call["middle"]
+
+
+def make_editor(infill, loads=None, notes=None):
+    loads = [] if loads is None else loads
+    notes = [] if notes is None else notes
+
+    async def load(ctx, /, **p):
+        loads.append(p)
+        return {"model": p.get("model") or "default"}
+
+    return Editor(infill, load, lambda name: False, lambda m, p: notes.append((m, p)))
+
+
+def run(fn):
+    anyio.run(fn, backend="asyncio")
+
+
+def open_doc(editor, text, uri=URI, language="python"):
+    async def go():
+        await editor.did_open(textDocument={"uri": uri, "languageId": language, "version": 1, "text": text})
+
+    return go()

@@ -13,7 +13,10 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from importlib import metadata
 from pathlib import Path
+
+from readme_helpers import ROOT
 
 
 def _setuptools_builds_wheels() -> bool:
@@ -91,3 +94,18 @@ def pip_install(src: Path, work: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
     return target
+
+
+def entry_points_path(folder: Path) -> str:
+    """A folder for PYTHONPATH where kinfer-rpc's metadata declares pyproject.toml's llm entry
+    points: none (the installed metadata does) or a copy made from pyproject.toml, for a
+    checkout installed (editable) before they were declared."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["llm"]
+    installed = {ep.name: ep.value for ep in metadata.distribution("kinfer-rpc").entry_points if ep.group == "llm"}
+    if installed == declared:
+        return ""
+    dist = folder / "kinfer_rpc-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kinfer-rpc\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[llm]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+    return str(folder)

@@ -15,15 +15,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import ROOT
+from plugin_helpers import entry_points_path
 from served import Served
-from test_llm_plugin import entry_points_path
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "agents.md"
 BIN = os.path.dirname(sys.executable)
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.M | re.S)

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT
 
 from kinfer_rpc.host.store import embedded_default_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "bench", "*.py")) if not p.endswith("harness.py"))
 
 # Runs every script's --help in one interpreter, each as its own __main__, as `python bench/X.py`

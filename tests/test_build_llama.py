@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT
 
 FAKE_CMAKE = r"""#!/usr/bin/env bash
 echo "$@" >> "$CMAKE_CALLS"

@@ -7,49 +7,15 @@ import json
 import os
 import pty
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_store import MEDIA, OllamaStore, _place
+from cli_helpers import DEFAULT, KINFER, WEATHER, env, json_lines, kinfer, kinfer_fails, write_json
+from store_helpers import MEDIA, OllamaStore, place
 
 from kinfer_rpc.cli.chat import _call_text
 from kinfer_rpc.client import Client, ToolCall
 from kinfer_rpc.host.store import embedded_default_path
-
-BIN = os.path.dirname(sys.executable)
-KINFER = os.path.join(BIN, "kinfer")
-DEFAULT = "smollm2-135m-instruct"
-
-
-def env() -> dict:
-    e = dict(os.environ)
-    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
-    e.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/test_client.py
-    e.pop("NO_COLOR", None)
-    e.pop("FORCE_COLOR", None)
-    return e
-
-
-def kinfer(*args, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [KINFER, *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=timeout,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, (
-        f"kinfer {' '.join(args)}: {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    )
-    assert "\x1b[" not in proc.stdout + proc.stderr, "colours when not on a terminal"
-    return proc
-
-
-def json_lines(text: str) -> list:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 @pytest.mark.model
@@ -199,27 +165,6 @@ def test_bad_arguments_fail(args):
         assert "-o" in proc.stderr, proc.stderr
 
 
-# -- naming the model: -m, `kinfer run NAME`, and the server's word on the name --------------------
-def kinfer_fails(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [KINFER, *args], capture_output=True, text=True, env=env(), timeout=120, stdin=subprocess.DEVNULL
-    )
-    assert proc.returncode != 0, f"kinfer {' '.join(args)} did not fail\nstdout:\n{proc.stdout}"
-    return proc
-
-
-@pytest.fixture
-def small_store(tmp_path, monkeypatch):
-    """Model stores that hold tiny-a and tiny-b (the embedded model's file) beside the default."""
-    folder = tmp_path / "kinfer"
-    folder.mkdir()
-    for name in ("tiny-a", "tiny-b"):
-        _place(Path(embedded_default_path()), folder / f"{name}.gguf")
-    monkeypatch.setenv("KINFER_MODELS", str(folder))
-    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
-    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
-
-
 def test_an_unknown_model_is_an_error_with_the_names_to_choose_from(small_store):
     # Never another model answering: the server resolves the name and says why it cannot.
     # Said in words, with what to do next: the pull line, the models here; no bare code.
@@ -274,7 +219,7 @@ def test_an_ollama_models_parameters_apply_unless_given(tmp_path, monkeypatch):
     gguf = Path(embedded_default_path())
     store = OllamaStore(tmp_path / "ollama")
     digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
-    _place(gguf, store.root / "blobs" / digest.replace(":", "-"))
+    place(gguf, store.root / "blobs" / digest.replace(":", "-"))
     model = {"mediaType": MEDIA + "model", "digest": digest, "size": gguf.stat().st_size}
     params = store.blob(json.dumps({"num_predict": 3, "seed": 42, "temperature": 0}).encode(), "params")
     store.manifest("registry.ollama.ai/library/counter/latest", [model, params])
@@ -293,15 +238,6 @@ def test_an_ollama_models_parameters_apply_unless_given(tmp_path, monkeypatch):
     assert (five["usage"]["completionTokens"], five["stopReason"]) == (5, "length")
 
 
-# -- agents: --format, --tool, --tool-choice -----------------------------------------------------
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 CITY = {
     "type": "object",
     "properties": {
@@ -312,98 +248,10 @@ CITY = {
     "additionalProperties": False,
 }
 
-# A stand-in for kinfer-rpc that answers every chat with two tool calls, and writes the params
-# of each inference/chat it gets to $FAKE_LOG: the CLI's side of tools, without a model.
-FAKE_SERVER = r"""
-import json, os, sys
-
-def read():
-    length = None
-    while True:
-        line = sys.stdin.buffer.readline()
-        if not line:
-            sys.exit(0)
-        if line in (b"\r\n", b"\n"):
-            break
-        name, _, value = line.decode().partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value)
-    return json.loads(sys.stdin.buffer.read(length))
-
-def send(message):
-    body = json.dumps(message).encode()
-    sys.stdout.buffer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    sys.stdout.buffer.flush()
-
-CALLS = [
-    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-    {"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}},
-]
-LONG = ("The sky looks blue because the air scatters the blue part of sunlight much more than the red part, "
-        "so blue light reaches your eyes from every direction of the sky. ") * 3
-MODEL = {"model": "fake", "backend": "fake", "path": "/fake", "source": "path"}
-if os.environ.get("FAKE_ARGV"):
-    with open(os.environ["FAKE_ARGV"], "w") as f:
-        json.dump(sys.argv[1:], f)
-while True:
-    m = read()
-    method, rid, params = m.get("method"), m.get("id"), m.get("params") or {}
-    if rid is None:
-        if method == "exit":
-            sys.exit(0)
-        continue
-    result = None
-    if method == "initialize":
-        result = {"serverInfo": {"name": "kinfer-rpc", "version": "0"}, "protocolVersion": 1, "capabilities": {}}
-    elif method == "model/list":
-        result = {"models": []}
-    elif method == "model/load":
-        result = MODEL
-    elif method == "inference/chat":
-        with open(os.environ["FAKE_LOG"], "a") as log:
-            log.write(json.dumps(params) + "\n")
-        if params["messages"][-1]["content"] == "exit now":  # a server that dies mid-chat
-            sys.exit(3)
-        token = params.get("partialResultToken")
-        if params["messages"][-1]["content"] == "Why is the sky blue?":  # a long text, streamed
-            for i in range(0, len(LONG), 7):  # pieces that cut words, as tokens do
-                value = {"text": LONG[i : i + 7], "tokens": [1]}
-                send({"jsonrpc": "2.0", "method": "$/progress", "params": {"token": token, "value": value}})
-            result = {"model": "fake", "text": LONG, "tokens": [1], "stopReason": "stop", "seed": 1,
-                      "usage": {"promptTokens": 1, "completionTokens": 1}, "timings": {}}
-            send({"jsonrpc": "2.0", "id": rid, "result": result})
-            continue
-        if token is not None:
-            value = {"text": "", "tokens": [1], "toolCalls": CALLS}
-            send({"jsonrpc": "2.0", "method": "$/progress", "params": {"token": token, "value": value}})
-        result = {"model": "fake", "text": "", "tokens": [1], "stopReason": "toolCalls", "seed": 1,
-                  "usage": {"promptTokens": 1, "completionTokens": 1}, "timings": {}, "toolCalls": CALLS}
-    send({"jsonrpc": "2.0", "id": rid, "result": result})
-"""
-
-
-@pytest.fixture
-def fake_server(tmp_path, monkeypatch):
-    """kinfer runs the stand-in server; returns the params of the chats it got."""
-    script = tmp_path / "fake-kinfer-rpc"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
-    script.chmod(0o755)
-    log = tmp_path / "chats.jsonl"
-    monkeypatch.setenv("KINFER_RPC", str(script))
-    monkeypatch.setenv("FAKE_LOG", str(log))
-    return lambda: json_lines(log.read_text()) if log.exists() else []
-
-
-def _write(tmp_path, name, obj) -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(obj))
-    return str(path)
-
 
 def test_chat_prints_tool_calls(tmp_path, fake_server):
-    tool = _write(tmp_path, "weather.json", WEATHER)
-    both = _write(tmp_path, "both.json", [WEATHER, {**WEATHER, "function": {"name": "get_time"}}])
+    tool = write_json(tmp_path, "weather.json", WEATHER)
+    both = write_json(tmp_path, "both.json", [WEATHER, {**WEATHER, "function": {"name": "get_time"}}])
     proc = kinfer("chat", "Weather in Paris?", "--tool", tool, "--tool", both, "--tool-choice", "required")
     assert proc.stdout.splitlines() == ['get_weather(city="Paris")', 'get_weather(city="Zürich", days=2)']
     (params,) = fake_server()
@@ -462,10 +310,10 @@ def test_bad_format_and_tool_files_fail(tmp_path):
     for args in (
         ["--format", str(tmp_path / "missing.json")],
         ["--format", str(not_json)],
-        ["--format", _write(tmp_path, "list.json", [1])],
+        ["--format", write_json(tmp_path, "list.json", [1])],
         ["--tool", str(tmp_path / "missing.json")],
-        ["--tool", _write(tmp_path, "number.json", 3)],
-        ["--tool", _write(tmp_path, "empty.json", [])],
+        ["--tool", write_json(tmp_path, "number.json", 3)],
+        ["--tool", write_json(tmp_path, "empty.json", [])],
     ):
         proc = subprocess.run(
             [KINFER, "chat", "hi", *args],
@@ -481,7 +329,7 @@ def test_bad_format_and_tool_files_fail(tmp_path):
 
 @pytest.mark.model
 def test_chat_format_holds_the_reply(tmp_path):
-    schema = _write(tmp_path, "city.json", CITY)
+    schema = write_json(tmp_path, "city.json", CITY)
     args = ["--max-tokens", "60", "--threads", "1", "--temperature", "0"]
     (doc,) = json_lines(
         kinfer("chat", "--json", "A city to visit and for how many days?", "--format", schema, *args).stdout
@@ -494,7 +342,7 @@ def test_chat_format_holds_the_reply(tmp_path):
 @pytest.mark.model
 def test_chat_tools_need_a_template_with_tools(tmp_path):
     # SmolLM2's template has no tools: kinfer says so (exit 1), it does not print a reply.
-    tool = _write(tmp_path, "weather.json", WEATHER)
+    tool = write_json(tmp_path, "weather.json", WEATHER)
     proc = subprocess.run(
         [KINFER, "chat", "Weather in Paris?", "--tool", tool, "--max-tokens", "8", "--threads", "1"],
         capture_output=True,
@@ -511,7 +359,7 @@ def test_chat_prints_the_calls_of_a_model_with_tools(tmp_path):
     from make_tool_model import make_tool_model
 
     model = make_tool_model(tmp_path / "smollm2-tools.gguf")
-    tool = _write(tmp_path, "weather.json", WEATHER)
+    tool = write_json(tmp_path, "weather.json", WEATHER)
     args = ["-m", model, "What is the weather in Paris?", "--tool", tool, "--tool-choice", "required"]
     args += ["--max-tokens", "80", "--threads", "1", "--temperature", "0"]
     lines = kinfer("chat", *args).stdout.splitlines()
@@ -519,28 +367,6 @@ def test_chat_prints_the_calls_of_a_model_with_tools(tmp_path):
     (doc,) = json_lines(kinfer("chat", "--json", *args).stdout)
     assert doc["stopReason"] == "toolCalls"
     assert [_call_text(ToolCall.from_json(c)) for c in doc["toolCalls"]] == lines  # the same reply
-
-
-# -- show, and list's NUM_CTX: what the stores say of a model, nothing loaded -----------------------
-@pytest.fixture
-def pirate_store(tmp_path, monkeypatch):
-    """An Ollama model with its own parameters, system message and Go template."""
-    gguf = Path(embedded_default_path())
-    store = OllamaStore(tmp_path / "ollama")
-    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
-    _place(gguf, store.root / "blobs" / digest.replace(":", "-"))
-    model = {"mediaType": MEDIA + "model", "digest": digest, "size": gguf.stat().st_size}
-    params = {"num_ctx": 2048, "temperature": 0.2, "num_predict": 40, "stop": ["<|im_end|>"], "mirostat": 1}
-    layers = [
-        model,
-        store.blob(json.dumps(params).encode(), "params"),
-        store.blob(b"You are a pirate.\nAnswer like one.", "system"),
-        store.blob(b"{{ .System }}{{ .Prompt }}", "template"),
-    ]
-    store.manifest("registry.ollama.ai/library/pirate/latest", layers)
-    monkeypatch.setenv("OLLAMA_MODELS", str(store.root))
-    monkeypatch.setenv("KINFER_MODELS", str(tmp_path / "kinfer"))
-    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
 
 
 def test_show_a_model(pirate_store):

@@ -8,13 +8,7 @@ import json
 import subprocess
 
 import pytest
-from test_cli import (
-    DEFAULT,
-    fake_server,  # noqa: F401  (a fixture: a stand-in server that logs the chats it gets)
-    kinfer,
-    kinfer_fails,
-    small_store,  # noqa: F401  (a fixture: stores with tiny-a and tiny-b)
-)
+from cli_helpers import DEFAULT, kinfer, kinfer_fails
 
 
 def usage_error(*args: str) -> subprocess.CompletedProcess:

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_cli import (
-    FAKE_SERVER,
-    KINFER,
-    WEATHER,
-    _write,
-    json_lines,
-    pirate_store,  # noqa: F401  (a fixture: an Ollama model with its own parameters)
-)
-from test_interrupt import Tmux, at_prompt, tmux_binary, wait_until
+from cli_helpers import KINFER, WEATHER, write_json
+from tmux_helpers import answer, at_prompt, typed, wait_until
 
 DEFAULT = "smollm2-135m-instruct"
 VERBOSE = (  # --verbose and /set verbose: Ollama's lines, then the seed and why the reply ended
@@ -33,57 +25,6 @@ VERBOSE = (  # --verbose and /set verbose: Ollama's lines, then the seed and why
     "seed",
     "done reason",
 )
-
-
-@pytest.fixture
-def term(tmp_path, monkeypatch):
-    """A terminal (tmux) of our own; the history file goes to a home of its own."""
-    binary = tmux_binary()
-    if binary is None:
-        pytest.skip("tmux is not installed and could not be installed (apt-get install tmux)")
-    monkeypatch.setenv("KINFER_HOME", str(tmp_path / "home"))
-    t = Tmux(binary, tmp_path)
-    try:
-        yield t
-    finally:
-        t.close()
-
-
-@pytest.fixture
-def fake(tmp_path):
-    """The stand-in server of tests/test_cli.py: the command line that runs kinfer on it, and the
-    params of the chats it got."""
-    script = tmp_path / "fake-kinfer-rpc"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
-    script.chmod(0o755)
-    log = tmp_path / "chats.jsonl"
-
-    class Fake:
-        command = f"exec env KINFER_RPC={script} FAKE_LOG={log} {KINFER}"
-
-        @staticmethod
-        def chats() -> list:
-            return json_lines(log.read_text()) if log.exists() else []
-
-    return Fake
-
-
-def answer(term: Tmux, command: str, text: str, timeout: float = 60) -> str:
-    """Type a command, wait for `text` in what follows it and for the prompt back; return what
-    followed the command."""
-    marker = f">>> {command}\n"
-    before = term.screen().count(marker)
-    typed(term, command)
-    screen = term.wait_for(
-        lambda s: s.count(marker) > before and text in s.rsplit(marker, 1)[1] and at_prompt(s), repr(text), timeout
-    )
-    return screen.rsplit(marker, 1)[1]
-
-
-def typed(term: Tmux, *lines: str) -> None:
-    for line in lines:
-        term.keys("-l", line)
-        term.keys("Enter")
 
 
 def test_commands_change_what_the_chat_sends(term, fake):
@@ -191,7 +132,7 @@ def test_a_server_that_exits_ends_the_chat(term, fake):
 
 
 def test_tool_calls_go_back_in_the_history(term, fake, tmp_path):
-    tool = _write(tmp_path, "weather.json", WEATHER)
+    tool = write_json(tmp_path, "weather.json", WEATHER)
     term.start(f"{fake.command} chat --json --tool {tool} --format json")
     time.sleep(0.5)
     term.wait_for(lambda s: s.splitlines()[-1:] == [">>>"], "the prompt")

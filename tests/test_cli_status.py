@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import DEFAULT, kinfer
-from test_store import MEDIA, OllamaStore, _place
+from cli_helpers import DEFAULT, kinfer
+from store_helpers import MEDIA, OllamaStore, place
 
 from kinfer_rpc.client import Cancelled, Client
 from kinfer_rpc.host import status as server_status
@@ -103,7 +103,7 @@ def licensed_store(tmp_path, monkeypatch):
     _copy_with_license(gguf, licensed, "MIT-0")
     store = OllamaStore(tmp_path / "ollama")
     digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
-    _place(gguf, store.root / "blobs" / digest.replace(":", "-"))
+    place(gguf, store.root / "blobs" / digest.replace(":", "-"))
     model = {"mediaType": MEDIA + "model", "digest": digest, "size": gguf.stat().st_size}
     text = "MIT License\n\nCopyright (c) a pirate\n\nPermission is hereby granted...\n"
     layers = [model, store.blob(text.encode(), "license"), store.blob(b"Extra terms.", "license")]

@@ -10,9 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_cli import BIN, DEFAULT, KINFER
-from test_cli_session import answer, fake, term, typed  # noqa: F401  (fixtures: tmux, the stand-in server)
-from test_interrupt import at_prompt, wait_until
+from cli_helpers import BIN, DEFAULT, FAKE_SERVER, KINFER
+from tmux_helpers import answer, at_prompt, typed, wait_until
 
 
 def reply_lines(screen: str, question: str) -> list[str]:
@@ -22,7 +21,6 @@ def reply_lines(screen: str, question: str) -> list[str]:
 
 
 def test_replies_wrap_at_words(term, fake):  # noqa: F811
-    from test_cli import FAKE_SERVER
 
     long_text = FAKE_SERVER.split("LONG = (", 1)[1].split(") * 3", 1)[0]
     words = "".join(part.strip().strip('"') for part in long_text.splitlines()).split() * 3

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_helpers import KINFER, kinfer
 from make_think_model import make_think_model
-from test_cli import KINFER, kinfer
-from test_cli_session import answer, term, typed  # noqa: F401  (the tmux fixture)
-from test_interrupt import at_prompt
+from tmux_helpers import answer, at_prompt, typed
 
 from kinfer_rpc.terminal import thinking
 

@@ -12,11 +12,11 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import anyio
 import attrs
 import pytest
+from paths import ROOT
 
 from kinfer_rpc import errors
 from kinfer_rpc.client import (
@@ -55,7 +55,6 @@ from kinfer_rpc.client import (
 )
 from kinfer_rpc.client.wire import _error
 
-ROOT = Path(__file__).resolve().parent.parent
 KINFER_RPC = [os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")]
 DEFAULT = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]

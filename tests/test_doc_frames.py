@@ -8,8 +8,8 @@ import os
 import re
 
 import pytest
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = sorted(
     {
         os.path.relpath(p, ROOT)

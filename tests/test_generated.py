@@ -9,11 +9,11 @@ import json
 import subprocess
 import sys
 import typing
-from pathlib import Path
+
+from paths import ROOT
 
 from kinfer_rpc.client import ERRORS, RpcError, shapes
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "spec" / "generate.py"
 META = json.loads((ROOT / "spec" / "metaModel.json").read_text())
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import KINFER, env
+from cli_helpers import KINFER, env
 
 from kinfer_rpc.host import files
 from kinfer_rpc.host import status as server_status

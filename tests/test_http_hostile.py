@@ -14,7 +14,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_http import BIN, MODEL, Served
+from served import BIN, Served
+
+from kinfer_rpc.host.store import DEFAULT_MODEL as MODEL
 
 pytestmark = pytest.mark.model
 

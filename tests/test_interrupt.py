@@ -10,38 +10,25 @@ Client on a pseudo-terminal (\\x03). The Node and Neovim clients have their own 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pty
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
+from tmux_helpers import Tmux, at_prompt, env, last_line, tmux_binary, wait_until
 
 from kinfer_rpc.client import AsyncClient, Client
 
 BIN = os.path.dirname(sys.executable)
 KINFER = os.path.join(BIN, "kinfer")
 LONG = "Count from 1 to 500, one number per line."
-_HOME = tempfile.mkdtemp(prefix="kinfer-home-")
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
-    e.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/conftest.py
-    e.pop("KINFER_RPC", None)
-    e.setdefault("KINFER_HOME", _HOME)  # kinfer chat's history and the store's notes, not the user's
-    return e
 
 
 def alive(pid: int) -> bool:
@@ -50,14 +37,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # -- the spawned server's process group ----------------------------------------------------------
@@ -217,102 +196,6 @@ def test_ctrl_c_in_a_script_stops_the_stream_and_keeps_the_server(tmp_path):
     assert "exit code 0" in term.text and "Traceback" not in term.text, term.text
 
 
-# -- `kinfer chat` in a real terminal (tmux) -----------------------------------------------------
-def tmux_binary() -> str | None:
-    """tmux, installed with apt-get where it is missing and this user may."""
-    if shutil.which("tmux") is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        apt = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "tmux"]
-        if subprocess.run(install, env=apt, capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=apt, capture_output=True, timeout=600)
-            subprocess.run(install, env=apt, capture_output=True, timeout=600)
-    return shutil.which("tmux")
-
-
-class Tmux:
-    """A tmux server of our own (its own socket): one window running one command."""
-
-    def __init__(self, tmux: str, folder: Path):
-        self.tmux, self.socket = tmux, str(folder / "tmux.sock")
-        conf = folder / "tmux.conf"
-        conf.write_text("set -g remain-on-exit on\nset -g history-limit 10000\n")
-        self.conf = str(conf)
-
-    def __call__(self, *args: str) -> str:
-        proc = subprocess.run(
-            [self.tmux, "-S", self.socket, "-f", self.conf, *args],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert proc.returncode == 0, f"tmux {' '.join(args)}: {proc.stderr}"
-        return proc.stdout
-
-    def start(self, command: str, width: int = 160) -> int:
-        self("new-session", "-d", "-x", str(width), "-y", "40", "-s", "t", command)
-        self.pid = int(self.pane("pane_pid"))
-        return self.pid
-
-    def restart(self, command: str, width: int = 160) -> int:
-        """Another command in a fresh terminal, once the last one's tmux server has gone."""
-        self.close()
-
-        def gone() -> bool:
-            probe = [self.tmux, "-S", self.socket, "has-session"]
-            return subprocess.run(probe, capture_output=True, timeout=30).returncode != 0
-
-        wait_until(gone, 10, "tmux to exit")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket)  # a server that is gone: its socket would only refuse
-        return self.start(command, width)
-
-    def pane(self, field: str) -> str:
-        return self("display-message", "-p", "-t", "t", f"#{{{field}}}").strip()
-
-    def screen(self, joined: bool = True) -> str:
-        """The whole pane, its history too, lines joined where they wrapped (`joined`) or as
-        the terminal shows them."""
-        text = self("capture-pane", "-p", *(["-J"] if joined else []), "-S", "-", "-t", "t")
-        return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n")
-
-    def keys(self, *keys: str) -> None:
-        self("send-keys", "-t", "t", *keys)
-
-    def wait_for(self, predicate: Callable[[str], bool], what: str, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            screen = self.screen()
-            if predicate(screen):
-                return screen
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}; the terminal shows:\n{screen}")
-            time.sleep(0.2)
-
-    def dead(self) -> bool:
-        """The command ended, and tmux knows how (its exit status or its signal)."""
-        return self.pane("pane_dead") == "1" and self.exit() != ""
-
-    def exit(self) -> str:
-        """The ended command's exit status, or "signal N". tmux may be slow to reap it: then the
-        zombie's /proc stat holds it (field 52, as waitpid reports it)."""
-        status, signum = self.pane("pane_dead_status"), self.pane("pane_dead_signal")
-        if status or signum:
-            return status or f"signal {signum}"
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return ""  # reaped meanwhile: tmux has it now
-        if fields[0] != "Z":
-            return ""
-        code = os.waitstatus_to_exitcode(int(fields[49]))
-        return str(code) if code >= 0 else f"signal {-code}"
-
-    def close(self) -> None:
-        subprocess.run([self.tmux, "-S", self.socket, "kill-server"], capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def tmux(tmp_path):
     binary = tmux_binary()
@@ -330,15 +213,6 @@ def server_of(client_pid: int) -> int:
     proc = subprocess.run([KINFER, "ps", "--json"], capture_output=True, text=True, env=env(), timeout=60)
     (pid,) = [s["pid"] for s in json.loads(proc.stdout) if s["ppid"] == client_pid]
     return int(pid)
-
-
-def last_line(screen: str) -> str:
-    lines = screen.splitlines()
-    return lines[-1] if lines else ""
-
-
-def at_prompt(screen: str) -> bool:
-    return last_line(screen) == ">>>"
 
 
 def lines_after(screen: str, marker: str) -> list[str]:

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 from rpcclient import RpcClient
 
 from kinfer_rpc.default_plugins.llama import native as native
 
-ROOT = Path(__file__).resolve().parent.parent
 CXX = shutil.which("g++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no g++ to build a test library")
 # Uses the locale machinery, as llama.cpp's print_info does through std::ostringstream.

@@ -14,33 +14,17 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+from paths import ROOT
+from plugin_helpers import entry_points_path
 from served import Served
 
-ROOT = Path(__file__).resolve().parent.parent
 LLM = str(Path(sys.executable).parent / "llm")
 MODEL = "kinfer/smollm2-135m-instruct"
 TOOLS_MODEL = "kinfer/smollm2-tools"
 WEATHER = 'def get_weather(city: str) -> str:\n    "The weather now in a city."\n    return f"sunny in {city}"\n'
-
-
-def entry_points_path(folder: Path) -> str:
-    """A folder for PYTHONPATH where kinfer-rpc's metadata declares pyproject.toml's llm entry
-    points: none (the installed metadata does) or a copy made from pyproject.toml, for a
-    checkout installed (editable) before they were declared."""
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["llm"]
-    installed = {ep.name: ep.value for ep in metadata.distribution("kinfer-rpc").entry_points if ep.group == "llm"}
-    if installed == declared:
-        return ""
-    dist = folder / "kinfer_rpc-0.1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kinfer-rpc\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text("[llm]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,14 @@ from pathlib import Path
 
 import anyio
 import pytest
+from lsp_helpers import URI, FakeInfill, before, change, make_editor, open_doc, pos, run
 
 from kinfer_rpc import errors
 from kinfer_rpc.protocol import documents as lsp_documents
 from kinfer_rpc.protocol import lsp
 from kinfer_rpc.protocol.documents import apply_edits, parse_edits
-from kinfer_rpc.protocol.lsp import Editor, parse_settings, settings_in
+from kinfer_rpc.protocol.lsp import parse_settings, settings_in
 from kinfer_rpc.protocol.text import Text, utf16_len
-
-URI = "file:///tmp/example.py"
-
-
-def pos(line, character):
-    return {"line": line, "character": character}
-
-
-def change(sl, sc, el, ec, text):
-    return {"range": {"start": pos(sl, sc), "end": pos(el, ec)}, "text": text}
 
 
 # -- positions ----------------------------------------------------------------------------------
@@ -139,59 +130,6 @@ def test_settings_are_found_under_kinfer_or_at_the_top():
     assert settings_in({"completion": {"maxTokens": 2}}) == {"maxTokens": 2}
     assert settings_in({"pylsp": {}}) is None
     assert settings_in(None) is None
-
-
-# -- the editor over a fake infill ----------------------------------------------------------------
-class FakeInfill:
-    """inference/infill's contract: records calls; each waits for `release` unless told not to."""
-
-    def __init__(self, wait: bool = False, text: str = "_name(x)\n    return x"):
-        self.text = text
-        self.calls: list[dict] = []
-        self.cancelled = 0
-        self.finished = 0
-        self.wait = wait
-        self.release = anyio.Event()
-        self.started = anyio.Event()
-
-    async def __call__(self, ctx, /, **p):
-        self.calls.append(p)
-        self.started.set()
-        try:
-            if self.wait:
-                await self.release.wait()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled += 1
-            raise
-        self.finished += 1
-        return {"model": "fake-fim", "text": self.text, "tokens": [1, 2], "stopReason": "stop"}
-
-
-def before(call):
-    """The text before the cursor an infill call was given: its prefix and middle."""
-    return call["prefix"] + call["middle"]
-
-
-def make_editor(infill, loads=None, notes=None):
-    loads = [] if loads is None else loads
-    notes = [] if notes is None else notes
-
-    async def load(ctx, /, **p):
-        loads.append(p)
-        return {"model": p.get("model") or "default"}
-
-    return Editor(infill, load, lambda name: False, lambda m, p: notes.append((m, p)))
-
-
-def run(fn):
-    anyio.run(fn, backend="asyncio")
-
-
-def open_doc(editor, text, uri=URI, language="python"):
-    async def go():
-        await editor.did_open(textDocument={"uri": uri, "languageId": language, "version": 1, "text": text})
-
-    return go()
 
 
 def request(editor, method, line, character, uri=URI):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from test_lsp import FakeInfill, before, change, make_editor, open_doc, pos, run
+from lsp_helpers import FakeInfill, before, change, make_editor, open_doc, pos, run
 
 from kinfer_rpc import errors
 from kinfer_rpc.protocol import lsp

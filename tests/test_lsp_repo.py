@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 import pytest
 from lsprotocol import types as t
-from test_lsp_pygls import completion, did_change, did_open, edit, fim, session  # noqa: F401  (fixture)
+from paths import ROOT
+from pygls_helpers import completion, did_change, did_open, edit, session
 
-ROOT = Path(__file__).resolve().parent.parent
 TEXT_PY = ROOT / "kinfer_rpc" / "protocol" / "text.py"
 TEXT_URI = TEXT_PY.as_uri()
 NEW_URI = (ROOT / "kinfer_rpc" / "protocol" / "scratch_width.py").as_uri()

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 NVIM = shutil.which("nvim")
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 

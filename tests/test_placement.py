@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from paths import ROOT
 from rpcclient import RpcClient, error_of, result_of
 
 from kinfer_rpc.default_plugins import placements as P
@@ -26,7 +27,6 @@ from kinfer_rpc.host.store import ModelStore
 from kinfer_rpc.types import GpuInfo, LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
 GiB = 1 << 30
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")

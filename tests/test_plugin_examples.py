@@ -6,7 +6,7 @@ PYTHONPATH finds it through its entry point. Through the protocol: the server li
 the placement; the backend loads a corpus and generates the corpus's greedy bigram chain; drafts
 never change a reply; the placement places the embedded GGUF model on the llama backend, and a
 markov load refuses it (placements apply only to GGUF models on backends that report their
-machine: Runtime._place). In process, through the installed entry point: load_plugins registers
+machine: Runtime.place). In process, through the installed entry point: load_plugins registers
 one of each kind, and the policy and the placement (with a machine made up for it) do what they
 say. Last, docs/plugins.md's code must be excerpts of this package and this file.
 """
@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 from plugin_helpers import pip_install
 from rpcclient import DEFAULT_MODEL, RpcClient, error_of
 
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.types import LoadOptions, MachineInfo, ModelFacts, PlacementPlan
 
-ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "docs" / "examples" / "kinfer_markov"
 CORPUS = (
     b"the cat sat on the mat. the dog sat on the log. a cat and a dog met on the mat;\n"

@@ -5,9 +5,9 @@ module constants that name one) is a row of it, with a default and what it does.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT
+
 READS = [
     r"os\.environ(?:\.get|\.setdefault|\.pop)?\(\s*[\"']([A-Z][A-Z0-9_]+)[\"']",
     r"os\.environ\[\s*[\"']([A-Z][A-Z0-9_]+)[\"']",

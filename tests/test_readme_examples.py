@@ -16,7 +16,6 @@ on all-MiniLM-L6-v2 and its reranker copy (tests/modelgen/make_embedding_model.p
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -26,33 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from readme_helpers import CLI_DOC, NODE_CLIENT, README, ROOT, blocks, pulls_before
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-CLI_DOC = ROOT / "docs" / "cli.md"
-NODE_CLIENT = ROOT / "clients" / "node"
 BIN = os.path.dirname(sys.executable)
-
-FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.M | re.S)
-PULL = re.compile(r"`kinfer pull ([a-z0-9][a-z0-9.:/_-]*)`")  # a name, not a placeholder (NAME)
-
-
-def blocks(lang: str, section: str | None = None, doc: Path = README) -> list[str]:
-    text = doc.read_text()
-    if section is not None:
-        start = text.index(f"\n## {section}\n")
-        end = text.find("\n## ", start + 1)
-        text = text[start : end if end != -1 else None]
-    return [code for tag, code in FENCE.findall(text) if tag == lang]
-
-
-def pulls_before(code: str) -> list[str]:
-    """The `kinfer pull NAME` lines the README's text says an example needs: in the paragraphs
-    between the block before it and the block itself."""
-    text = README.read_text()
-    at = text.index(code)
-    previous = text.rfind("```", 0, text.rfind("```", 0, at))
-    return PULL.findall(text[max(previous, 0) : at])
 
 
 def env() -> dict:
@@ -83,31 +58,6 @@ def test_the_set_up_is_two_commands_that_leave_kinfer_on_path():
     assert "'.[test]'" in test and test.endswith("bash patches/build_llama.sh && make check")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -e '.[test" in ci and "bash patches/build_llama.sh" in ci and "make lint typecheck" in ci
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """A registry on 127.0.0.1 serving, under each name the README pulls, a stand-in: the tool
-    model, or the fill-in-the-middle one for a coder model."""
-    from make_fim_model import make_fim_model
-    from make_tool_model import make_tool_model
-    from test_pull import Server
-
-    folder = tmp_path_factory.mktemp("stand-ins")
-    made: dict[str, Path] = {}
-    server = Server()
-    for code in [*blocks("python"), *blocks("sh", "The first five minutes")]:
-        for name in re.findall(r"kinfer pull ([a-z0-9][a-z0-9.:/_-]*)", code) + pulls_before(code):
-            kind = "fim" if "coder" in name else "tools"
-            if kind not in made:
-                make = make_fim_model if kind == "fim" else make_tool_model
-                made[kind] = Path(make(folder / f"{kind}.gguf"))
-            model, tag = name.split(":")
-            data = made[kind]
-            digest = "sha256:" + hashlib.sha256(data.read_bytes()).hexdigest()
-            server.model(f"library/{model}", tag, [("model", data, digest)])
-    yield server
-    server.close()
 
 
 def example_env(registry, tmp_path) -> dict:

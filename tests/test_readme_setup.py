@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_readme_examples import README, ROOT, blocks, registry  # noqa: F401  (registry: a fixture)
+from readme_helpers import README, ROOT, blocks
 
 NO_WHEEL = ("No matching distribution", "Could not find a version", "NewConnectionError", "Network is unreachable")
 

@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_cli import KINFER, env
+from cli_helpers import KINFER, env
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 BUILT = ROOT / ".llama" / "lib"
 
 pytestmark = pytest.mark.skipif(not (BUILT / "libllama.so").exists(), reason="patches/build_llama.sh has not run")

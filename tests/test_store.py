@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from make_vision_projector import make_vision_projector, png
+from store_helpers import MEDIA, OllamaStore, place
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import vision
@@ -29,7 +29,6 @@ from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.store import DEFAULT_MODEL, ModelStore, embedded_default_path
 
 KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
-MEDIA = "application/vnd.ollama.image."
 SYSTEM = "You are a pirate. Answer like one."
 PARAMS = {
     "num_predict": 3,
@@ -44,10 +43,6 @@ PARAMS = {
 TEMPLATE = "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}"
 
 
-def _sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def gguf() -> tuple[Path, str]:
     path = Path(embedded_default_path())
@@ -58,47 +53,13 @@ def gguf() -> tuple[Path, str]:
     return path, "sha256:" + sha.hexdigest()
 
 
-def _place(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
-class OllamaStore:
-    """An Ollama models folder: blobs/sha256-<hex> and manifests/<host>/<ns>/<model>/<tag>."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        (root / "blobs").mkdir(parents=True, exist_ok=True)
-
-    def blob(self, data: bytes, media: str) -> dict:
-        digest = _sha(data)
-        (self.root / "blobs" / digest.replace(":", "-")).write_bytes(data)
-        return {"mediaType": MEDIA + media, "digest": digest, "size": len(data)}
-
-    def manifest(self, name: str, layers: list[dict]) -> Path:
-        config = self.blob(json.dumps({"model_format": "gguf", "model_family": "llama"}).encode(), "config")
-        config["mediaType"] = "application/vnd.docker.container.image.v1+json"
-        doc = {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-            "config": config,
-            "layers": layers,
-        }
-        path = self.root / "manifests" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc))
-        return path
-
-
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, gguf):
     """OLLAMA_MODELS, KINFER_MODELS and KINFER_HOME folders, built once for the module."""
     src, digest = gguf
     base = tmp_path_factory.mktemp("stores")
     ollama = OllamaStore(base / "ollama")
-    _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
+    place(src, ollama.root / "blobs" / digest.replace(":", "-"))
     model = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
     extras = [
         ollama.blob(TEMPLATE.encode(), "template"),
@@ -124,7 +85,7 @@ def stores(tmp_path_factory, gguf):
     (ollama.root / "manifests/registry.ollama.ai/library/broken/latest").write_text("{not json")
     kinfer = base / "kinfer"
     kinfer.mkdir()
-    _place(src, kinfer / "tiny-kinfer.gguf")
+    place(src, kinfer / "tiny-kinfer.gguf")
     data = src.read_bytes()
     (kinfer / "half.gguf").write_bytes(data[: len(data) // 2])
     (kinfer / "header-cut.gguf").write_bytes(data[:5000])
@@ -518,7 +479,7 @@ def test_store_files_that_never_end_are_refused_unread(tmp_path, gguf, monkeypat
     within seconds, reading none of them."""
     src, digest = gguf
     ollama = OllamaStore(tmp_path / "ollama")
-    _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
+    place(src, ollama.root / "blobs" / digest.replace(":", "-"))
     model = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
     fifo = {"mediaType": MEDIA + "template", "digest": "sha256:" + "f" * 64, "size": 10}
     os.mkfifo(ollama.root / "blobs" / ("sha256-" + "f" * 64))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from make_vision_projector import make_vision_projector, png
 from rpcclient import RpcClient, error_of
-from test_store import MEDIA, OllamaStore, _place
+from store_helpers import MEDIA, OllamaStore, place
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import vision
@@ -214,7 +214,7 @@ def served(tmp_path_factory, projector):
     ollama = OllamaStore(home / "ollama")
     src = Path(embedded_default_path())
     digest = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
-    _place(src, ollama.root / "blobs" / digest.replace(":", "-"))
+    place(src, ollama.root / "blobs" / digest.replace(":", "-"))
     model_layer = {"mediaType": MEDIA + "model", "digest": digest, "size": src.stat().st_size}
     projector_layer = ollama.blob(Path(projector).read_bytes(), "projector")
     ollama.manifest("registry.ollama.ai/library/llava/7b", [model_layer, projector_layer])

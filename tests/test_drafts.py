@@ -177,7 +177,7 @@ def make_drafting_engine(slots, draft_path, batch=512):
 
 
 def close(engine):
-    engine._sessions.pop("draft-model").close()
+    engine.drafter.sessions.pop("draft-model").close()
     engine.model.close()
 
 

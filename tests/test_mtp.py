@@ -115,7 +115,7 @@ def plain_replies(path):
 
 
 def close(engine):
-    for session in engine._sessions.values():
+    for session in engine.drafter.sessions.values():
         session.close()
     engine.model.close()
 
@@ -189,7 +189,7 @@ def test_mtp_memory_follows_rejections_and_slot_moves(models):
                 break
         assert moved and jobs[0].stop_reason == "length"
         assert jobs[1].drafted > jobs[1].accepted  # rejections happened
-        session = engine._sessions["mtp"]
+        session = engine.drafter.sessions["mtp"]
         live = [j for j in jobs if j.stop_reason is None]
         requests = [DraftRequest(j.slot, j.prompt + j.generated, DRAFTS) for j in live]
         got = session.propose_many(requests)

@@ -278,7 +278,7 @@ def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engi
     rest = [job(engine, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
     done: list[Job] = []
     for j in [short, *rest]:
-        j.on_done = done.append
+        j.on_done = lambda _outcome, j=j: done.append(j)
         engine.submit(j)
     cancelled = False
     for _ in range(500):

@@ -236,6 +236,21 @@ class Chooser:
             return {}
         return {r: token for (r, _), token in zip(picked, tokens)}
 
+    def token(self, job: Job, row: np.ndarray, i: int, plain: bool, best: int, presampled: int | None) -> int:
+        """The token of a job's output `i` of a pass: its argmax if `plain`, the token held for
+        it (hold_rows), the one `presampled` with the pass's others (sample_rows), or sampled now.
+        Raises when sampling fails (the job's options, its grammar)."""
+        if plain:
+            return best
+        if job.held is not None:  # chosen before the next pass started, and consumed
+            token, job.held = job.held, None
+            return token
+        if presampled is not None:
+            if job.options.logprobs is not None and not self._ends(job, presampled):
+                job.logprobs.append(logprob(row, presampled, job.options.logprobs))
+            return presampled
+        return self.sample(job, row, first=i == 0, best=best)
+
     def sample(self, job: Job, row: np.ndarray, first: bool, best: int = -1) -> int:
         """Pick a row's token for a job that is not plain: its logprobs from the raw row when
         asked, its grammar's mask, then sampling; the grammar consumes the token. `best`: the

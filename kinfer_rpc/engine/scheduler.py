@@ -25,10 +25,12 @@ import attrs
 import numpy as np
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine import planning
 from kinfer_rpc.engine import trace as tracing
 from kinfer_rpc.engine.choosing import Chooser
-from kinfer_rpc.engine.drafting import Drafter, draft_count
-from kinfer_rpc.engine.job import Job, JobState
+from kinfer_rpc.engine.drafting import Drafter
+from kinfer_rpc.engine.events import Event, close, delivery, push_text
+from kinfer_rpc.engine.job import Job, JobState, Limits, Outcome
 from kinfer_rpc.engine.passes import Pass, PassState, Shape
 from kinfer_rpc.engine.sampling import logprob
 from kinfer_rpc.engine.slots import Slots
@@ -42,15 +44,11 @@ from kinfer_rpc.types import (
     LoadedModel,
     SeqChunk,
     SessionPolicy,
-    Vision,
     contract_problems,
 )
 
 log = logging.getLogger(__name__)
 
-
-# What a step hands the host loop: on_piece with its text and tokens, or on_done with its job.
-_Event = tuple[Callable[[str, list[int]], None], str, list[int]] | tuple[Callable[[Job], None], Job]
 
 # The invariant behind the checks that the model is there: it is, from a load until the worker
 # ends, which is all the time jobs are submitted and steps run.
@@ -102,7 +100,8 @@ class Engine:
         # one session per load, made on the worker thread by `draft_session(policy, model)`.
         self.drafter = Drafter(draft_session)
         self._default_policy = draft_policy  # the load's: its session starts with the load
-        self.chooser = Chooser(self._ends)  # the rows' tokens, and the device's argmax
+        self._limits = Limits(frozenset(), 0)  # set at load: the model's end tokens and context
+        self.chooser = Chooser(lambda job, token: self._limits.ends(job, token))  # the rows' tokens
         self._decode_next = False  # set at load: whether the model has decode_next
         self._decode_chained = False  # set at load: whether the model has decode_chained
         self._post = post
@@ -126,7 +125,6 @@ class Engine:
         )
         self._active: list[Job] = []  # in admission order
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
-        self._eog: frozenset[int] = frozenset()
         self.slots: Slots | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
@@ -182,9 +180,9 @@ class Engine:
             job.move(JobState.DONE)
             job.stop_reason = "length"
             job.t_start = job.t_end = time.perf_counter()
-            on_done = job.on_done
+            on_done, outcome = job.on_done, Outcome.of(job)
             if on_done:
-                self._post(lambda: on_done(job))
+                self._post(lambda: on_done(outcome))
             return
         with self._cond:
             self._alive()  # not failed or unloaded meanwhile
@@ -288,7 +286,7 @@ class Engine:
             self._trace.attach(self.model)
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
-        self._eog = frozenset(self.model.eog_tokens())
+        self._limits = Limits(frozenset(self.model.eog_tokens()), self.model.info.context_length)
         ahead = self.start_ahead
         if ahead is None:
             ahead = isinstance(self.model, AsyncDecode) and self.model.decode_async
@@ -393,7 +391,7 @@ class Engine:
                 model.seq_remove(chunk.seq, chunk.pos + 1, -1)
 
     def _fail_all(self, exc: Exception) -> None:
-        events: list[_Event] = []
+        events: list[Event] = []
         with self._cond:
             jobs = list(self._active) + list(self._queue)
             self._active.clear()
@@ -409,7 +407,7 @@ class Engine:
         """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle.
 
         The pass may already be running: the previous step started it (see _start_next)."""
-        events: list[_Event] = []
+        events: list[Event] = []
         running, self._running = self._running, None
         ended = list(running.ended) if running is not None else []
         with self._cond:
@@ -439,8 +437,12 @@ class Engine:
         assert model is not None, _LOADED
         current = running
         if current is None:
-            chunks, owners, shape = self._plan()
-            current = Pass(chunks, owners, model.decode(chunks), PassState.PLANNED, shape) if chunks else None
+            plan = self._plan()
+            current = (
+                Pass(plan.chunks, plan.owners, model.decode(plan.chunks), PassState.PLANNED, plan.shape)
+                if plan.chunks
+                else None
+            )
         if current is not None and current.shape is Shape.CHAINABLE and self._decode_chained:
             self._chain(current)
         try:
@@ -464,163 +466,26 @@ class Engine:
         return current is not None
 
     def _next_waiting(self) -> Job | None:
-        """The waiting job that takes the next free slot, if one may. Owners (connections) take
-        turns: the job of the owner holding the fewest slots goes first, in arrival order among
-        equals. While `share` is on (more than one connection is open), no owner takes the last
-        free slot when every busy slot is its own: a connection flooding the queue leaves one
-        for everybody else."""
+        """The waiting job that takes the next free slot, if one may (planning.next_waiting)."""
         slots = self.slots
         assert slots is not None, _LOADED
-        free = len(slots.free)
-        if not self._queue or not free:
-            return None
-        first = self._queue[0]
-        if not self.share and all(job.owner == first.owner for job in self._queue):
-            return first  # the usual case: one client, first come first served
-        held: dict[int, int] = {}
-        for job in self._active:
-            held[job.owner] = held.get(job.owner, 0) + 1
-        best: Job | None = None
-        for job in self._queue:
-            mine = held.get(job.owner, 0)
-            if self.share and free == 1 and mine > 0 and mine == len(self._active):
-                continue
-            if best is None or mine < held.get(best.owner, 0):
-                best = job
-        return best
+        return planning.next_waiting(self._queue, self._active, len(slots.free), self.share)
 
-    def _held(self) -> dict[int, int]:
-        """Jobs in slots per owner, when owners share the passes (several connections, several
-        owners in slots, passes computed in the call as on a CPU); empty otherwise. See
-        _fair_rows and _plan."""
-        if not self.share or self._queued_passes:
-            return {}
-        held: dict[int, int] = {}
-        for job in self._active:
-            if job.state is not JobState.DONE:
-                held[job.owner] = held.get(job.owner, 0) + 1
-        return held if len(held) > 1 else {}
-
-    def _fair_rows(self, decoding: list[Job], held: dict[int, int]) -> list[Job]:
-        """The decoding jobs that get a row in the next pass. While owners share the passes
-        (`held`, from _held), no owner gets more rows a pass than the owner with the fewest jobs
-        in slots (reading their prompts or decoding) has: the same service each, whatever the
-        number of replies each runs. An owner's jobs beyond that take turns, those that waited
-        longest first. On a CPU a pass costs each row about a whole model, so a connection
-        running many replies would otherwise slow every other's in proportion; a job left out of
-        a pass keeps its cells and its place, so its reply is the same. A device that queues
-        passes (decode_async: a GPU) computes more rows at about the same cost: there every job
-        gets its row."""
-        if not held or len(decoding) < 2:
-            return decoding
-        share = min(held.values())
-        mine: dict[int, list[Job]] = {}
-        for job in decoding:
-            mine.setdefault(job.owner, []).append(job)
-        kept: set[int] = set()
-        for jobs in mine.values():
-            kept.update(id(j) for j in sorted(jobs, key=lambda j: j.last_row)[:share])
-        chosen = [job for job in decoding if id(job) in kept]
-        for job in chosen:
-            job.last_row = self.steps
-        return chosen
-
-    def _favoured(self, decoding: list[Job], held: dict[int, int]) -> tuple[list[Job], list[Job]]:
-        """The decoding rows and the jobs whose prompts are read in the next pass. While owners
-        share the passes (`held`), the owners holding the fewest slots read their prompts alone:
-        the others' rows and prompts wait that pass (on a CPU a prompt pass beside other rows
-        costs each row about a whole model again: an editor's completion would wait on a
-        flood's rows). Nobody waits long: a prompt takes a pass or a few, and a job left out of
-        a pass keeps its cells and its place, so its reply is the same."""
-        reading = [job for job in self._active if len(job.prompt) > job.n_past]
-        if not held or not reading:
-            return decoding, reading
-        fewest = min(held.values())
-        favoured = {owner for owner, n in held.items() if n == fewest}
-        first = [job for job in reading if job.owner in favoured]
-        if not first or len(favoured) == len(held):
-            return decoding, reading
-        return [job for job in decoding if job.owner in favoured], first
-
-    def _plan(self) -> tuple[list[SeqChunk], list[Job], Shape]:
-        """Chunks for one pass (every running reply's last token, then prompt chunks), their
-        jobs, and the shape of the pass."""
+    def _plan(self) -> planning.Plan:
+        """The next pass's rows (planning.plan)."""
         assert self.model is not None, _LOADED
-        budget = self.batch
-        context = self.model.info.context_length
-        held = self._held()
-        decoding = self._fair_rows([job for job in self._active if job.state is JobState.GENERATING], held)
-        decoding, reading = self._favoured(decoding, held)
-        drafting = any(job.drafting for job in decoding)
-        if drafting:
-            # Room for drafts: every decoding job's own token first, then drafts in admission order.
-            room = budget - len(decoding)
-            wanted: list[int] = []
-            for job in decoding:
-                k = draft_count(job, min(room, context - job.n_past - 2))
-                room -= k
-                wanted.append(k)
-            self.drafter.propose(decoding, wanted, self.model.info.n_vocab)
-            chunks: list[SeqChunk] = []
-            for job in decoding:  # decoding: feed the last sampled token and its drafts
-                tokens = (job.generated[-1], *job.drafts)
-                device = job.device_drafts if job.drafts else None
-                chunks.append(SeqChunk(job.slot, job.n_past, tokens, len(tokens), device_tokens=device))
-                budget -= 1 + len(job.drafts)
-        else:  # the usual step, on the device's critical path: one token a job
-            chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
-            budget -= len(decoding)
-        # Every job decoding one greedy token: the next pass can start before this one's
-        # bookkeeping (see _start_next); a pass chained on the device feeds the device's argmax,
-        # so only unconstrained rows chain.
-        shape = Shape.of(self._ahead, drafting, decoding, self._active)
-        owners = decoding[:]
-        for job in reading:
-            if budget > 0 and job.media and not self._read_media(job):
-                continue
-            left = len(job.prompt) - job.n_past
-            if budget > 0:
-                take = min(left, budget, self._to_media(job))
-                ends = take == left
-                chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))
-                owners.append(job)
-                budget -= take
-        # In slot order: with one KV stream per slot llama.cpp puts sequences in one pass only
-        # while their ids rise by one in batch order (llama_batch_allocr::split_equal); a job
-        # that took a freed low slot, or was moved there by compaction, would otherwise split
-        # the step into several passes (and make llama.cpp reorder the logits rows).
-        if any(a.seq > b.seq for a, b in zip(chunks, chunks[1:])):
-            order = sorted(range(len(chunks)), key=lambda i: chunks[i].seq)
-            chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
-        return chunks, owners, shape
+        held = planning.held_by_owner(self._active, self.share, self._queued_passes)
+        return planning.plan(
+            self.model,
+            self._active,
+            batch=self.batch,
+            held=held,
+            step=self.steps,
+            ahead=self._ahead,
+            drafter=self.drafter,
+        )
 
-    def _read_media(self, job: Job) -> bool:
-        """Put the images that come next in the job's prompt into its cells: each in passes of
-        its own, on this thread, before the step's pass is planned (the text between them goes
-        in the step's passes as any prompt's does). False if one failed: the job ends with the error."""
-        model = self.model
-        for media in job.media:
-            if media.start == job.n_past:
-                assert isinstance(model, Vision) and model.vision, "images go only to a model that reads them"
-                try:
-                    model.eval_media(job.slot, media, job.n_past)
-                except Exception as exc:  # one request's image must not stop the engine
-                    log.exception("reading an image failed")
-                    job.error = errors.KinferError(errors.INVALID_PARAMS, f"the model could not read an image: {exc}")
-                    job.cancelled = True  # it leaves at the next step; job.error answers it
-                    return False
-                job.n_past += media.length
-        return True
-
-    @staticmethod
-    def _to_media(job: Job) -> int:
-        """How many of the job's prompt tokens from n_past come before its next image."""
-        for media in job.media:
-            if media.start >= job.n_past:
-                return media.start - job.n_past
-        return len(job.prompt) - job.n_past
-
-    def _take(self, current: Pass, logits: np.ndarray, events: list[_Event]) -> None:
+    def _take(self, current: Pass, logits: np.ndarray, events: list[Event]) -> None:
         """Choose the token of every row that asked for logits; the text work waits for the next pass."""
         chunks, owners, chooser = current.chunks, current.owners, self.chooser
         assert self.model is not None, _LOADED
@@ -671,24 +536,13 @@ class Engine:
             # So the reply is exactly what decoding one token at a time would give.
             taken = 0
             for i in range(chunk.outputs):
-                if is_plain:
-                    token = best[r + i]
-                elif job.held is not None:  # chosen before the next pass started, and consumed
-                    token, job.held = job.held, None
-                elif (pre := presampled.get(r + i)) is not None:  # sampled with the pass's others
-                    token = pre
-                    if job.options.logprobs is not None and not self._ends(job, token):
-                        job.logprobs.append(logprob(logits[r + i], token, job.options.logprobs))
-                else:
-                    try:
-                        token = chooser.sample(job, logits[r + i], first=i == 0, best=best[r + i])
-                    except Exception as exc:  # one request's options must not stop the engine
-                        log.exception("sampling failed")
-                        job.error = errors.KinferError(
-                            errors.INVALID_PARAMS, f"sampling failed with these options: {exc}"
-                        )
-                        self._end_job(job, None, events, ahead)
-                        break
+                try:
+                    token = chooser.token(job, logits[r + i], i, is_plain, best[r + i], presampled.get(r + i))
+                except Exception as exc:  # one request's options must not stop the engine
+                    log.exception("sampling failed")
+                    job.error = errors.KinferError(errors.INVALID_PARAMS, f"sampling failed with these options: {exc}")
+                    self._end_job(job, None, events, ahead)
+                    break
                 produced += 1
                 taken += 1
                 # The sampled token will sit right after the row's own token.
@@ -710,7 +564,7 @@ class Engine:
                 self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
 
-    def _end_job(self, job: Job, reason: str | None, events: list[_Event], ahead: bool) -> None:
+    def _end_job(self, job: Job, reason: str | None, events: list[Event], ahead: bool) -> None:
         """_finish, its slot given back after the pass started ahead when one holds its row."""
         running = self._running if ahead else None
         held = running is not None and running.holds(job)
@@ -765,28 +619,13 @@ class Engine:
         assert slots is not None, _LOADED
         if self._next_waiting() is not None:  # someone joins at the next step
             return False
-        if not slots.settled(owners):
-            return False
-        ends, full = self._ends, self._full
-        for chunk, job, token in zip(chunks, owners, best):
-            # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
-            if (
-                job.cancelled
-                or job.stop_reason is not None
-                or token < 0  # a grammar failed on this row
-                or (job.constraint is not None and job.constraint.is_stopped())  # its grammar is complete
-                or (job.thinking is not None and not job.thinking.steady(token))  # its reasoning block changes
-                or ends(job, token)
-                or full(job, len(job.generated) + 1, chunk.pos + 1)
-            ):
-                return False
-        return True
+        return slots.settled(owners) and planning.steps_on(chunks, owners, best, self._limits)
 
-    def _append(self, job: Job, token: int, next_pos: int, events: list[_Event], row: np.ndarray | None = None) -> bool:
+    def _append(self, job: Job, token: int, next_pos: int, events: list[Event], row: np.ndarray | None = None) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job. `row`:
         the token's logits, where the job has them (the logprob of a token taken in its place)."""
         thinking = job.thinking
-        if self._ends(job, token):
+        if self._limits.ends(job, token):
             if thinking is None or not thinking.holds_end():
                 self._text(job, events)
                 self._finish(job, "stop", events)
@@ -802,24 +641,12 @@ class Engine:
                 job.reasoned()
         if not self._pending or self._pending[-1] is not job:
             self._pending.append(job)
-        if self._full(job, len(job.generated), next_pos):
+        if self._limits.full(job, len(job.generated), next_pos):
             self._finish(job, "stop" if self._text(job, events) else "length", events)
             return False
         return True
 
-    def _ends(self, job: Job, token: int) -> bool:
-        """Whether `token` ends the job's reply (end of generation, or one of its stop tokens)."""
-        return (token in self._eog and not job.options.ignore_eos) or token in job.options.stop_tokens
-
-    def _full(self, job: Job, generated: int, next_pos: int) -> bool:
-        """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached
-        its max_tokens or the context."""
-        limit = job.options.max_tokens
-        model = self.model
-        assert model is not None, _LOADED
-        return (limit is not None and generated >= limit) or next_pos + 1 >= model.info.context_length
-
-    def _drain_text(self, events: list[_Event]) -> list[Job]:
+    def _drain_text(self, events: list[Event]) -> list[Job]:
         """Text of the tokens taken last step; returns the jobs a stop string ended."""
         pending, self._pending = self._pending, []
         ended: list[Job] = []
@@ -829,57 +656,16 @@ class Engine:
                 ended.append(job)
         return ended
 
-    def _text(self, job: Job, events: list[_Event]) -> bool:
+    def _text(self, job: Job, events: list[Event]) -> bool:
         """Push the job's tokens not yet turned into text; True if a stop string ended it."""
-        model = self.model
-        assert model is not None, _LOADED
-        while job.n_text < len(job.generated):
-            token = job.generated[job.n_text]
-            job.n_text += 1
-            piece = job.stream.push(model.token_bytes(token))
-            if piece:
-                job.text += piece
-            if (thinking := job.thinking) is not None and thinking.closed_at == job.n_text:
-                end = b"".join(model.token_bytes(t) for t in thinking.options.end).decode("utf-8", "replace")
-                thinking.mark_text(job.n_text, len(job.stream.text), len(end))
-            if job.on_piece:
-                events.append((job.on_piece, piece, [token]))
-            if job.stream.stopped:
-                # Tokens after the one that completed the stop string are not part of the reply.
-                del job.generated[job.n_text :]
-                del job.logprobs[job.n_text :]
-                return True
-        return False
+        assert self.model is not None, _LOADED
+        return push_text(job, self.model.token_bytes, events)
 
-    def _finish(self, job: Job, reason: str | None, events: list[_Event], release: bool = True) -> None:
-        job.move(JobState.DONE)
-        if reason is None and job.stop_reason is None:
-            job.stop_reason = "error"  # job.error says what; nothing more is done for it
-        if reason is not None:
-            job.stop_reason = reason
-            if reason != "cancelled":
-                rest = job.stream.finish()
-                if rest:
-                    job.text += rest
-                    if job.on_piece:
-                        events.append((job.on_piece, rest, []))
-        job.t_end = time.perf_counter()
-        if self._trace is not None:
-            self._trace.write(
-                "job",
-                submit=job.t_submit,
-                start=job.t_start,
-                first=job.t_first,
-                end=job.t_end,
-                prompt=len(job.prompt),
-                cached=job.cached,
-                generated=len(job.generated),
-                reason=job.stop_reason,
-            )
+    def _finish(self, job: Job, reason: str | None, events: list[Event], release: bool = True) -> None:
+        """End the job (events.close); its slot goes back unless a pass in flight holds its row."""
+        close(job, reason, events, self._trace)
         if release:
             self._release(job)
-        if job.on_done:
-            events.append((job.on_done, job))
 
     def _release(self, job: Job) -> None:
         """Give the job's slot back (after any pass it was part of has finished)."""
@@ -889,14 +675,6 @@ class Engine:
                 assert self.slots is not None, "the slots are made with the model"
                 self.slots.give_back(job, self._active)
 
-    def _flush(self, events: list[_Event]) -> None:
+    def _flush(self, events: list[Event]) -> None:
         if events:
-
-            def deliver(events: list[_Event] = events) -> None:
-                for fn, *args in events:
-                    try:
-                        fn(*args)
-                    except Exception:
-                        log.exception("event callback failed")
-
-            self._post(deliver)
+            self._post(delivery(events))

@@ -23,7 +23,7 @@ from harness import emit, run_one, start_engine
 
 from kinfer_rpc.default_plugins.drafts import DraftModelPolicy, NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
-from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job, Outcome
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host import templates as chat
@@ -139,7 +139,7 @@ def workloads(args):
         warm = min(args.max_tokens, 32)
         run(engine, prompt, attrs.evolve(base, max_tokens=warm))
         plain = run(engine, prompt, base)
-        plain_tps = reply_json(reply_of(plain))["timings"]["tokensPerSecond"]
+        plain_tps = reply_json(reply_of(Outcome.of(plain)))["timings"]["tokensPerSecond"]
         emit(
             "workload",
             {"workload": name, "policy": "none", "drafts": 0, "tokens": len(plain.generated), "tps": plain_tps},
@@ -148,7 +148,7 @@ def workloads(args):
             options = attrs.evolve(base, drafts=k, draft_policy=policy)
             run(engine, prompt, attrs.evolve(options, max_tokens=warm))
             job = run(engine, prompt, options)
-            r = reply_json(reply_of(job))
+            r = reply_json(reply_of(Outcome.of(job)))
             u = r["usage"]
             emit(
                 "workload",

@@ -157,7 +157,7 @@ class PhaseTimer:
 
             return wrapper
 
-        engine._best = timed("argmax", engine._best)
+        engine.chooser.best = timed("argmax", engine.chooser.best)
         engine._plan = timed("plan", engine._plan)
         engine._drain_text = timed("text", engine._drain_text)
 

@@ -13,7 +13,7 @@ over the same passes:
 - wait: each pass waits for the one before (its logits are ready to read), then feeds a token
   without reading them: what waiting for a pass costs, the argmax left out.
 - greedy: each pass feeds the argmax of the one before, as a server must. The loop waits for
-  the pass, takes the argmax with the engine's own code (Engine._argmax) and only then calls
+  the pass, takes the argmax with the engine's own code (Chooser.argmax) and only then calls
   llama_decode for the next.
 - device (only with llama.cpp patched, patches/llama-output-argmax.patch): as greedy, but the
   pass takes the argmax in its graph and copies back token ids, no logits.
@@ -35,11 +35,11 @@ import time
 from harness import emit
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend
-from kinfer_rpc.engine.scheduler import Engine
+from kinfer_rpc.engine.choosing import Chooser
 from kinfer_rpc.types import LoadOptions, SeqChunk
 
 # An engine never started, for its argmax over a pass's rows (split over threads as it splits it).
-argmax = Engine(lambda progress: None, lambda fn: fn())._argmax
+argmax = Chooser(lambda job, token: False).argmax
 # The loops whose passes take the argmax in their graph (patched llama.cpp).
 DEVICE_MODES = ("device", "next", "busy")
 

@@ -113,7 +113,7 @@ def run_until_done(engine: Engine, jobs, arrivals=None, cancels=None, limit=5000
     cancels = cancels or {}
     done = set()
     for job in jobs:
-        job.on_done = lambda j: done.add(id(j))
+        job.on_done = lambda _outcome, job=job: done.add(id(job))
     step = 0
     while len(done) < len(jobs):
         for job, at in zip(jobs, arrivals):

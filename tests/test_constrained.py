@@ -248,7 +248,7 @@ def test_a_grammar_completed_while_the_next_pass_runs_gives_its_slot_back_after_
 
     def spy(self, job, reason, events, ahead):
         end_job(self, job, reason, events, ahead)
-        if job in self._ended_ahead:
+        if self._running is not None and job in self._running.ended:
             ended_ahead.append(job)
 
     def jobs(e):
@@ -278,12 +278,12 @@ def test_a_reply_cancelled_after_its_grammar_completed_ahead_stays_complete(engi
     rest = [job(engine, None, None, f"{w} Answer:", n=30) for w in WORDS[1:4]]
     done: list[Job] = []
     for j in [short, *rest]:
-        j.on_done = done.append
+        j.on_done = lambda _outcome, j=j: done.append(j)
         engine.submit(j)
     cancelled = False
     for _ in range(500):
         engine.step()
-        if not cancelled and short in engine._ended_ahead:
+        if not cancelled and engine._running is not None and short in engine._running.ended:
             engine.cancel(short)  # between the step that ended it and the one that frees its slot
             cancelled = True
         if len(done) == 4:
@@ -402,7 +402,7 @@ def test_a_held_greedy_rows_best_token_comes_from_the_device(engine, monkeypatch
         monkeypatch.setattr(grammar.Masks, "choose", spy_choose)
         monkeypatch.setattr(grammar, "best_allowed", spy_best)
         got = run_until_done(engine, jobs(engine))
-        assert engine._masked is not None and any(engine._masked.values())
+        assert engine.chooser.masked is not None and any(engine.chooser.masked.values())
         assert len(known) > 60 and all(t >= 0 for t in known), known  # every held row's: from the device
         for a, b in zip(want, got):
             assert (a.generated, a.text, a.stop_reason) == (b.generated, b.text, b.stop_reason)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kinfer_rpc.default_plugins.drafts import NgramPolicy
 from kinfer_rpc.default_plugins.llama import LlamaBackend
-from kinfer_rpc.engine.job import Job
+from kinfer_rpc.engine.job import Job, Outcome
 from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host.store import embedded_default_path
 from kinfer_rpc.types import LoadOptions
@@ -111,7 +111,7 @@ def test_ngram_drafts_are_accepted_when_text_repeats():
         job = Job(list(prompt), attrs.evolve(_options(40, 0.0, 0), drafts=4, draft_policy=NgramPolicy()))
         run_until_done(engine, [job])
         assert (tuple(job.generated), job.text, job.stop_reason) == want
-        usage = reply_json(reply_of(job))["usage"]
+        usage = reply_json(reply_of(Outcome.of(job)))["usage"]
         assert usage["draftTokens"] > 0 and usage["draftAccepted"] > usage["draftTokens"] // 2
         assert engine.steps < len(job.generated)  # fewer passes than tokens: drafts paid off
         status = engine_status(engine.stats())
@@ -177,7 +177,7 @@ def make_drafting_engine(slots, draft_path, batch=512):
 
 
 def close(engine):
-    engine._sessions.pop("draft-model").close()
+    engine.drafter.sessions.pop("draft-model").close()
     engine.model.close()
 
 
@@ -211,7 +211,7 @@ def test_the_model_drafting_for_itself_is_always_right():
             job = Job(list(prompt), attrs.evolve(_options(24, 0.0, 0), drafts=4, draft_policy=policy))
             run_until_done(engine, [job])
             assert (tuple(job.generated), job.text, job.stop_reason) == want
-            usage = reply_json(reply_of(job))["usage"]
+            usage = reply_json(reply_of(Outcome.of(job)))["usage"]
             assert usage["draftTokens"] > 0 and usage["draftAccepted"] == usage["draftTokens"]
             assert engine.steps and engine_status(engine.stats())["draftAcceptance"] == 1.0
     finally:

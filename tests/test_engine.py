@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from kinfer_rpc import errors
 from kinfer_rpc.default_plugins.llama import LlamaBackend
-from kinfer_rpc.engine.job import GenerateOptions, Job, JobState
+from kinfer_rpc.engine.job import GenerateOptions, Job, JobState, Outcome
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.host.requests import reply_of
 from kinfer_rpc.host.store import embedded_default_path
@@ -147,7 +147,7 @@ def test_max_tokens_and_length_reason(engine4):
     job = Job(list(tokenize("Count: one two three")), _options(5, 0.0, 0))
     run_until_done(engine4, [job])
     assert job.stop_reason == "length" and len(job.generated) == 5
-    usage = reply_json(reply_of(job))["usage"]
+    usage = reply_json(reply_of(Outcome.of(job)))["usage"]
     assert (usage["promptTokens"], usage["completionTokens"]) == (len(job.prompt), 5)
 
 
@@ -251,7 +251,7 @@ def test_prefix_pool_reuses_a_finished_conversation_and_replies_the_same():
         second = Job(list(second_prompt), _options(6, 0.0, 0))
         run_until_done(engine, [second])
         assert second.cached > 10  # the system prompt's cells were kept and reused
-        assert reply_json(reply_of(second))["usage"]["cachedTokens"] == second.cached
+        assert reply_json(reply_of(Outcome.of(second)))["usage"]["cachedTokens"] == second.cached
         assert engine_status(engine.stats())["prefixHits"] >= 1
         assert (tuple(second.generated), second.text, second.stop_reason) == alone(second_prompt, 6, 0.0, 0)
     finally:

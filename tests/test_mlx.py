@@ -374,7 +374,7 @@ def test_draft_model_drafts_reach_the_verify_pass_on_the_device():
     )
     d.load_model()
     policy = kinfer_drafts.DraftModelPolicy()
-    session = d._session(policy)
+    session = d.drafter.session(policy)
     events: list[str] = []
     fed: list[list[int]] = []  # the verify passes' device-fed tokens, read back by the test
 

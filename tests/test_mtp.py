@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import run_until_done
 
 from kinfer_rpc.default_plugins.llama import LlamaBackend, LlamaModel, MtpPolicy
-from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job, Outcome
 from kinfer_rpc.engine.sampling import SamplingOptions
 from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.host.requests import reply_of
@@ -115,7 +115,7 @@ def plain_replies(path):
 
 
 def close(engine):
-    for session in engine._sessions.values():
+    for session in engine.drafter.sessions.values():
         session.close()
     engine.model.close()
 
@@ -151,7 +151,7 @@ def test_the_aligned_model_accepts_every_draft(models):
         jobs = [Job(prompt(10 + i), options(41, policy=policy)) for i in range(2)]
         run_until_done(engine, jobs)
         for job in jobs:
-            usage = reply_json(reply_of(job))["usage"]
+            usage = reply_json(reply_of(Outcome.of(job)))["usage"]
             assert job.generated == [300] * 41
             assert usage["draftTokens"] == usage["draftAccepted"] > 0
         assert engine.steps <= 1 + 40 // (DRAFTS + 1)  # every verifying pass kept all its drafts
@@ -189,7 +189,7 @@ def test_mtp_memory_follows_rejections_and_slot_moves(models):
                 break
         assert moved and jobs[0].stop_reason == "length"
         assert jobs[1].drafted > jobs[1].accepted  # rejections happened
-        session = engine._sessions["mtp"]
+        session = engine.drafter.sessions["mtp"]
         live = [j for j in jobs if j.stop_reason is None]
         requests = [DraftRequest(j.slot, j.prompt + j.generated, DRAFTS) for j in live]
         got = session.propose_many(requests)

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job, Outcome
 from kinfer_rpc.host.options import LoadRequest
 from kinfer_rpc.host.plugins import load_plugins
 from kinfer_rpc.host.runtime import Runtime
@@ -37,10 +37,10 @@ def test_a_failed_decode_answers_in_flight_requests_and_unloads_the_model() -> N
             return decode(chunks)
 
         model.decode = failing  # type: ignore[method-assign]
-        done: list[Job] = []
+        done: list[Outcome] = []
         both = anyio.Event()
 
-        def on_done(job: Job) -> None:
+        def on_done(job: Outcome) -> None:
             done.append(job)
             if len(done) == 2:
                 both.set()
@@ -76,7 +76,7 @@ def test_a_failed_decode_answers_in_flight_requests_and_unloads_the_model() -> N
         assert again is not entry and again.engine.model is not None
         assert [m["state"] for m in (await handlers.model_status(None))["models"]] == ["ready"]
         finished = anyio.Event()
-        replies: list[Job] = []
+        replies: list[Outcome] = []
         runtime.start(
             again,
             list(ids),

@@ -1,5 +1,6 @@
-"""The engine layer: one loaded model's scheduler. Jobs, slots and their KV cells, sampling,
-drafting and text streaming, on one worker thread that owns the device. Knows nothing of JSON."""
+"""The engine layer: one loaded model's scheduler. Jobs, slots and their KV cells, the pass in
+flight, planning, token choosing, drafting and text streaming, on one worker thread that owns the
+device. Knows nothing of JSON."""
 
 import os
 

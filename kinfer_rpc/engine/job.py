@@ -1,6 +1,7 @@
 """One request in the engine, from the queue to its last token: what it asks (GenerateOptions),
-where it is (JobState) and what the worker writes into it as it runs (Job). Only the engine's
-worker writes a Job's fields; the host reads them once the job is done."""
+where it is (JobState), what the worker writes into it as it runs (Job) and what the host gets
+once it is done (Outcome). Only the engine's worker writes a Job's fields; the host is handed a
+frozen Outcome of it."""
 
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ class GenerateOptions:
     cache_reuse: int = 0
 
 
+@attrs.frozen
+class Limits:
+    """Where replies end, for a loaded model: its end-of-generation tokens, its context per slot."""
+
+    eog: frozenset[int]
+    context: int
+
+    def ends(self, job: Job, token: int) -> bool:
+        """Whether `token` ends the job's reply (end of generation, or one of its stop tokens)."""
+        return (token in self.eog and not job.options.ignore_eos) or token in job.options.stop_tokens
+
+    def full(self, job: Job, generated: int, next_pos: int) -> bool:
+        """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached
+        its max_tokens or the context."""
+        limit = job.options.max_tokens
+        return (limit is not None and generated >= limit) or next_pos + 1 >= self.context
+
+
 class JobState(enum.Enum):
     """Where a job is. WAITING in the queue; PROMPT in a slot, its prompt being read into the
     slot's cells; GENERATING once the whole prompt is in (every step then feeds its last token);
@@ -78,7 +97,7 @@ class Job:
     prompt: list[int]
     options: GenerateOptions
     on_piece: Callable[[str, list[int]], None] | None = None  # runs on the host loop
-    on_done: Callable[[Job], None] | None = None  # runs on the host loop
+    on_done: Callable[[Outcome], None] | None = None  # runs on the host loop
     slot: int = -1
     n_past: int = 0  # tokens of this job already in its slot's KV cache
     generated: list[int] = attrs.field(factory=list)
@@ -105,7 +124,7 @@ class Job:
     # the prompt's images, in prompt order: their positions hold placeholders in `prompt`, and
     # their embeddings go into the cells through the model's Vision capability
     media: tuple[Media, ...] = ()
-    last_row: int = 0  # the engine step of its last row, while rows are shared (Engine._fair_rows)
+    last_row: int = 0  # the engine step of its last row, while rows are shared (planning.fair_rows)
     state: JobState = attrs.field(init=False, default=JobState.WAITING)
     # The reply's grammar (llguidance.LLMatcher: format, grammar or regex), at the state after
     # every token taken so far; None: unconstrained.
@@ -114,8 +133,8 @@ class Job:
     # the ids that mask allows, when it allows at most half the vocabulary (grammar.sparse_ids)
     mask_ids: np.ndarray | None = None
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when asked
-    # the token of the pass just taken, chosen before the next pass started (_hold_rows) and
-    # consumed by the constraint (_consume_held)
+    # the token of the pass just taken, chosen before the next pass started (Chooser.hold_rows)
+    # and consumed by the constraint (Chooser.consume_held)
     held: int | None = None
     # greedy, no penalty, no logprobs: a row's token is its argmax (under its grammar's mask)
     greedy: bool = attrs.field(init=False, default=False)
@@ -152,3 +171,54 @@ class Job:
         if to not in _MOVES[self.state]:
             raise RuntimeError(f"a job cannot move from {self.state.value} to {to.value}")
         self.state = to
+
+
+@attrs.frozen
+class Outcome:
+    """A job as it ended, taken on the worker at the end of the step that ended it (or as it
+    stands, for the reply so far of a request cancelled while it runs): what the host makes the
+    reply of. Offsets of a reasoning block are None when the reply began in none, or its block
+    has not closed."""
+
+    options: GenerateOptions
+    prompt_tokens: int
+    generated: tuple[int, ...]
+    text: str
+    stop_reason: str | None
+    error: Exception | None
+    cached: int
+    drafted: int
+    accepted: int
+    logprobs: tuple[TokenLogprob, ...]
+    t_submit: float
+    t_start: float
+    t_first: float
+    t_end: float
+    reasons: bool = False  # the reply began inside a reasoning block
+    closed_at: int | None = None  # how many of the reply's tokens the block took
+    reasoning_chars: int | None = None
+    answer_chars: int | None = None
+
+    @classmethod
+    def of(cls, job: Job) -> Outcome:
+        thinking = job.thinking
+        return cls(
+            options=job.options,
+            prompt_tokens=len(job.prompt),
+            generated=tuple(job.generated),
+            text=job.text,
+            stop_reason=job.stop_reason,
+            error=job.error,
+            cached=job.cached,
+            drafted=job.drafted,
+            accepted=job.accepted,
+            logprobs=tuple(job.logprobs),
+            t_submit=job.t_submit,
+            t_start=job.t_start,
+            t_first=job.t_first,
+            t_end=job.t_end,
+            reasons=thinking is not None,
+            closed_at=thinking.closed_at if thinking is not None else None,
+            reasoning_chars=thinking.reasoning_chars if thinking is not None else None,
+            answer_chars=thinking.answer_chars if thinking is not None else None,
+        )

@@ -18,51 +18,37 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import attrs
 import numpy as np
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine import CPUS, grammar
+from kinfer_rpc.engine import planning
 from kinfer_rpc.engine import trace as tracing
-from kinfer_rpc.engine.job import Job, JobState
-from kinfer_rpc.engine.sampling import SamplingOptions, logprob, sample, sample_many
+from kinfer_rpc.engine.choosing import Chooser
+from kinfer_rpc.engine.drafting import Drafter
+from kinfer_rpc.engine.events import Event, close, delivery, push_text
+from kinfer_rpc.engine.job import Job, JobState, Limits, Outcome
+from kinfer_rpc.engine.passes import Pass, PassState, Shape
+from kinfer_rpc.engine.sampling import logprob
 from kinfer_rpc.engine.slots import Slots
 from kinfer_rpc.types import (
     AsyncDecode,
     DecodeChained,
     DecodeNext,
-    DeviceArgmax,
-    DeviceDraftSession,
-    DeviceGreedy,
     DeviceTokens,
     DraftPolicy,
-    DraftRequest,
     DraftSession,
     LoadedModel,
-    PendingDrafts,
-    Proposes,
     SeqChunk,
     SessionPolicy,
-    Vision,
     contract_problems,
 )
 
-
-def _picks_best(opts: SamplingOptions) -> bool:
-    """Whether sampling with these options takes the row's best token (greedy, no penalty): a
-    masked row's token is then best_allowed's, found without masking the row."""
-    return opts.temperature <= 0 and opts.repeat_penalty == 1.0
-
-
-_ARGMAX_PARTS = 4  # at most: the engine's thread and 3 of the pool (see Engine._argmax)
 log = logging.getLogger(__name__)
 
-
-# What a step hands the host loop: on_piece with its text and tokens, or on_done with its job.
-_Event = tuple[Callable[[str, list[int]], None], str, list[int]] | tuple[Callable[[Job], None], Job]
 
 # The invariant behind the checks that the model is there: it is, from a load until the worker
 # ends, which is all the time jobs are submitted and steps run.
@@ -112,16 +98,12 @@ class Engine:
         self._load = load
         # Draft policies that draft for all requests at once (a draft model, an MTP head) get
         # one session per load, made on the worker thread by `draft_session(policy, model)`.
-        self._draft_session = draft_session
-        self._sessions: dict[str, DraftSession] = {}
+        self.drafter = Drafter(draft_session)
         self._default_policy = draft_policy  # the load's: its session starts with the load
-        self._greedy: dict[int, bool] | None = None  # set at load: see _sync_greedy
-        self._masked: dict[int, bool] | None = None  # likewise, for rows masked before their argmax
+        self._limits = Limits(frozenset(), 0)  # set at load: the model's end tokens and context
+        self.chooser = Chooser(lambda job, token: self._limits.ends(job, token))  # the rows' tokens
         self._decode_next = False  # set at load: whether the model has decode_next
         self._decode_chained = False  # set at load: whether the model has decode_chained
-        self._feeds_device = False  # set at load: whether passes can be fed drafts on the device
-        # drafts fed to the pass in flight on the device, read after its wait (_read_drafts)
-        self._on_device: list[tuple[PendingDrafts, list[tuple[Job, int]]]] = []
         self._post = post
         self.batch = batch
         self.max_queue = max_queue
@@ -143,10 +125,6 @@ class Engine:
         )
         self._active: list[Job] = []  # in admission order
         self._pending: list[Job] = []  # jobs with tokens taken but not yet turned into text
-        self._eog: frozenset[int] = frozenset()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # threads for the argmax of large passes
-        self._masks: grammar.Masks | None = None  # made at the first constrained pass
-        self._drafts_total = [0, 0]  # drafted, accepted over the life of the load
         self.slots: Slots | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kinfer-engine", daemon=True)
@@ -156,15 +134,12 @@ class Engine:
         # model (its decode_async); False never (a reference to compare with, benchmarks).
         self.start_ahead = start_ahead
         self._ahead = False
-        self._steady = False  # the last planned pass: every job one greedy token (_start_next)
         self._queued_passes = False  # set at load: see _fair_rows
-        self._chainable = False  # ... and none of them held to a grammar (_chain)
-        # (chunks, owners, wait) of a pass started ahead by _start_next
-        self._running: tuple[list[SeqChunk], list[Job], Callable[[], np.ndarray]] | None = None
-        # jobs that ended while the pass started ahead holds their rows: their slots go back once it is done
-        self._ended_ahead: list[Job] = []
-        # A pass chained on the device to the one running (decode_chained): the rows it extends, its wait.
-        self._chained: tuple[list[SeqChunk], Callable[[], np.ndarray]] | None = None
+        # The pass started ahead by _start_next (AHEAD), which the next step takes instead of planning
+        self._running: Pass | None = None
+        # A pass chained on the device to the one in flight (decode_chained, CHAINED): its
+        # chunks are those of the pass it extends, one token further.
+        self._chained: Pass | None = None
         self.started_ahead = 0  # passes started before the last one's tokens were taken
         self.steps = 0
         self._trace: tracing.Trace | None = None  # KINFER_TRACE: where a round's time goes
@@ -205,9 +180,9 @@ class Engine:
             job.move(JobState.DONE)
             job.stop_reason = "length"
             job.t_start = job.t_end = time.perf_counter()
-            on_done = job.on_done
+            on_done, outcome = job.on_done, Outcome.of(job)
             if on_done:
-                self._post(lambda: on_done(job))
+                self._post(lambda: on_done(outcome))
             return
         with self._cond:
             self._alive()  # not failed or unloaded meanwhile
@@ -287,8 +262,8 @@ class Engine:
             prefix_hits=self.slots.hits if self.slots else 0,
             tokens_per_second=tps,
             steps=self.steps,
-            draft_tokens=self._drafts_total[0],
-            draft_accepted=self._drafts_total[1],
+            draft_tokens=self.drafter.total[0],
+            draft_accepted=self.drafter.total[1],
             memory=self.model.memory() if self.model else {},
         )
 
@@ -311,25 +286,22 @@ class Engine:
             self._trace.attach(self.model)
         self.template = self.model.chat_template()
         self.slots = Slots(self.model, self.model.info.slots, self.prefix)
-        self._eog = frozenset(self.model.eog_tokens())
+        self._limits = Limits(frozenset(self.model.eog_tokens()), self.model.info.context_length)
         ahead = self.start_ahead
         if ahead is None:
             ahead = isinstance(self.model, AsyncDecode) and self.model.decode_async
         self._ahead = ahead
         # passes queued on a device (a GPU): more rows cost little, so rows are never rationed
         self._queued_passes = isinstance(self.model, AsyncDecode) and self.model.decode_async
-        # slot -> whether the device takes its argmax (backends that can: mlx, llama when patched)
-        self._greedy = {} if isinstance(self.model, DeviceGreedy) and self.model.device_greedy else None
-        # slot -> whether the device takes its argmax while its logits come back too (DeviceArgmax)
-        self._masked = {} if self._greedy is not None and isinstance(self.model, DeviceArgmax) else None
+        self.chooser.load(self.model)
         self._decode_next = isinstance(self.model, DecodeNext)
-        self._decode_chained = self._greedy is not None and isinstance(self.model, DecodeChained)
-        self._feeds_device = isinstance(self.model, DeviceTokens) and self.model.feeds_device_tokens
+        self._decode_chained = self.chooser.greedy is not None and isinstance(self.model, DecodeChained)
+        self.drafter.load(self.model, isinstance(self.model, DeviceTokens) and self.model.feeds_device_tokens)
         if isinstance(self._default_policy, SessionPolicy):
             # Now, not at the first request: a load whose policy cannot start (no draft model,
             # no MTP head) fails with the reason instead of quietly drafting nothing.
             try:
-                self._session(self._default_policy)
+                self.drafter.session(self._default_policy)
             except BaseException:
                 self.model.close()
                 self.model = None
@@ -376,42 +348,35 @@ class Engine:
             for _fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     future.set_exception(errors.KinferError(errors.INTERNAL_ERROR, "the model was unloaded"))
-            for session in self._sessions.values():
-                try:
-                    session.close()
-                except Exception:
-                    log.exception("closing a draft session failed")
-            self._sessions.clear()
+            self.drafter.close()
             with self._cond:
                 model, self.model = self.model, None  # no new holds from here
                 while self._holds:  # a request tokenizing with it: close it after
                     self._cond.wait()
             if model is not None:
                 model.close()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
+            self.chooser.close()
 
     def _end_running(self) -> None:
         """Wait for a pass started ahead, if any (its tokens are dropped): slots are freed and
         the model closed only once the device is done with it."""
         running, self._running = self._running, None
         if running is not None:
-            try:
-                running[2]()
-            except Exception:
-                log.exception("the pass started ahead failed")
+            running.drop()
         self._drop_chained()
-        if self._on_device and self.model is not None:  # fed to a pass never taken: the session settles them
-            self._read_drafts()
+        if self.drafter.on_device and self.model is not None:  # fed to a pass never taken: the session settles them
+            self.drafter.read(self.model.info.n_vocab)
 
-    def _chain(self, chunks: list[SeqChunk]) -> None:
-        """Right after launching a steady pass: chain the next one to it on the device
+    def _chain(self, current: Pass) -> None:
+        """Right after launching a chainable pass: chain the next one to it on the device
         (decode_chained), to be used or dropped once this one's tokens are taken (_start_next)."""
         assert self.model is not None, _LOADED
         try:  # _decode_chained: the model was a DecodeChained at load
-            self._chained = (chunks, cast(DecodeChained, self.model).decode_chained())
+            wait = cast(DecodeChained, self.model).decode_chained()
         except ValueError:  # not a pass it can extend (its rows, its room): nothing chained
             self._chained = None
+            return
+        self._chained = Pass(current.chunks, current.owners, wait, PassState.CHAINED, current.shape)
 
     def _drop_chained(self) -> None:
         """A chained pass not used: wait for it, then remove the cells it wrote (one a row, after
@@ -419,18 +384,14 @@ class Engine:
         chained, self._chained = self._chained, None
         if chained is None:
             return
-        chunks, wait = chained
-        try:
-            wait()
-        except Exception:
-            log.exception("a chained pass failed")
+        chained.drop()
         model = self.model
         if model is not None:
-            for chunk in chunks:
+            for chunk in chained.chunks:
                 model.seq_remove(chunk.seq, chunk.pos + 1, -1)
 
     def _fail_all(self, exc: Exception) -> None:
-        events: list[_Event] = []
+        events: list[Event] = []
         with self._cond:
             jobs = list(self._active) + list(self._queue)
             self._active.clear()
@@ -446,9 +407,9 @@ class Engine:
         """One step: drop cancelled jobs, admit waiting ones, run one pass. False if idle.
 
         The pass may already be running: the previous step started it (see _start_next)."""
-        events: list[_Event] = []
+        events: list[Event] = []
         running, self._running = self._running, None
-        ended, self._ended_ahead = self._ended_ahead, []
+        ended = list(running.ended) if running is not None else []
         with self._cond:
             # Leave: cancelled jobs free their slot before anything runs (or once the pass
             # already running, which holds their row, is done; the row is thrown away).
@@ -471,216 +432,79 @@ class Engine:
                     joining.move(JobState.PROMPT)
                     self._active.append(joining)
                 slots.compact(self._active)
-                if self._greedy is not None:
-                    self._sync_greedy()
-        wait: Callable[[], np.ndarray] | None
-        if running is None:
-            chunks, owners = self._plan()
-            assert self.model is not None, _LOADED
-            wait = self.model.decode(chunks) if chunks else None
-        else:
-            chunks, owners, wait = running
-        if wait is not None and self._chainable and self._decode_chained:
-            self._chain(chunks)
+                self.chooser.sync(self._active)
+        model = self.model
+        assert model is not None, _LOADED
+        current = running
+        if current is None:
+            plan = self._plan()
+            current = (
+                Pass(plan.chunks, plan.owners, model.decode(plan.chunks), PassState.PLANNED, plan.shape)
+                if plan.chunks
+                else None
+            )
+        if current is not None and current.shape is Shape.CHAINABLE and self._decode_chained:
+            self._chain(current)
         try:
             # While the device runs this pass, turn the previous step's tokens into text. A stop
             # string found now ends its job; the token the job has in this pass is thrown away.
             ended += self._drain_text(events)
-            if wait is not None:
-                self._prepare_masks(chunks, owners)
-                logits, wait = wait(), None
+            if current is not None:
+                self.chooser.prepare_masks(current.chunks, current.owners, model.info.n_vocab)
+                logits = current.take()
                 self.steps += 1
-                self._take(chunks, owners, logits, events)
+                self._take(current, logits, events)
             self._drop_chained()  # not used by _take's _start_next (normally none is left)
             for job in ended:
                 self._release(job)
         finally:
-            if wait is not None:  # failed before its wait: the pass must end before anything goes
-                self._running = (chunks, owners, wait)
+            if current is not None and current.state is not PassState.TAKEN:
+                # failed before its wait: the pass must end before anything goes
+                current.ended = []
+                self._running = current
             self._flush(events)
-        return bool(chunks)
+        return current is not None
 
     def _next_waiting(self) -> Job | None:
-        """The waiting job that takes the next free slot, if one may. Owners (connections) take
-        turns: the job of the owner holding the fewest slots goes first, in arrival order among
-        equals. While `share` is on (more than one connection is open), no owner takes the last
-        free slot when every busy slot is its own: a connection flooding the queue leaves one
-        for everybody else."""
+        """The waiting job that takes the next free slot, if one may (planning.next_waiting)."""
         slots = self.slots
         assert slots is not None, _LOADED
-        free = len(slots.free)
-        if not self._queue or not free:
-            return None
-        first = self._queue[0]
-        if not self.share and all(job.owner == first.owner for job in self._queue):
-            return first  # the usual case: one client, first come first served
-        held: dict[int, int] = {}
-        for job in self._active:
-            held[job.owner] = held.get(job.owner, 0) + 1
-        best: Job | None = None
-        for job in self._queue:
-            mine = held.get(job.owner, 0)
-            if self.share and free == 1 and mine > 0 and mine == len(self._active):
-                continue
-            if best is None or mine < held.get(best.owner, 0):
-                best = job
-        return best
+        return planning.next_waiting(self._queue, self._active, len(slots.free), self.share)
 
-    def _held(self) -> dict[int, int]:
-        """Jobs in slots per owner, when owners share the passes (several connections, several
-        owners in slots, passes computed in the call as on a CPU); empty otherwise. See
-        _fair_rows and _plan."""
-        if not self.share or self._queued_passes:
-            return {}
-        held: dict[int, int] = {}
-        for job in self._active:
-            if job.state is not JobState.DONE:
-                held[job.owner] = held.get(job.owner, 0) + 1
-        return held if len(held) > 1 else {}
-
-    def _fair_rows(self, decoding: list[Job], held: dict[int, int]) -> list[Job]:
-        """The decoding jobs that get a row in the next pass. While owners share the passes
-        (`held`, from _held), no owner gets more rows a pass than the owner with the fewest jobs
-        in slots (reading their prompts or decoding) has: the same service each, whatever the
-        number of replies each runs. An owner's jobs beyond that take turns, those that waited
-        longest first. On a CPU a pass costs each row about a whole model, so a connection
-        running many replies would otherwise slow every other's in proportion; a job left out of
-        a pass keeps its cells and its place, so its reply is the same. A device that queues
-        passes (decode_async: a GPU) computes more rows at about the same cost: there every job
-        gets its row."""
-        if not held or len(decoding) < 2:
-            return decoding
-        share = min(held.values())
-        mine: dict[int, list[Job]] = {}
-        for job in decoding:
-            mine.setdefault(job.owner, []).append(job)
-        kept: set[int] = set()
-        for jobs in mine.values():
-            kept.update(id(j) for j in sorted(jobs, key=lambda j: j.last_row)[:share])
-        chosen = [job for job in decoding if id(job) in kept]
-        for job in chosen:
-            job.last_row = self.steps
-        return chosen
-
-    def _favoured(self, decoding: list[Job], held: dict[int, int]) -> tuple[list[Job], list[Job]]:
-        """The decoding rows and the jobs whose prompts are read in the next pass. While owners
-        share the passes (`held`), the owners holding the fewest slots read their prompts alone:
-        the others' rows and prompts wait that pass (on a CPU a prompt pass beside other rows
-        costs each row about a whole model again: an editor's completion would wait on a
-        flood's rows). Nobody waits long: a prompt takes a pass or a few, and a job left out of
-        a pass keeps its cells and its place, so its reply is the same."""
-        reading = [job for job in self._active if len(job.prompt) > job.n_past]
-        if not held or not reading:
-            return decoding, reading
-        fewest = min(held.values())
-        favoured = {owner for owner, n in held.items() if n == fewest}
-        first = [job for job in reading if job.owner in favoured]
-        if not first or len(favoured) == len(held):
-            return decoding, reading
-        return [job for job in decoding if job.owner in favoured], first
-
-    def _plan(self) -> tuple[list[SeqChunk], list[Job]]:
-        """Chunks for one pass: every running reply's last token, then prompt chunks."""
+    def _plan(self) -> planning.Plan:
+        """The next pass's rows (planning.plan)."""
         assert self.model is not None, _LOADED
-        budget = self.batch
-        context = self.model.info.context_length
-        held = self._held()
-        decoding = self._fair_rows([job for job in self._active if job.state is JobState.GENERATING], held)
-        decoding, reading = self._favoured(decoding, held)
-        drafting = any(job.drafting for job in decoding)
-        if drafting:
-            # Room for drafts: every decoding job's own token first, then drafts in admission order.
-            room = budget - len(decoding)
-            wanted: list[int] = []
-            for job in decoding:
-                k = self._draft_count(job, min(room, context - job.n_past - 2))
-                room -= k
-                wanted.append(k)
-            self._propose_all(decoding, wanted)
-            chunks: list[SeqChunk] = []
-            for job in decoding:  # decoding: feed the last sampled token and its drafts
-                tokens = (job.generated[-1], *job.drafts)
-                device = job.device_drafts if job.drafts else None
-                chunks.append(SeqChunk(job.slot, job.n_past, tokens, len(tokens), device_tokens=device))
-                budget -= 1 + len(job.drafts)
-        else:  # the usual step, on the device's critical path: one token a job
-            chunks = [SeqChunk(job.slot, job.n_past, (job.generated[-1],), 1) for job in decoding]
-            budget -= len(decoding)
-        # Every job decoding one greedy token: the next pass can start before this one's
-        # bookkeeping (see _start_next); a pass chained on the device feeds the device's argmax,
-        # so only unconstrained rows chain.
-        self._steady = (
-            self._ahead and not drafting and len(decoding) == len(self._active) and all(j.greedy for j in decoding)
+        held = planning.held_by_owner(self._active, self.share, self._queued_passes)
+        return planning.plan(
+            self.model,
+            self._active,
+            batch=self.batch,
+            held=held,
+            step=self.steps,
+            ahead=self._ahead,
+            drafter=self.drafter,
         )
-        self._chainable = self._steady and all(j.plain for j in decoding)
-        owners = decoding[:]
-        for job in reading:
-            if budget > 0 and job.media and not self._read_media(job):
-                continue
-            left = len(job.prompt) - job.n_past
-            if budget > 0:
-                take = min(left, budget, self._to_media(job))
-                ends = take == left
-                chunks.append(SeqChunk(job.slot, job.n_past, job.prompt[job.n_past : job.n_past + take], int(ends)))
-                owners.append(job)
-                budget -= take
-        # In slot order: with one KV stream per slot llama.cpp puts sequences in one pass only
-        # while their ids rise by one in batch order (llama_batch_allocr::split_equal); a job
-        # that took a freed low slot, or was moved there by compaction, would otherwise split
-        # the step into several passes (and make llama.cpp reorder the logits rows).
-        if any(a.seq > b.seq for a, b in zip(chunks, chunks[1:])):
-            order = sorted(range(len(chunks)), key=lambda i: chunks[i].seq)
-            chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
-        return chunks, owners
 
-    def _read_media(self, job: Job) -> bool:
-        """Put the images that come next in the job's prompt into its cells: each in passes of
-        its own, on this thread, before the step's pass is planned (the text between them goes
-        in the step's passes as any prompt's does). False if one failed: the job ends with the error."""
-        model = self.model
-        for media in job.media:
-            if media.start == job.n_past:
-                assert isinstance(model, Vision) and model.vision, "images go only to a model that reads them"
-                try:
-                    model.eval_media(job.slot, media, job.n_past)
-                except Exception as exc:  # one request's image must not stop the engine
-                    log.exception("reading an image failed")
-                    job.error = errors.KinferError(errors.INVALID_PARAMS, f"the model could not read an image: {exc}")
-                    job.cancelled = True  # it leaves at the next step; job.error answers it
-                    return False
-                job.n_past += media.length
-        return True
-
-    @staticmethod
-    def _to_media(job: Job) -> int:
-        """How many of the job's prompt tokens from n_past come before its next image."""
-        for media in job.media:
-            if media.start >= job.n_past:
-                return media.start - job.n_past
-        return len(job.prompt) - job.n_past
-
-    def _take(self, chunks: list[SeqChunk], owners: list[Job], logits: np.ndarray, events: list[_Event]) -> None:
-        """Sample every row that asked for logits; the text work waits for the next pass."""
-        self._read_drafts()
+    def _take(self, current: Pass, logits: np.ndarray, events: list[Event]) -> None:
+        """Choose the token of every row that asked for logits; the text work waits for the next pass."""
+        chunks, owners, chooser = current.chunks, current.owners, self.chooser
+        assert self.model is not None, _LOADED
+        self.drafter.read(self.model.info.n_vocab)
         # Greedy rows without a penalty are one argmax over the whole pass, not one per row.
         plain = [job.plain for job in owners]
-        # Read by plain rows, and by greedy rows held to a grammar where the device took their argmax.
-        if any(plain) or (self._masked and any(self._masked.get(job.slot) for job in owners)):
-            best = self._best(logits, plain, chunks)
-        else:
-            best = [-1] * len(logits)
-        if self._steady:
+        best = chooser.best(logits, chunks, owners, plain)
+        if current.shape.steady:
             # Every row one greedy token: those held to a grammar are chosen now, so that the
             # next pass can start before the rest of the bookkeeping; their matchers consume
             # the tokens once it runs.
-            chosen = self._hold_rows(owners, logits, best)
-            self._start_next(chunks, owners, best)
-            self._consume_held(owners, chosen)
+            chosen = chooser.hold_rows(owners, logits, best)
+            self._start_next(current, best)
+            chooser.consume_held(owners, chosen)
         else:
             self._drop_chained()
         # A job that ends here while the next pass holds its row keeps its slot until that pass is done.
         ahead = self._running is not None
-        presampled = self._sample_rows(chunks, owners, plain, logits)
+        presampled = chooser.sample_rows(chunks, owners, logits)
         row = 0
         produced = 0
         now = time.perf_counter()
@@ -712,24 +536,13 @@ class Engine:
             # So the reply is exactly what decoding one token at a time would give.
             taken = 0
             for i in range(chunk.outputs):
-                if is_plain:
-                    token = best[r + i]
-                elif job.held is not None:  # chosen before the next pass started, and consumed
-                    token, job.held = job.held, None
-                elif (pre := presampled.get(r + i)) is not None:  # sampled with the pass's others
-                    token = pre
-                    if job.options.logprobs is not None and not self._ends(job, token):
-                        job.logprobs.append(logprob(logits[r + i], token, job.options.logprobs))
-                else:
-                    try:
-                        token = self._sample(job, logits[r + i], first=i == 0, best=best[r + i])
-                    except Exception as exc:  # one request's options must not stop the engine
-                        log.exception("sampling failed")
-                        job.error = errors.KinferError(
-                            errors.INVALID_PARAMS, f"sampling failed with these options: {exc}"
-                        )
-                        self._end_job(job, None, events, ahead)
-                        break
+                try:
+                    token = chooser.token(job, logits[r + i], i, is_plain, best[r + i], presampled.get(r + i))
+                except Exception as exc:  # one request's options must not stop the engine
+                    log.exception("sampling failed")
+                    job.error = errors.KinferError(errors.INVALID_PARAMS, f"sampling failed with these options: {exc}")
+                    self._end_job(job, None, events, ahead)
+                    break
                 produced += 1
                 taken += 1
                 # The sampled token will sit right after the row's own token.
@@ -751,148 +564,24 @@ class Engine:
                 self._settle_drafts(job, base, taken)
         self._decoded.append((now, produced))
 
-    def _sample_rows(
-        self, chunks: list[SeqChunk], owners: list[Job], plain: list[bool], logits: np.ndarray
-    ) -> dict[int, int]:
-        """The tokens of the pass's sampled rows that need nothing but their own options (one
-        output, no grammar, no drafts), all at once (sampling.sample_many): row -> token. A row
-        whose sampling fails is sampled again in its turn, which fails its job alone."""
-        picked: list[tuple[int, Job]] = []
-        row = 0
-        for chunk, job, is_plain in zip(chunks, owners, plain):
-            if (
-                chunk.outputs == 1
-                and not is_plain
-                and job.constraint is None
-                and not job.drafts
-                and job.held is None
-                and job.stop_reason is None
-            ):
-                picked.append((row, job))
-            row += chunk.outputs
-        if not picked:
-            return {}
-        histories = [job.prompt + job.generated for _, job in picked]
-        try:
-            tokens = sample_many(
-                [logits[r] for r, _ in picked],
-                histories,
-                [len(h) for h in histories],
-                [job.options.sampling for _, job in picked],
-            )
-        except Exception:  # noqa: BLE001 - each row is sampled alone instead, failing only its own job
-            return {}
-        return {r: token for (r, _), token in zip(picked, tokens)}
-
-    def _end_job(self, job: Job, reason: str | None, events: list[_Event], ahead: bool) -> None:
+    def _end_job(self, job: Job, reason: str | None, events: list[Event], ahead: bool) -> None:
         """_finish, its slot given back after the pass started ahead when one holds its row."""
-        held = ahead and self._running is not None and job in self._running[1]
+        running = self._running if ahead else None
+        held = running is not None and running.holds(job)
         self._finish(job, reason, events, release=not held)
         if held:
-            self._ended_ahead.append(job)
-
-    def _sample(self, job: Job, row: np.ndarray, first: bool, best: int = -1) -> int:
-        """Pick a row's token for a job that is not plain: its logprobs from the raw row when
-        asked, its grammar's mask, then sampling; the grammar consumes the token. `best`: the
-        row's argmax where the device took it (a greedy job held to a grammar), else -1."""
-        matcher = job.constraint
-        if matcher is None:
-            history = job.prompt + job.generated
-            token = sample(row, history, len(history), job.options.sampling)
-        else:
-            n_vocab = len(row)
-            ids = job.mask_ids if first and job.mask is not None else None
-            bits = job.mask if first and job.mask is not None else grammar.one_mask(matcher, n_vocab)
-            job.mask = job.mask_ids = None
-            opts = job.options.sampling
-            picked = best if best >= 0 else None
-            chosen = grammar.best_allowed(row, bits, ids=ids, best=picked) if _picks_best(opts) else None
-            if chosen is not None:  # greedy: what sampling the masked row gives, found faster
-                token = chosen
-            else:
-                history = job.prompt + job.generated
-                token = sample(grammar.masked(row, grammar.allowed(bits, n_vocab)), history, len(history), opts)
-            if not matcher.consume_token(token):
-                raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
-        if job.options.logprobs is not None and not self._ends(job, token):
-            job.logprobs.append(logprob(row, token, job.options.logprobs))
-        return token
-
-    def _hold_rows(self, owners: list[Job], logits: np.ndarray, best: list[int]) -> list[tuple[int, int]]:
-        """In a pass of greedy rows (one a job), choose the tokens of the rows held to a grammar,
-        all at once: `best` and job.held get them (-1 and None where choosing failed: the row is
-        then sampled in its turn, which fails the job with the grammar's error). Returns the
-        (row, token) pairs whose matchers have yet to consume them (_consume_held); a row that
-        took sampling's own way (no mask, or NaNs in the row) has consumed its token already."""
-        rows = [r for r, job in enumerate(owners) if job.constraint is not None and job.stop_reason is None]
-        picks = [(r, m, owners[r].mask_ids) for r in rows if (m := owners[r].mask) is not None]
-        # The rows' own best tokens, where the device took them (DeviceArgmax), else -1.
-        known = [best[r] for r, _, _ in picks]
-        tokens = dict(zip((r for r, _, _ in picks), self._masks.choose(logits, picks, known))) if self._masks else {}
-        chosen: list[tuple[int, int]] = []
-        for r in rows:
-            job = owners[r]
-            own, best[r] = best[r], -1  # until chosen
-            token = tokens.get(r)
-            job.mask = job.mask_ids = None
-            if token is None:  # (no mask computed, or NaNs in the row: sampling's own way)
-                try:
-                    token = self._sample(job, logits[r], first=True, best=own)
-                except Exception:
-                    continue
-            else:
-                chosen.append((r, token))
-            job.held = best[r] = token
-        return chosen
-
-    def _consume_held(self, owners: list[Job], chosen: list[tuple[int, int]]) -> None:
-        """The matchers of _hold_rows's rows consume their tokens, on llguidance's threads, while
-        the next pass runs: each token is one its mask allowed, so this only moves the grammar
-        on. Where that fails the row is sampled in its turn, which ends the job with the
-        grammar's error; a grammar that is complete ends its job in _take. Either way the row
-        the next pass gave that job is thrown away, as a stop string's is."""
-        if not chosen:
-            return
-        assert self._masks is not None, "masks were computed for these rows"
-        consumed = self._masks.consume([(owners[r].constraint, token) for r, token in chosen])
-        for (r, _), ok in zip(chosen, consumed):
-            if not ok:
-                owners[r].held = None
-
-    def _prepare_masks(self, chunks: list[SeqChunk], owners: list[Job]) -> None:
-        """The grammar masks of the rows of the pass in flight, computed while the device runs it.
-        A row after a draft token gets its mask when its turn comes (_sample)."""
-        jobs = [job for chunk, job in zip(chunks, owners) if chunk.outputs and job.constraint is not None]
-        if not jobs:
-            return
-        if self._masks is None:
-            assert self.model is not None, _LOADED
-            self._masks = grammar.Masks(self.model.info.n_vocab)
-        n_vocab = self._masks.n_vocab
-        for job, bits in zip(jobs, self._masks.compute([job.constraint for job in jobs])):
-            job.mask = bits
-            # Only a greedy row chooses by its allowed ids (best_allowed); a sampled one masks its row.
-            job.mask_ids = grammar.sparse_ids(bits, n_vocab) if _picks_best(job.options.sampling) else None
+            assert running is not None
+            running.ended.append(job)
 
     def _settle_drafts(self, job: Job, base: int, taken: int) -> None:
-        """After verifying a job's drafts: count them, back off if they keep losing, and drop the
-        cells of the rejected ones (the kept ones are the chunk's first token and the accepted
-        drafts, from position `base`)."""
-        accepted = max(0, taken - 1)  # every token taken before the last matched its draft
-        job.drafted += len(job.drafts)
-        job.accepted += accepted
-        job.window[0] += len(job.drafts)
-        job.window[1] += accepted
-        self._drafts_total[0] += len(job.drafts)
-        self._drafts_total[1] += accepted
-        self._pause_if_unlucky(job)
-        if job.stop_reason is None:
-            job.n_past = base + taken
+        """After verifying a job's drafts: the drafter counts them; the cells of the rejected
+        ones go."""
+        end = self.drafter.settle(job, base, taken)
+        if end is not None:
             assert self.model is not None, _LOADED
-            self.model.seq_remove(job.slot, job.n_past, -1)
-        job.drafts = []
+            self.model.seq_remove(job.slot, end, -1)
 
-    def _start_next(self, chunks: list[SeqChunk], owners: list[Job], best: list[int]) -> None:
+    def _start_next(self, current: Pass, best: list[int]) -> None:
         """Start the next pass now, before this one's tokens are taken, when it is exactly the
         pass the next step would plan: every row a greedy job's one token, none of them ending
         here (end-of-generation, max_tokens, the context), none cancelled or stopped, nobody
@@ -906,20 +595,22 @@ class Engine:
         next step would plan, and dropped otherwise."""
         model, slots = self.model, self.slots
         assert model is not None and slots is not None, _LOADED
+        chunks, owners = current.chunks, current.owners
         if not self._next_is(chunks, owners, best):
             self._drop_chained()  # before any slot is given back: its cells go first
             return
         nxt = [SeqChunk(chunk.seq, chunk.pos + 1, (token,), 1) for chunk, token in zip(chunks, best)]
         chained, self._chained = self._chained, None
         if chained is not None:  # already running on the device, fed with these very tokens
-            wait = chained[1]
+            chained.chunks, chained.owners = nxt, owners
+            chained.move(PassState.AHEAD)
+            self._running = chained
         else:
             # The device waits from the last pass's end until this call: a backend that can
             # repeat the last pass one token further (decode_next) is spared reading chunks,
             # which are built once the pass runs. (_decode_next: a DecodeNext at load)
             nexted = cast(DecodeNext, model).decode_next(best) if self._decode_next else None
-            wait = nexted or model.decode(nxt)
-        self._running = (nxt, owners, wait)
+            self._running = Pass(nxt, owners, nexted or model.decode(nxt), PassState.AHEAD, current.shape)
         self.started_ahead += 1
 
     def _next_is(self, chunks: list[SeqChunk], owners: list[Job], best: list[int]) -> bool:
@@ -928,28 +619,13 @@ class Engine:
         assert slots is not None, _LOADED
         if self._next_waiting() is not None:  # someone joins at the next step
             return False
-        if not slots.settled(owners):
-            return False
-        ends, full = self._ends, self._full
-        for chunk, job, token in zip(chunks, owners, best):
-            # The token would be fed at chunk.pos + 1, as the job's len(generated) + 1st (_append).
-            if (
-                job.cancelled
-                or job.stop_reason is not None
-                or token < 0  # a grammar failed on this row
-                or (job.constraint is not None and job.constraint.is_stopped())  # its grammar is complete
-                or (job.thinking is not None and not job.thinking.steady(token))  # its reasoning block changes
-                or ends(job, token)
-                or full(job, len(job.generated) + 1, chunk.pos + 1)
-            ):
-                return False
-        return True
+        return slots.settled(owners) and planning.steps_on(chunks, owners, best, self._limits)
 
-    def _append(self, job: Job, token: int, next_pos: int, events: list[_Event], row: np.ndarray | None = None) -> bool:
+    def _append(self, job: Job, token: int, next_pos: int, events: list[Event], row: np.ndarray | None = None) -> bool:
         """Take one sampled token (to be fed at `next_pos`); False when it ended the job. `row`:
         the token's logits, where the job has them (the logprob of a token taken in its place)."""
         thinking = job.thinking
-        if self._ends(job, token):
+        if self._limits.ends(job, token):
             if thinking is None or not thinking.holds_end():
                 self._text(job, events)
                 self._finish(job, "stop", events)
@@ -965,216 +641,12 @@ class Engine:
                 job.reasoned()
         if not self._pending or self._pending[-1] is not job:
             self._pending.append(job)
-        if self._full(job, len(job.generated), next_pos):
+        if self._limits.full(job, len(job.generated), next_pos):
             self._finish(job, "stop" if self._text(job, events) else "length", events)
             return False
         return True
 
-    def _ends(self, job: Job, token: int) -> bool:
-        """Whether `token` ends the job's reply (end of generation, or one of its stop tokens)."""
-        return (token in self._eog and not job.options.ignore_eos) or token in job.options.stop_tokens
-
-    def _full(self, job: Job, generated: int, next_pos: int) -> bool:
-        """Whether a job with `generated` tokens, the last to be fed at `next_pos`, has reached
-        its max_tokens or the context."""
-        limit = job.options.max_tokens
-        model = self.model
-        assert model is not None, _LOADED
-        return (limit is not None and generated >= limit) or next_pos + 1 >= model.info.context_length
-
-    def _draft_count(self, job: Job, room: int) -> int:
-        """How many drafts this job checks this step (0: none)."""
-        opts = job.options
-        if not job.drafting or room <= 0 or (job.thinking is not None and job.thinking.next_forced() is not None):
-            return 0
-        if job.draft_pause:
-            job.draft_pause -= 1
-            return 0
-        if opts.max_tokens is not None:
-            room = min(room, opts.max_tokens - len(job.generated) - 1)
-        return max(0, min(opts.drafts or 0, room))  # drafting: a count was settled
-
-    def _propose_all(self, jobs: list[Job], counts: list[int]) -> None:
-        """Drafts for this step, each only from its job's own history, so replies never depend
-        on neighbours (and verification makes them not depend on the drafts either). Policies
-        with a session draft for all their jobs at once."""
-        assert self.model is not None, _LOADED
-        vocab = self.model.info.n_vocab
-        grouped: dict[str, list[tuple[Job, int]]] = {}
-        for job, k in zip(jobs, counts):
-            job.drafts, job.device_drafts = [], None
-            if k <= 0:
-                continue
-            policy = job.options.draft_policy
-            if isinstance(policy, SessionPolicy):
-                grouped.setdefault(policy.name, []).append((job, k))
-            else:
-                assert isinstance(policy, Proposes), "the host settles a job's draft policy"
-                job.drafts = self._clean(policy.propose(job.prompt + job.generated, k), k, vocab)
-        for name, items in grouped.items():
-            try:
-                # (grouped: only jobs whose policy is a SessionPolicy)
-                session = self._session(cast(SessionPolicy, items[0][0].options.draft_policy))
-                requests = [DraftRequest(job.slot, job.prompt + job.generated, k) for job, k in items]
-                pending = None
-                if (
-                    self._feeds_device
-                    and isinstance(session, DeviceDraftSession)
-                    and all(job.constraint is None for job, _ in items)  # (a grammar checks drafts first)
-                ):
-                    pending = session.propose_on_device(requests)
-                if pending is not None and pending.handles is not None:
-                    # Fed to the pass on the device and read after its wait (_read_drafts).
-                    for (job, k), handle in zip(items, pending.handles):
-                        job.drafts, job.device_drafts = [-1] * k, handle
-                    self._on_device.append((pending, items))
-                    continue
-                proposals = pending.resolve() if pending is not None else session.propose_many(requests)
-            except Exception:
-                # A drafter's failure costs speed, never a reply: this step goes undrafted.
-                log.exception("draft policy %s failed", name)
-                continue
-            for (job, k), drafts in zip(items, proposals):
-                job.drafts = self._clean(drafts, k, vocab)
-        for job in jobs:
-            if job.drafts and job.constraint is not None:
-                # A draft the grammar rejects would be rejected by verification anyway: the
-                # tokens checked are only those the grammar allows, so the reply is the same.
-                job.drafts = job.drafts[: job.constraint.validate_tokens(job.drafts)]
-
-    def _read_drafts(self) -> None:
-        """After the wait of a pass fed with drafts on the device: the drafts it verified. A
-        draft that cannot be read stays -1, which no sampled token equals: it is rejected, and
-        its cell removed, as any rejected draft."""
-        if not self._on_device:  # (every step: the usual case)
-            return
-        pending, self._on_device = self._on_device, []
-        assert self.model is not None, _LOADED
-        vocab = self.model.info.n_vocab
-        for drafts, items in pending:
-            try:
-                read = drafts.resolve()
-            except Exception:
-                log.exception("reading drafts from the device failed")
-                read = [[] for _ in items]
-            for (job, k), got in zip(items, read):
-                clean = [t if 0 <= t < vocab else -1 for t in (int(t) for t in list(got)[:k])]
-                job.drafts = clean + [-1] * (k - len(clean))
-                job.device_drafts = None
-
-    @staticmethod
-    def _clean(drafts: Iterable[int], k: int, vocab: int) -> list[int]:
-        return [int(t) for t in list(drafts)[:k] if 0 <= int(t) < vocab]
-
-    def _session(self, policy: SessionPolicy) -> DraftSession:
-        session = self._sessions.get(policy.name)
-        if session is None:
-            if self._draft_session is None:
-                raise RuntimeError(f"draft policy {policy.name} needs a session and this engine makes none")
-            assert self.model is not None, _LOADED
-            session = self._sessions[policy.name] = self._draft_session(policy, self.model)
-        return session
-
-    @staticmethod
-    def _pause_if_unlucky(job: Job) -> None:
-        # The fallback when drafts keep missing (a chat, not an edit): once 16 drafted tokens
-        # have been checked with fewer than half accepted, draft nothing for a while, then try
-        # again; each losing window doubles the pause (32, 64, ... 1024 steps) and a winning one
-        # resets it, so a reply where drafting never pays spends a few percent of its steps
-        # finding that out. A pass checking k drafts costs up to 2x a plain step on a GPU and
-        # more on a CPU (docs/performance.md), so below about half accepted drafting loses. The
-        # rule reads this job's own history only.
-        drafted, accepted = job.window
-        if drafted >= 16:
-            if accepted * 2 < drafted:
-                job.draft_pause = job.draft_backoff
-                job.draft_backoff = min(job.draft_backoff * 2, 1024)
-            else:
-                job.draft_backoff = 32
-            job.window = [0, 0]
-
-    def _sync_greedy(self) -> None:
-        """Ask the backend to take the argmax on the device for slots running greedy requests:
-        then a pass of greedy requests copies token ids back instead of every row's logits. A
-        slot keeps its setting while idle; it changes only when a request of the other kind
-        takes it (each change costs the backend a new graph plan)."""
-        greedy = self._greedy
-        assert greedy is not None, "called only while the device takes the argmax"
-        model = cast(DeviceGreedy, self.model)  # _greedy is set only for a DeviceGreedy model
-        for job in self._active:
-            want = job.plain
-            if greedy.get(job.slot) != want:
-                if not model.set_device_greedy(job.slot, want) and want:
-                    # Every row's logits must come back again: no slot may stay sampled there.
-                    log.warning("the backend cannot take the argmax on its device; taking it here")
-                    for slot, on in greedy.items():
-                        if on:
-                            model.set_device_greedy(slot, False)
-                    self._greedy = None
-                    self._drop_argmax()
-                    return
-                greedy[job.slot] = want
-        if self._masked is None:
-            return
-        # A greedy row held to a grammar tries the device's argmax against its mask first.
-        device = cast(DeviceArgmax, self.model)
-        for job in self._active:
-            want = job.greedy and not job.plain
-            if self._masked.get(job.slot) != want:
-                if not device.set_device_argmax(job.slot, want) and want:
-                    log.warning("the backend cannot take a masked row's argmax on its device; taking it here")
-                    self._drop_argmax()
-                    return
-                self._masked[job.slot] = want
-
-    def _drop_argmax(self) -> None:
-        """Take every masked row's argmax here from now on (the backend refused one)."""
-        argmax, self._masked = self._masked, None
-        if argmax:
-            device = cast(DeviceArgmax, self.model)
-            for slot, on in argmax.items():
-                if on:
-                    device.set_device_argmax(slot, False)
-
-    def _best(self, logits: np.ndarray, plain: list[bool], chunks: list[SeqChunk]) -> list[int]:
-        """Each row's argmax: from the device where it took it, else computed here."""
-        if self._greedy is None:
-            return self._argmax(logits)
-        best = cast(DeviceGreedy, self.model).sampled_tokens()  # _greedy is set only for a DeviceGreedy model
-        missing = [i for i, t in enumerate(best) if t < 0]
-        if missing:
-            # Rows of slots the device does not sample; their logits were copied back.
-            rows = [0] * len(best)
-            r = 0
-            for chunk, is_plain in zip(chunks, plain):
-                for i in range(chunk.outputs):
-                    rows[r + i] = is_plain
-                r += chunk.outputs
-            for i in missing:
-                if rows[i]:
-                    best[i] = int(logits[i].argmax())
-        return best
-
-    def _argmax(self, logits: np.ndarray) -> list[int]:
-        """Row-wise argmax. It is on the step's critical path (the device waits for it) and
-        bound by memory bandwidth: a big pass (128 rows of a 32k vocabulary are 16 MB) is split
-        over up to _ARGMAX_PARTS threads, this one taking a part too (numpy lets go of the GIL); a small one
-        stays on this thread, where handing parts out would cost more than it saves (measured
-        on the H200's host: 128 rows 0.69 ms on one thread, 0.33 on 4, 0.52 on 8)."""
-        parts = min(_ARGMAX_PARTS, CPUS, logits.size >> 19)
-        if parts <= 1 or logits.shape[0] < 2 * parts:
-            best: list[int] = logits.argmax(axis=1).tolist()
-            return best
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(_ARGMAX_PARTS - 1, "kinfer-argmax")
-        rows = logits.shape[0]
-        bounds = [rows * i // parts for i in range(parts + 1)]
-        futures = [self._pool.submit(np.argmax, logits[a:b], 1) for a, b in zip(bounds[1:], bounds[2:])]
-        first = logits[: bounds[1]].argmax(axis=1)
-        best = np.concatenate([first] + [f.result() for f in futures]).tolist()
-        return best
-
-    def _drain_text(self, events: list[_Event]) -> list[Job]:
+    def _drain_text(self, events: list[Event]) -> list[Job]:
         """Text of the tokens taken last step; returns the jobs a stop string ended."""
         pending, self._pending = self._pending, []
         ended: list[Job] = []
@@ -1184,57 +656,16 @@ class Engine:
                 ended.append(job)
         return ended
 
-    def _text(self, job: Job, events: list[_Event]) -> bool:
+    def _text(self, job: Job, events: list[Event]) -> bool:
         """Push the job's tokens not yet turned into text; True if a stop string ended it."""
-        model = self.model
-        assert model is not None, _LOADED
-        while job.n_text < len(job.generated):
-            token = job.generated[job.n_text]
-            job.n_text += 1
-            piece = job.stream.push(model.token_bytes(token))
-            if piece:
-                job.text += piece
-            if (thinking := job.thinking) is not None and thinking.closed_at == job.n_text:
-                end = b"".join(model.token_bytes(t) for t in thinking.options.end).decode("utf-8", "replace")
-                thinking.mark_text(job.n_text, len(job.stream.text), len(end))
-            if job.on_piece:
-                events.append((job.on_piece, piece, [token]))
-            if job.stream.stopped:
-                # Tokens after the one that completed the stop string are not part of the reply.
-                del job.generated[job.n_text :]
-                del job.logprobs[job.n_text :]
-                return True
-        return False
+        assert self.model is not None, _LOADED
+        return push_text(job, self.model.token_bytes, events)
 
-    def _finish(self, job: Job, reason: str | None, events: list[_Event], release: bool = True) -> None:
-        job.move(JobState.DONE)
-        if reason is None and job.stop_reason is None:
-            job.stop_reason = "error"  # job.error says what; nothing more is done for it
-        if reason is not None:
-            job.stop_reason = reason
-            if reason != "cancelled":
-                rest = job.stream.finish()
-                if rest:
-                    job.text += rest
-                    if job.on_piece:
-                        events.append((job.on_piece, rest, []))
-        job.t_end = time.perf_counter()
-        if self._trace is not None:
-            self._trace.write(
-                "job",
-                submit=job.t_submit,
-                start=job.t_start,
-                first=job.t_first,
-                end=job.t_end,
-                prompt=len(job.prompt),
-                cached=job.cached,
-                generated=len(job.generated),
-                reason=job.stop_reason,
-            )
+    def _finish(self, job: Job, reason: str | None, events: list[Event], release: bool = True) -> None:
+        """End the job (events.close); its slot goes back unless a pass in flight holds its row."""
+        close(job, reason, events, self._trace)
         if release:
             self._release(job)
-        if job.on_done:
-            events.append((job.on_done, job))
 
     def _release(self, job: Job) -> None:
         """Give the job's slot back (after any pass it was part of has finished)."""
@@ -1244,14 +675,6 @@ class Engine:
                 assert self.slots is not None, "the slots are made with the model"
                 self.slots.give_back(job, self._active)
 
-    def _flush(self, events: list[_Event]) -> None:
+    def _flush(self, events: list[Event]) -> None:
         if events:
-
-            def deliver(events: list[_Event] = events) -> None:
-                for fn, *args in events:
-                    try:
-                        fn(*args)
-                    except Exception:
-                        log.exception("event callback failed")
-
-            self._post(deliver)
+            self._post(delivery(events))

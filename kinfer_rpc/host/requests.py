@@ -17,7 +17,7 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine import trace as tracing
-from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Outcome
 from kinfer_rpc.engine.reasoning import Reasoning
 from kinfer_rpc.engine.sampling import TokenLogprob
 from kinfer_rpc.host import embeddings, reasoning, tools
@@ -163,33 +163,33 @@ class Sink(Protocol):
     async def piece(self, piece: Piece) -> None: ...
 
 
-def reply_of(job: Job, model: str = "", text_of: Callable[[int], str] | None = None) -> Reply:
-    """A job's reply so far (the whole of it once it is done); `text_of` gives a token's text
-    for its logprobs."""
-    t_end = job.t_end or time.perf_counter()
-    prompt_s = (job.t_first - job.t_start) if job.t_first else 0.0
-    gen_s = (t_end - job.t_first) if job.t_first else 0.0
-    n = len(job.generated)
-    text, thought, thought_tokens = job.text, None, 0
-    if (thinking := job.thinking) is not None:
-        thought, text = reasoning.split(job.text, thinking.reasoning_chars, thinking.answer_chars)
-        thought_tokens = min(n, thinking.closed_at if thinking.closed_at is not None else n)
+def reply_of(done: Outcome, model: str = "", text_of: Callable[[int], str] | None = None) -> Reply:
+    """A job's reply, from its Outcome (the whole of it once it is done, the reply so far while
+    it runs); `text_of` gives a token's text for its logprobs."""
+    t_end = done.t_end or time.perf_counter()
+    prompt_s = (done.t_first - done.t_start) if done.t_first else 0.0
+    gen_s = (t_end - done.t_first) if done.t_first else 0.0
+    n = len(done.generated)
+    text, thought, thought_tokens = done.text, None, 0
+    if done.reasons:
+        thought, text = reasoning.split(done.text, done.reasoning_chars, done.answer_chars)
+        thought_tokens = min(n, done.closed_at if done.closed_at is not None else n)
     return Reply(
         model=model,
         text=text,
         reasoning=thought,
-        tokens=tuple(job.generated),
-        stop_reason=job.stop_reason or "cancelled",
-        seed=job.options.sampling.seed,
-        usage=Usage(len(job.prompt), n, job.cached, job.drafted, job.accepted, thought_tokens),
+        tokens=done.generated,
+        stop_reason=done.stop_reason or "cancelled",
+        seed=done.options.sampling.seed,
+        usage=Usage(done.prompt_tokens, n, done.cached, done.drafted, done.accepted, thought_tokens),
         timings=Timings(
-            queue_ms=round(max(0.0, (job.t_start or t_end) - job.t_submit) * 1000, 3),
+            queue_ms=round(max(0.0, (done.t_start or t_end) - done.t_submit) * 1000, 3),
             prompt_ms=round(prompt_s * 1000, 3),
             generate_ms=round(gen_s * 1000, 3),
             tokens_per_second=round((n - 1) / gen_s, 2) if n > 1 and gen_s > 0 else 0.0,
         ),
-        logprobs=_logprobs(job.logprobs[:n], text_of)
-        if job.options.logprobs is not None and text_of is not None
+        logprobs=_logprobs(list(done.logprobs[:n]), text_of)
+        if done.options.logprobs is not None and text_of is not None
         else None,
     )
 
@@ -519,6 +519,7 @@ class Requests:
         sent = 0  # tokens whose logprobs went out in pieces
         splitter = reasoning.Splitter() if opts.reasoning is not None else None
         done = anyio.Event()
+        outcome: list[Outcome] = []  # the engine's, once the job is done
         pieces: list[tuple[str, list[int]]] = []
         wake = anyio.Event()
 
@@ -526,7 +527,8 @@ class Requests:
             pieces.append((text, toks))
             wake.set()
 
-        def on_done(_job: Job) -> None:
+        def on_done(ended: Outcome) -> None:
+            outcome.append(ended)
             done.set()
             wake.set()
 
@@ -542,7 +544,7 @@ class Requests:
             media=media,
         )
         if sink is not None:
-            sink.started(lambda: reply_of(job, entry.name, text_of))
+            sink.started(lambda: reply_of(Outcome.of(job), entry.name, text_of))
         try:
             while not done.is_set() or pieces:
                 if pieces:
@@ -570,12 +572,13 @@ class Requests:
         except BaseException:
             entry.engine.cancel(job)
             raise
+        ended = outcome[0]
         if (trace := tracing.current()) is not None:
-            arrived = received if received is not None else job.t_submit
-            trace.write("request", received=arrived, submit=job.t_submit, answered=time.perf_counter())
-        if job.error is not None:
-            if isinstance(job.error, errors.KinferError):
-                raise job.error
+            arrived = received if received is not None else ended.t_submit
+            trace.write("request", received=arrived, submit=ended.t_submit, answered=time.perf_counter())
+        if ended.error is not None:
+            if isinstance(ended.error, errors.KinferError):
+                raise ended.error
             # the engine failed (a decode, a device, an RPC server): -32603 with what failed
-            raise errors.KinferError(errors.INTERNAL_ERROR, str(job.error) or type(job.error).__name__)
-        return reply_of(job, entry.name, text_of)
+            raise errors.KinferError(errors.INTERNAL_ERROR, str(ended.error) or type(ended.error).__name__)
+        return reply_of(ended, entry.name, text_of)

@@ -18,7 +18,7 @@ import attrs
 
 from kinfer_rpc import errors
 from kinfer_rpc.engine.grammar import Grammars
-from kinfer_rpc.engine.job import GenerateOptions, Job
+from kinfer_rpc.engine.job import GenerateOptions, Job, Outcome
 from kinfer_rpc.engine.scheduler import Engine
 from kinfer_rpc.engine.scheduler import EngineStats as EngineStats  # what model/status reports
 from kinfer_rpc.host import gguf as gguf_meta
@@ -763,7 +763,7 @@ class Runtime:
         ids: list[int],
         opts: GenerateOptions,
         on_piece: Callable[[str, list[int]], None] | None = None,
-        on_done: Callable[[Job], None] | None = None,
+        on_done: Callable[[Outcome], None] | None = None,
         constraint: Any = None,
         owner: int = 0,
         media: tuple[Media, ...] = (),

@@ -151,7 +151,7 @@ class Chooser:
     # -- grammars ----------------------------------------------------------------------------
     def prepare_masks(self, chunks: list[SeqChunk], owners: list[Job], n_vocab: int) -> None:
         """The grammar masks of the rows of the pass in flight, computed while the device runs it.
-        A row after a draft token gets its mask when its turn comes (sample)."""
+        A row after a draft token gets its mask when its turn comes (Chooser.sample)."""
         jobs = [job for chunk, job in zip(chunks, owners) if chunk.outputs and job.constraint is not None]
         if not jobs:
             return

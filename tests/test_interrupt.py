@@ -22,12 +22,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from cli_helpers import KINFER
 from tmux_helpers import Tmux, at_prompt, env, last_line, tmux_binary, wait_until
 
 from kinfer_rpc.client import AsyncClient, Client
 
-BIN = os.path.dirname(sys.executable)
-KINFER = os.path.join(BIN, "kinfer")
 LONG = "Count from 1 to 500, one number per line."
 
 

@@ -9,11 +9,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import BIN, KINFER
 from registry_helpers import Server
 from store_helpers import sha_digest
 
@@ -22,9 +22,6 @@ from kinfer_rpc.host import pull as pullmod
 from kinfer_rpc.host.options import RequestOptions
 from kinfer_rpc.host.store import ModelStore, embedded_default_path
 
-BIN = os.path.dirname(sys.executable)
-KINFER = os.path.join(BIN, "kinfer")
-MEDIA = "application/vnd.ollama.image."
 PARAMS = {"temperature": 0.25, "num_ctx": 1024}
 
 

@@ -642,9 +642,6 @@ class FacesMachine(RuleBasedStateMachine):
         self.counter = 0
         self.steps = 0
 
-    def env(self) -> dict[str, str]:
-        return self.served.env
-
     def live(self) -> list[Connection]:
         return [c for c in self.conns if not c.ended]
 
@@ -662,7 +659,7 @@ class FacesMachine(RuleBasedStateMachine):
         """A client attaches through `kinfer-rpc --attach` and loads the default model: loaded once,
         held by every connection that asked."""
         self.counter += 1
-        client = RpcClient.spawn("--attach", "--socket", str(self.served.socket), env=self.env())
+        client = RpcClient.spawn("--attach", "--socket", str(self.served.socket), env=self.served.env)
         conn = Connection(client, f"connection {self.counter}", self.replies)
         self.conns.append(conn)
         TALLY["connections"] += 1
@@ -766,8 +763,8 @@ class FacesMachine(RuleBasedStateMachine):
 
     # -- the whole ------------------------------------------------------------------------------
     @precondition(lambda self: self.live())
-    @rule(data=st.data())
-    def drain(self, data):
+    @rule()
+    def drain(self):
         """Wait for everything: nothing lost; then no slot busy, nothing queued, and the model held
         by exactly the connections still attached that loaded it."""
         self.settle()

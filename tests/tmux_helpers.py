@@ -6,13 +6,13 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-BIN = os.path.dirname(sys.executable)
+from cli_helpers import BIN
+
 _HOME = tempfile.mkdtemp(prefix="kinfer-home-")
 
 

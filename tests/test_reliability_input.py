@@ -201,6 +201,17 @@ def test_out_of_range_load_options_are_32602(bare, options, field):
 
 
 @pytest.mark.model
+def test_more_slots_than_llama_cpp_runs_is_32602_before_the_weights_are_read(bare):
+    """llama.cpp makes no context of more than 256 sequences: the load says so at once, naming the
+    option, and leaves nothing behind (it was a failed context after the weights, with a traceback)."""
+    err = error_of(bare.request("model/load", {"model": DEFAULT_MODEL, "options": {"slots": 257, "contextLength": 64}}, timeout=60))
+    assert err["code"] == INVALID_PARAMS and err["data"] == {"field": "options.slots"}, err
+    assert "256" in err["message"]
+    assert bare.call("model/status") == {"models": []}
+    assert "Traceback" not in bare.stderr_tail(100_000)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("ids", [[-1], [2**31], [2**63], [10**30], [0, 504, -5]])
 def test_token_ids_outside_the_vocabulary_are_32602(small, ids):
     err = error_of(small.request("inference/generate", {"tokens": ids, "options": {"maxTokens": 1}}))

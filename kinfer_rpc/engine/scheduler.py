@@ -311,7 +311,10 @@ class Engine:
         try:
             self.load_model()
         except Exception as exc:
-            log.exception("model load failed")
+            if isinstance(exc, errors.KinferError):  # a load refused for a reason it names: one line
+                log.warning("model load failed: %s", exc)
+            else:
+                log.exception("model load failed")
             if self._on_ready:
                 self._post(functools.partial(self._on_ready, exc))  # `exc` is unbound after except
             return

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kinfer_rpc import errors
 from kinfer_rpc.default_plugins import cpu_share
 from kinfer_rpc.default_plugins.llama import buft, library, rpc
 from kinfer_rpc.default_plugins.llama.batch import Batch
@@ -73,6 +74,12 @@ class LlamaModel(LlamaVocab):
 
     def __init__(self, path: str, options: LoadOptions, progress: Callable[[float], None]) -> None:
         L = self.L = library.load()
+        most = int(L.llama_max_parallel_sequences())
+        if options.slots > most:  # llama.cpp would refuse the context after the weights are read
+            raise errors.invalid_params(
+                f"options.slots: llama.cpp runs at most {most} sequences at once, not {options.slots}",
+                {"field": "options.slots"},
+            )
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = options.gpu_layers if options.gpu_layers >= 0 else 999
         # (A llama.cpp built with its RPC backend says it supports offload whatever the machine
@@ -176,7 +183,11 @@ class LlamaModel(LlamaVocab):
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
-            raise RuntimeError(f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots")
+            raise errors.KinferError(  # most often: the cells or the batch's buffers do not fit the memory
+                errors.LOAD_FAILED,
+                f"llama.cpp could not create a context of {cparams.n_ctx} cells for {slots} slots"
+                f" (batch {cparams.n_batch}): not enough memory for its cells and buffers?",
+            )
         self.mem = L.llama_get_memory(self.ctx)
         self._batch = Batch(L, options.batch)
         if options.mtp:

@@ -245,11 +245,16 @@ class StreamingInfill(FakeInfill):
     def __init__(self, pieces=(), delay=0.0, prompt=0.0, by_seed=None):
         super().__init__(text="".join(pieces))
         self.pieces, self.delay, self.prompt, self.by_seed = list(pieces), delay, prompt, by_seed or {}
+        self.running = self.most_at_once = 0
 
     async def __call__(self, ctx, /, **p):
         self.calls.append(p)
         seed = p["options"].get("seed")
         if seed in self.by_seed:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+            await anyio.sleep(0.02)
+            self.running -= 1
             return {"model": "fake-fim", "text": self.by_seed[seed], "usage": {"promptTokens": 9, "cachedTokens": 8}}
         try:
             await anyio.sleep(self.prompt)
@@ -282,6 +287,7 @@ def test_n_alternatives_are_several_items():
             (2, lsp.ALT_TEMPERATURE),
         ]
         assert [u["cachedTokens"] for u in got["items"][0]["data"]["usage"]] == [0, 8, 8]
+        assert infill.most_at_once == 2  # after the first, the others run together (the same passes)
         inline = await editor.inline_completion(None, **ask(editor, lsp.INLINE_COMPLETION, 0, 11, uri))
         assert [i["insertText"] for i in inline["items"]] == ["area(r)", "perimeter(r)"]
 

@@ -24,7 +24,7 @@ Each completion also carries the repository as llama.vim gathers it: the ring's 
 documents the editor showed (protocol/ring.py), read into the prefix pool in idle time
 (`background`). A request's context chooses its options (Automatic: one line, a tight time
 budget; Invoked: lines on); `n` alternatives share the first one's prompt through the prefix
-pool; infill's streamed pieces let the layer stop it early (nIndent, tMaxPredictMs) or give up
+pool and decode together; infill's streamed pieces let the layer stop it early (nIndent, tMaxPredictMs) or give up
 on a long prompt (tMaxPromptMs). Items carry a `kinfer.accepted` command: the client runs it on
 acceptance, and the completion that follows is computed ahead and served when the next request's
 view matches.
@@ -612,10 +612,10 @@ class Editor:
         options: dict[str, Any],
         knobs: dict[str, Any],
     ) -> Answer:
-        """`n` completions of a view's prefix, middle and suffix (and extra files), one after the
-        other: the first with the settings' options, the others with other seeds (and, when the
-        settings are greedy, a temperature): the prefix pool holds the prompt the first read, so
-        the others read only its last token."""
+        """`n` completions of a view's prefix, middle and suffix (and extra files): the first with
+        the settings' options, then the others at once with other seeds (and, when the settings
+        are greedy, a temperature): the prefix pool holds the prompt the first read, so the others
+        read only its last token, and they decode in the same passes."""
         prefix, middle, suffix = texts
         model = await self._model_name()
         params: dict[str, Any] = {"prefix": prefix, "middle": middle, "suffix": suffix}
@@ -626,20 +626,27 @@ class Editor:
         indent = _indent(middle) if knobs["nIndent"] else None
         if model is None and not (self._last_model and self._loaded(self._last_model)):
             knobs = {**knobs, "tMaxPromptMs": 0}  # infill may load a model first: no prompt budget then
-        found: list[str] = []
-        usage: list[dict[str, Any]] = []
-        name = ""
-        for i in range(knobs["n"]):
+        got: list[tuple[str, str, dict[str, Any]] | None] = [None] * knobs["n"]
+
+        async def one(i: int) -> None:
             opts = dict(options)
             if i:
                 opts["seed"] = int(options.get("seed") or 0) + i
                 if not options.get("temperature"):
                     opts["temperature"] = ALT_TEMPERATURE
-            text, name, used = await self._infill_once({**params, "options": opts}, knobs, indent)
-            usage.append(used)
+            got[i] = await self._infill_once({**params, "options": opts}, knobs, indent)
+
+        await one(0)
+        if len(got) > 1:
+            async with anyio.create_task_group() as tg:
+                for i in range(1, len(got)):
+                    tg.start_soon(one, i)
+        found: list[str] = []
+        for text, _, _ in filter(None, got):
             if text not in found:
                 found.append(text)
-        return Answer(tuple(found), name, tuple(usage))
+        done = [g for g in got if g is not None]
+        return Answer(tuple(found), done[0][1], tuple(used for _, _, used in done))
 
     async def _infill_once(
         self, params: dict[str, Any], knobs: dict[str, Any], indent: int | None

@@ -1,7 +1,7 @@
 """Typing replayed into `kinfer-rpc` as an editor's LSP client does it: one completion per keystroke.
 
     python bench/lsp_replay.py --model FIM.gguf [--file bench/replay/options.py]
-        [--function generate_options] [--lines 30] [--interval-ms 0] [--max-tokens 32] [--threads N]
+        [--function generate_options] [--lines 30] [--interval-ms 0] [--max-tokens 32] [--threads N] [--gpu-layers N]
         [--spm] [--cache-reuse N] [--keys N] [--llama-server PATH]
 
 The first `--lines` lines of the function are taken out of the source file, the file is opened
@@ -282,7 +282,9 @@ def replay_llama_server(args: argparse.Namespace, keys: int | None) -> dict[str,
         port = sock.getsockname()[1]
     model = str(Path(args.model).resolve())
     cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "1"]
-    cmd += ["-b", "2048", "-ub", "512", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "--cache-reuse", "256"]
+    cmd += ["-b", "2048", "-ub", "512", "-fa", "on", "--cache-reuse", "256"]
+    # kinfer's KV cells: q8_0 on the CPU, f16 with every layer on a GPU
+    cmd += ["-ngl", str(args.gpu_layers)] if args.gpu_layers else ["-ctk", "q8_0", "-ctv", "q8_0"]
     if args.threads:
         cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -362,6 +364,7 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=0.0, help="0: await each completion before the next key")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU (load option gpuLayers; -ngl)")
     ap.add_argument(
         "--no-pool-keys",
         type=int,
@@ -383,7 +386,9 @@ def main() -> None:
     if args.llama_server:
         emit("llama_server", replay_llama_server(args, args.keys or None))
         return
-    base = {"threads": args.threads} if args.threads else {}
+    base: dict[str, Any] = {"threads": args.threads} if args.threads else {}
+    if args.gpu_layers is not None:
+        base["gpuLayers"] = args.gpu_layers
     cases = [("pool", base, args.keys or None), ("no_pool", {**base, "prefix": -1}, args.no_pool_keys or None)]
     for case, options, keys in cases:
         if args.only in (None, case):

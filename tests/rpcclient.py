@@ -31,7 +31,8 @@ from typing import Any
 
 import metamodel
 
-KINFER_RPC = os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
+# the server as clients find it: $KINFER_RPC when set (an installed copy), else the one beside this Python
+KINFER_RPC = os.environ.get("KINFER_RPC") or os.path.join(os.path.dirname(sys.executable), "kinfer-rpc")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _HEADER = re.compile(
     rb"Content-Length: ([0-9]+)\r\n(?:Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n)?\r\n"

@@ -34,6 +34,8 @@ SPELLINGS = {
     "pad": "<fim_pad>",
 }
 TOKENS_KEY = "tokenizer.ggml.tokens"
+TYPES_KEY = "tokenizer.ggml.token_type"
+CONTROL = 3  # gguf.TokenType.CONTROL
 
 
 def make_fim_model(dst_path: str | os.PathLike[str], source: str | None = None, metadata: bool = False) -> str:
@@ -46,6 +48,12 @@ def make_fim_model(dst_path: str | os.PathLike[str], source: str | None = None, 
             value = list(value)
             for key, token in FIM_IDS.items():
                 value[token] = SPELLINGS[key]
+        if name == TYPES_KEY and not metadata:
+            # SmolLM2's are control tokens already; a SentencePiece vocabulary's (the random-weight
+            # shapes of make_model.py) are byte tokens, which must not carry another spelling
+            value = list(value)
+            for token in FIM_IDS.values():
+                value[token] = CONTROL
         return value
 
     def add(w: Any) -> None:

@@ -1,15 +1,15 @@
 """Soak: many concurrent streams against ONE `kinfer-rpc` for a long time.
 
-    python tests/soak/soak.py --seconds 600 --streams 64 --out /tmp/soak.json
+    python tests/soak/soak.py --seconds 600 --streams 64 --out /tmp/soak.json [--model GGUF --gpu-layers N]
 
 Each of --streams clients sends a request, waits for its response, sends the next, for --seconds.
 Requests come from a pool of distinct ones (generate from text or tokens, chat; greedy and seeded
 sampling; 8 to 48 tokens), so every reply of one pool entry must be the same, however crowded the
 server was. Some are cancelled (after a random delay, or after their response: a no-op), and some
 stream partial results. Every 10 s the server's RSS, threads, open files and model/status are
-sampled. At the end: every id answered exactly once, replies identical per pool entry, slots and
-queue empty, nothing but valid frames on stdout (tests/rpcclient.py checks every message against
-spec/metaModel.json).
+sampled, and on an NVIDIA GPU the device memory the server holds (nvidia-smi). At the end: every
+id answered exactly once, replies identical per pool entry, slots and queue empty, nothing but
+valid frames on stdout (tests/rpcclient.py checks every message against spec/metaModel.json).
 
 Prints a JSON summary (also written to --out): RSS over time, tokens per second per minute, counts
 of requests, results, cancels and errors, and the problems found (empty when all is well). Exit code
@@ -23,6 +23,7 @@ import collections
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -57,7 +58,7 @@ def pool() -> list[tuple[str, dict]]:
             out.append(
                 (
                     "inference/generate",
-                    {"tokens": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 30))], "options": options},
+                    {"tokens": [rng.randrange(100, 30000) for _ in range(rng.randrange(1, 30))], "options": options},
                 )
             )
         else:
@@ -76,6 +77,21 @@ def proc_sample(pid: int) -> dict:
     return out
 
 
+def device_mib(pid: int) -> int | None:
+    """The GPU memory `pid` holds, in MiB (nvidia-smi), or None without an NVIDIA GPU."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",") for line in out.splitlines() if line.strip()]
+    return sum(int(mib) for p, mib in rows if int(p) == pid) if rows else None
+
+
 def outcome(r: dict) -> tuple:
     return (r["text"], tuple(r["tokens"]), r["stopReason"], r["usage"]["promptTokens"], r["seed"])
 
@@ -88,6 +104,8 @@ def run(
     threads: int | None = None,
     cancel_share: float = 0.1,
     seed: int = 0,
+    model: str = DEFAULT_MODEL,
+    gpu_layers: int | None = None,
     log=print,
 ) -> dict:
     rng = random.Random(seed)
@@ -99,10 +117,12 @@ def run(
         options = {"contextLength": context, "slots": streams, "batch": max(512, streams)}
         if threads:
             options["threads"] = threads
-        loaded = c.call("model/load", {"model": DEFAULT_MODEL, "options": options}, timeout=120)
+        if gpu_layers is not None:
+            options["gpuLayers"] = gpu_layers
+        loaded = c.call("model/load", {"model": model, "options": options}, timeout=120)
         pid = c.proc.pid
         t0 = time.monotonic()
-        samples = [{"t": 0.0, **proc_sample(pid), "completed": 0, "tokens": 0}]
+        samples = [{"t": 0.0, **proc_sample(pid), "deviceMiB": device_mib(pid), "completed": 0, "tokens": 0}]
         next_sample = t0 + SAMPLE_EVERY
         sent: dict[str, int] = {}  # id -> pool index
         planned_cancel: dict[str, float] = {}  # id -> when
@@ -196,6 +216,7 @@ def run(
                 sample = {
                     "t": round(t, 1),
                     **proc_sample(pid),
+                    "deviceMiB": device_mib(pid),
                     "completed": results + cancelled_answers,
                     "tokens": sum(n for _, n in completions),
                     "cellsUsed": status["cellsUsed"],
@@ -221,7 +242,7 @@ def run(
         held = status["cellsUsed"] - status.get("cachedTokens", 0)
         if (status["slotsBusy"], status["queueLength"], held) != (0, 0, 0):
             problems.append(f"not idle at the end: {status}")
-        final = proc_sample(pid)
+        final = {**proc_sample(pid), "deviceMiB": device_mib(pid)}
     finally:
         code = c.close(timeout=10, check=False)
     if code != 1:
@@ -239,7 +260,10 @@ def run(
     return {
         "seconds": round(elapsed, 1),
         "streams": streams,
-        "load": {k: loaded[k] for k in ("contextLength", "slots", "batch")} | ({"threads": threads} if threads else {}),
+        "model": model,
+        "load": {k: loaded[k] for k in ("contextLength", "slots", "batch")}
+        | ({"threads": threads} if threads else {})
+        | ({"gpuLayers": gpu_layers} if gpu_layers is not None else {}),
         "requests": len(sent),
         "results": results,
         "cancelled": len(cancelled),
@@ -252,6 +276,7 @@ def run(
         "rssKiB": [(s["t"], s["VmRSS"]) for s in samples] + [(round(elapsed, 1), final["VmRSS"])],
         "rssGrowthAfterWarmupKiB": final["VmRSS"] - warm["VmRSS"],
         "peakRssKiB": final["VmHWM"],
+        "deviceMiB": [(s["t"], s["deviceMiB"]) for s in samples] + [(round(elapsed, 1), final["deviceMiB"])],
         "threads": [s["Threads"] for s in samples] + [final["Threads"]],
         "fds": [s["fds"] for s in samples] + [final["fds"]],
         "samples": samples,
@@ -267,6 +292,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="contextLength of each slot")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the server's)")
     ap.add_argument("--cancel-share", type=float, default=0.1)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a model name or GGUF path (default: the embedded one)")
+    ap.add_argument("--gpu-layers", type=int, default=None, help="load option gpuLayers")
     ap.add_argument("--out", default=None, help="also write the JSON summary here")
     args = ap.parse_args()
     summary = run(
@@ -275,6 +302,8 @@ def main() -> int:
         context=args.context,
         threads=args.threads,
         cancel_share=args.cancel_share,
+        model=args.model,
+        gpu_layers=args.gpu_layers,
         log=lambda s: print(s, file=sys.stderr, flush=True),
     )
     text = json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=1)

@@ -6,6 +6,9 @@
   the temporary folder's kinfer-soak.json).
 - test_long_cancel_storm: the cancel storm of tests/test_reliability_cancel.py with KINFER_LONG_STORM_REQUESTS
   (default 5000) requests.
+
+Both run on the embedded model unless KINFER_SOAK_MODEL names another (a GGUF path), with
+KINFER_SOAK_GPU_LAYERS as its load's gpuLayers (bench/gpu_reliability.sh runs them on a GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from rpcclient import DEFAULT_MODEL
 pytestmark = pytest.mark.model  # every test here loads a real model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.environ.get("KINFER_SOAK_MODEL") or DEFAULT_MODEL
+GPU = {"gpuLayers": int(os.environ["KINFER_SOAK_GPU_LAYERS"])} if os.environ.get("KINFER_SOAK_GPU_LAYERS") else {}
 
 
 def _soak_module():
@@ -41,7 +46,7 @@ def test_soak_64_streams():
     streams = int(os.environ.get("KINFER_SOAK_STREAMS", "64"))
     threads = int(os.environ["KINFER_SOAK_THREADS"]) if os.environ.get("KINFER_SOAK_THREADS") else None
     out = os.environ.get("KINFER_SOAK_OUT", os.path.join(tempfile.gettempdir(), "kinfer-soak.json"))
-    summary = _soak_module().run(seconds, streams, threads=threads)
+    summary = _soak_module().run(seconds, streams, threads=threads, model=MODEL, gpu_layers=GPU.get("gpuLayers"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)
@@ -52,6 +57,9 @@ def test_soak_64_streams():
     assert summary["rssGrowthAfterWarmupKiB"] < 64 * 1024, summary["rssKiB"]
     assert max(summary["threads"]) - min(summary["threads"][1:] or summary["threads"]) <= 2, summary["threads"]
     assert len(set(summary["fds"][1:])) == 1, summary["fds"]
+    device = [mib for _, mib in summary["deviceMiB"][1:] if mib is not None]
+    if device:  # on a GPU: the device memory the server holds stays flat after the warm-up
+        assert max(device) - min(device) < 256, summary["deviceMiB"]
     # throughput steady: after the first minute (every stream's first prompt), no full minute under half the
     # median minute
     per_minute = summary["tokensPerSecondPerMinute"][1:]
@@ -65,7 +73,7 @@ def test_long_cancel_storm(spawn):
     ref, c = spawn(), spawn()
     for server in (ref, c):
         server.initialize()
-        server.call("model/load", {"model": DEFAULT_MODEL, "options": rel.STORM_LOAD}, timeout=60)
+        server.call("model/load", {"model": MODEL, "options": {**rel.STORM_LOAD, **GPU}}, timeout=60)
     requests = rel.storm_pool()
     alone = rel.replies_alone(ref, requests)
     ref.close()

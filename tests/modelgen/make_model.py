@@ -1,7 +1,10 @@
 """Write a Llama-shaped GGUF with random weights (F16), for benchmarks where no weights can be
 downloaded. Quantize it afterwards with llama-quantize.
 
-    python tests/modelgen/make_model.py OUT.gguf --shape 1b|7b|7.4b
+    python tests/modelgen/make_model.py OUT.gguf --shape 1b|7b|7.4b [--type F16|Q8_0|Q4_0|Q4_1]
+
+--type quantizes the matrices here (gguf's own quantizers, slow beyond the tiny shape: use
+llama-quantize for the large ones); norms stay F32.
 
 Needs the `gguf` package (llama.cpp vendors it as gguf-py). Speed does not depend on the values,
 so every tensor reuses slices of one random block.
@@ -42,13 +45,18 @@ def add_spm_vocab(w, size: int) -> None:
     w.add_unk_token_id(0)
 
 
+FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # gguf.LlamaFileType.MOSTLY_*
+
+
 def main():
     import gguf
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--type", choices=sorted(FILE_TYPES), default="F16", help="the matrices' type")
     args = ap.parse_args()
+    qtype = getattr(gguf.GGMLQuantizationType, args.type)
     s = SHAPES[args.shape]
     e, hd = s["n_embd"], s["n_embd"] // s["n_head"]
     rng = np.random.default_rng(0)
@@ -58,6 +66,13 @@ def main():
         n = int(np.prod(shape))
         reps = -(-n // block.size)
         return np.tile(block, reps)[:n].reshape(shape) if reps > 1 else block[:n].reshape(shape).copy()
+
+    def matrix(name, *shape):
+        data = rand(*shape)
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
 
     w = gguf.GGUFWriter(args.out, "llama")
     w.add_name(f"synthetic-llama-{args.shape}")
@@ -70,24 +85,24 @@ def main():
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(FILE_TYPES[args.type])
     add_spm_vocab(w, s["vocab"])
 
     ones = np.ones(e, dtype=np.float32)
-    w.add_tensor("token_embd.weight", rand(s["vocab"], e))
+    matrix("token_embd.weight", s["vocab"], e)
     w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", rand(s["vocab"], e))
+    matrix("output.weight", s["vocab"], e)
     for i in range(s["n_layer"]):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", ones)
-        w.add_tensor(p + "attn_q.weight", rand(e, e))
-        w.add_tensor(p + "attn_k.weight", rand(s["n_kv"] * hd, e))
-        w.add_tensor(p + "attn_v.weight", rand(s["n_kv"] * hd, e))
-        w.add_tensor(p + "attn_output.weight", rand(e, e))
+        matrix(p + "attn_q.weight", e, e)
+        matrix(p + "attn_k.weight", s["n_kv"] * hd, e)
+        matrix(p + "attn_v.weight", s["n_kv"] * hd, e)
+        matrix(p + "attn_output.weight", e, e)
         w.add_tensor(p + "ffn_norm.weight", ones)
-        w.add_tensor(p + "ffn_gate.weight", rand(s["n_ff"], e))
-        w.add_tensor(p + "ffn_up.weight", rand(s["n_ff"], e))
-        w.add_tensor(p + "ffn_down.weight", rand(e, s["n_ff"]))
+        matrix(p + "ffn_gate.weight", s["n_ff"], e)
+        matrix(p + "ffn_up.weight", s["n_ff"], e)
+        matrix(p + "ffn_down.weight", e, s["n_ff"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -965,3 +965,48 @@ def test_bad_notifications_are_a_log_line_each_never_a_traceback():
         said = c.stderr_tail(1 << 20)
     assert "Traceback" not in said, said[-3000:]
     assert len(said.splitlines()) <= len(NOTIFICATIONS) * len(BAD_PARAMS) + 10, said[-3000:]
+
+
+# -- a cancel that lands as the reply is done -------------------------------------------------------
+def test_a_cancel_that_lands_after_the_handler_finished_gets_the_reply():
+    """A `$/cancelRequest` that arrives while the handler takes its last step (no checkpoint after
+    it) must not turn a whole reply into -32800: the handler finished, so its reply is the answer,
+    as after the response. Seen on a GPU in the cancel storm: -32800 whose partial result had
+    stopReason "length"."""
+    import anyio
+
+    from kinfer_rpc.protocol.connection import Connection
+
+    sent: list[dict] = []
+    holder: list[Connection] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def work(ctx) -> dict:
+        await anyio.sleep(0)
+        # the cancel comes in now, and the handler's last step has no checkpoint
+        await holder[0].receive({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": ctx.id}})
+        return {"text": "done", "stopReason": "length"}
+
+    async def slow(ctx) -> dict:
+        await anyio.sleep(0)
+        await holder[0].receive({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": ctx.id}})
+        await anyio.sleep(0)  # a checkpoint: this one is cancelled
+        return {"text": "never"}
+
+    async def main() -> None:
+        conn = Connection(send, {"work": work, "slow": slow}, {})
+        holder.append(conn)
+
+        async def messages():
+            yield {"jsonrpc": "2.0", "id": 1, "method": "work", "params": {}}
+            yield {"jsonrpc": "2.0", "id": 2, "method": "slow", "params": {}}
+            await anyio.sleep(0.2)
+
+        await conn.serve(messages())
+
+    anyio.run(main)
+    by_id = {m["id"]: m for m in sent}
+    assert by_id[1] == {"jsonrpc": "2.0", "id": 1, "result": {"text": "done", "stopReason": "length"}}
+    assert by_id[2]["error"]["code"] == -32800

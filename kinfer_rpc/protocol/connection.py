@@ -35,6 +35,7 @@ class RequestContext:
     partial_result_token: Any = None
     work_done_token: Any = None
     partial: Callable[[], Any] | None = None  # set by a handler: its partial result so far
+    result: tuple[Any] | None = None  # the handler's result, once it has returned
     received: float = attrs.field(factory=time.perf_counter)  # when it arrived (traces)
 
     async def report_partial(self, value: Any) -> None:
@@ -104,7 +105,9 @@ class Connection:
         # Positional-only, so a param may be called `ctx` like anything else.
         async def method(ctx: RequestContext, /, **params: Any) -> Result:
             try:
-                return Success(await fn(ctx, **params))
+                value = await fn(ctx, **params)
+                ctx.result = (value,)
+                return Success(value)
             except errors.KinferError as exc:
                 return Error(exc.code, exc.message, exc.data)
 
@@ -248,7 +251,12 @@ class Connection:
                 )
         finally:
             self._running.pop(ctx.id, None)
-        if scope.cancel_called:
+        # A cancel that came while the handler took its last step finds its reply done (the
+        # dispatcher's own awaits after the handler are where it lands): that is the answer, as
+        # when the cancel comes after the response.
+        if scope.cancel_called and response is None and ctx.result is not None:
+            response = {"jsonrpc": "2.0", "id": ctx.id, "result": ctx.result[0]}
+        if scope.cancel_called and response is None:
             partial = None
             if ctx.partial is not None:
                 try:

@@ -103,6 +103,7 @@ def main() -> None:
                 record.update(p95_ms=q(times, 0.95), max_ms=q(times, 1.0))
                 if phase == "hostile":
                     record.update(renders=args.renders, compiles=args.compiles)
+                record["ms"] = [round(t * 1000, 1) for t in times]
                 print(json.dumps(record), flush=True)
             ratio = {"p50": round(q(loaded, 0.5) / q(idle, 0.5), 2), "p95": round(q(loaded, 0.95) / q(idle, 0.95), 2)}
             print(json.dumps({"bench": "hostile_bench", "case": "ratio", **ratio}), flush=True)

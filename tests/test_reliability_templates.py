@@ -349,11 +349,13 @@ def test_cancel_unload_and_exit_stop_a_render_at_once(bounded):
     c = bounded
     rid = c.request_async("inference/chat", _probe_params(c.path, "slow"))
     time.sleep(0.3)
-    assert len(_render_workers(c.proc.pid)) == 1
+    before = _render_workers(c.proc.pid)
+    assert 1 <= len(before) <= 2  # the busy one, and a spare starting for the next render
     c.cancel(rid)
     assert error_of(c.response(rid, timeout=0.5))["code"] == REQUEST_CANCELLED
     time.sleep(0.2)
-    assert _render_workers(c.proc.pid) == []  # the busy worker was killed, not left spinning
+    after = _render_workers(c.proc.pid)
+    assert len(after) == len(before) - 1 and set(after) <= set(before)  # the busy worker was killed, not left spinning
 
     rid = c.request_async("inference/chat", _probe_params(c.path, "slow"))
     time.sleep(0.3)

@@ -158,6 +158,7 @@ _compiling = threading.BoundedSemaphore(COMPILES)
 
 
 COMPILE_NICE = 10  # a compile thread's niceness, added to the server's (Linux: threads have their own)
+DEMOTE_SECONDS = 0.25  # a compile running longer runs only on CPU time nothing else wants (SCHED_IDLE)
 
 
 def _below_the_server() -> None:
@@ -170,6 +171,16 @@ def _below_the_server() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE)
 
 
+def _demote(tid: int) -> None:
+    """Thread `tid` runs only on CPU time nothing else wants (Linux's SCHED_IDLE: a thread id names
+    the thread alone). A schema that takes seconds to compile then cannot slow the engine's passes,
+    the protocol, or the compiles that take milliseconds."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is not None and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(tid, idle, os.sched_param(0))
+
+
 def on_compile_stack(compile: Callable[[], _T]) -> _T:
     """compile() on a fresh thread with COMPILE_STACK bytes of stack, waited for here.
     llguidance recurses as deep as a grammar's rules refer to each other, and a stack overflow
@@ -178,9 +189,11 @@ def on_compile_stack(compile: Callable[[], _T]) -> _T:
     memory, and they are given back when its thread ends (glibc keeps the mapping for the next
     thread with nothing resident: 0 kB after a compile that touched 98 MiB)."""
     outcome: list[tuple[bool, Any]] = []
+    tid: list[int] = []
 
     def run() -> None:
         try:
+            tid.append(threading.get_native_id())
             _below_the_server()
             outcome.append((True, compile()))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
@@ -201,6 +214,9 @@ def on_compile_stack(compile: Callable[[], _T]) -> _T:
             ) from None
         finally:
             threading.stack_size(before)
+    thread.join(DEMOTE_SECONDS)
+    if thread.is_alive() and tid:
+        _demote(tid[0])
     thread.join()
     ok, value = outcome[0]
     if not ok:

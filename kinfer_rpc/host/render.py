@@ -18,7 +18,9 @@ in a worker process, which the server can kill:
   last free worker when every busy one is its own, so a client whose renders hang cannot keep
   another's waiting (its own later renders wait behind its hung ones);
 - the workers run WORKER_NICE below the server: a spinning template takes the CPU only from
-  what the server's own threads leave.
+  what the server's own threads leave; a render still running after DEMOTE_SECONDS is moved to
+  Linux's SCHED_IDLE (it runs only when nothing else wants the CPU, other renders included) and
+  its worker is not reused.
 
 Workers are started when first needed and reused; each is `python -m kinfer_rpc.host.render`,
 reading one JSON request a line on stdin and answering one JSON line on stdout.
@@ -26,6 +28,7 @@ reading one JSON request a line on stdin and answering one JSON line on stdout.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -43,6 +46,7 @@ from kinfer_rpc import errors
 RENDER_SECONDS = float(os.environ.get("KINFER_RENDER_SECONDS", "10"))
 RENDER_WORKERS = max(1, min(4, os.cpu_count() or 1))
 WORKER_NICE = 10  # the render workers' niceness, added to the server's
+DEMOTE_SECONDS = 0.25  # a render running longer runs only on CPU time nothing else wants
 _MEMORY_HEADROOM = 512 << 20  # address space a render may add to the worker's, beyond its input
 
 
@@ -60,6 +64,16 @@ class _Worker:
         self.stdout = BufferedByteReceiveStream(process.stdout)
         self.owner: object = None
         self.killed: str | None = None  # why, when it was killed while rendering
+        self.demoted = False  # moved to SCHED_IDLE during a render: not reused
+
+    def demote(self) -> None:
+        """Run this worker only on CPU time nothing else wants (Linux's SCHED_IDLE)."""
+        idle = getattr(os, "SCHED_IDLE", None)
+        if idle is None or self.killed is not None:
+            return
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(self.process.pid, idle, os.sched_param(0))
+            self.demoted = True
 
     @classmethod
     async def start(cls) -> _Worker:
@@ -148,6 +162,29 @@ class Renderer:
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._closed = False
+        self._spare: asyncio.Task[None] | None = None  # a worker starting ahead of the render that needs it
+
+    def _keep_a_spare(self) -> None:
+        """Start a worker in the background when none is idle and another may run, so that the
+        next render does not wait for a process to start (about 150 ms on two busy cores)."""
+        if self._closed or self._idle or self._spare is not None or len(self._busy) >= self._turns.workers:
+            return
+
+        async def start() -> None:
+            try:
+                worker = await _Worker.start()
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError):
+                return  # the render that needs it starts one and reports why it could not
+            finally:
+                self._spare = None
+            if self._closed:
+                worker.kill("closed")
+                with anyio.CancelScope(shield=True):
+                    await worker.process.aclose()
+            else:
+                self._idle.append(worker)
+
+        self._spare = asyncio.get_running_loop().create_task(start())
 
     async def render(
         self,
@@ -186,6 +223,8 @@ class Renderer:
                 raise errors.KinferError(errors.INTERNAL_ERROR, f"could not start a render worker: {exc!r}") from exc
             worker.owner = owner
             self._busy.add(worker)
+            self._keep_a_spare()
+            demotion = asyncio.get_running_loop().call_later(DEMOTE_SECONDS, worker.demote)
             done = False
             try:
                 with anyio.move_on_after(self.seconds):
@@ -202,12 +241,17 @@ class Renderer:
                 worker.kill("cancelled")
                 raise
             finally:
+                demotion.cancel()
                 self._busy.discard(worker)
                 worker.owner = None
-                if worker.killed is None and not self._closed:
+                if worker.killed is None and not self._closed and not worker.demoted:
                     self._idle.append(worker)
                 else:
-                    worker.kill("closed")
+                    if worker.killed is None and not self._closed:  # demoted: retired, its render stands
+                        with contextlib.suppress(ProcessLookupError):
+                            worker.process.kill()
+                    else:
+                        worker.kill("closed")
                     with anyio.CancelScope(shield=True):
                         await worker.process.aclose()
             if worker.killed is not None:
@@ -233,6 +277,9 @@ class Renderer:
         self._closed = True
         for worker in list(self._busy):
             worker.kill("the server is exiting")
+        if self._spare is not None:  # it kills its worker itself, seeing the server closed
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._spare
         idle, self._idle = self._idle, []
         for worker in idle:
             worker.kill("closed")
@@ -242,16 +289,17 @@ class Renderer:
 
 # -- the worker ----------------------------------------------------------------------------------
 def _serve() -> None:
+    # Below the server's threads, from the start (a spare worker imports while the server works):
+    # a template that spins until its time limit takes the CPU only from what the machine does
+    # not need (on a CPU, the engine's passes come first)
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     import resource
 
     from kinfer_rpc.host import templates
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the pipe
-    # Below the server's threads: a template that spins until its time limit takes the CPU only
-    # from what the machine does not need (on a CPU, the engine's passes come first)
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     out.write(b"ready\n")
     out.flush()

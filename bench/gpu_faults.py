@@ -27,30 +27,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path[:0] = [TESTS, os.path.join(TESTS, "soak")]
 
 from rpcclient import RpcClient, RpcError, send_together  # noqa: E402
+from soak import device_mib  # noqa: E402  (tests/soak/soak.py)
 
 REFERENCE = {"prompt": "The history of computing is", "options": {"maxTokens": 32, "temperature": 0}}
-
-
-def device_mib(pid: int) -> int | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return sum(int(mib) for p, mib in (line.split(",") for line in out.splitlines() if line.strip()) if int(p) == pid)
 
 
 def attempt(c: RpcClient, method: str, params: dict[str, Any], timeout: float = 300) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import llguidance.numpy
 import numpy as np
 
 from kinfer_rpc import errors
-from kinfer_rpc.engine import CPUS, grammar_limits
+from kinfer_rpc.engine import CPUS, IDLE_AFTER_SECONDS, grammar_limits, on_idle_cpu
 from kinfer_rpc.types import LoadedModel
 
 _THREADS = max(1, min(32, CPUS))
@@ -158,7 +158,6 @@ _compiling = threading.BoundedSemaphore(COMPILES)
 
 
 COMPILE_NICE = 10  # a compile thread's niceness, added to the server's (Linux: threads have their own)
-DEMOTE_SECONDS = 0.25  # a compile running longer runs only on CPU time nothing else wants (SCHED_IDLE)
 
 
 def _below_the_server() -> None:
@@ -169,16 +168,6 @@ def _below_the_server() -> None:
         with contextlib.suppress(OSError):
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE)
-
-
-def _demote(tid: int) -> None:
-    """Thread `tid` runs only on CPU time nothing else wants (Linux's SCHED_IDLE: a thread id names
-    the thread alone). A schema that takes seconds to compile then cannot slow the engine's passes,
-    the protocol, or the compiles that take milliseconds."""
-    idle = getattr(os, "SCHED_IDLE", None)
-    if idle is not None and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(tid, idle, os.sched_param(0))
 
 
 def on_compile_stack(compile: Callable[[], _T]) -> _T:
@@ -214,9 +203,11 @@ def on_compile_stack(compile: Callable[[], _T]) -> _T:
             ) from None
         finally:
             threading.stack_size(before)
-    thread.join(DEMOTE_SECONDS)
+    # A schema that takes seconds to compile cannot slow the engine's passes, the protocol, or the
+    # compiles that take milliseconds.
+    thread.join(IDLE_AFTER_SECONDS)
     if thread.is_alive() and tid:
-        _demote(tid[0])
+        on_idle_cpu(tid[0])
     thread.join()
     ok, value = outcome[0]
     if not ok:

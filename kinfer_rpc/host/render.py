@@ -18,8 +18,8 @@ in a worker process, which the server can kill:
   last free worker when every busy one is its own, so a client whose renders hang cannot keep
   another's waiting (its own later renders wait behind its hung ones);
 - the workers run WORKER_NICE below the server: a spinning template takes the CPU only from
-  what the server's own threads leave; a render still running after DEMOTE_SECONDS is moved to
-  Linux's SCHED_IDLE (it runs only when nothing else wants the CPU, other renders included) and
+  what the server's own threads leave; a render still running after engine.IDLE_AFTER_SECONDS
+  is moved to Linux's SCHED_IDLE (it runs only when nothing else wants the CPU, other renders included) and
   its worker is not reused.
 
 Workers are started when first needed and reused; each is `python -m kinfer_rpc.host.render`,
@@ -42,11 +42,13 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kinfer_rpc import errors
+from kinfer_rpc.engine import IDLE_AFTER_SECONDS, on_idle_cpu
 
 RENDER_SECONDS = float(os.environ.get("KINFER_RENDER_SECONDS", "10"))
 RENDER_WORKERS = max(1, min(4, os.cpu_count() or 1))
 WORKER_NICE = 10  # the render workers' niceness, added to the server's
-DEMOTE_SECONDS = 0.25  # a render running longer runs only on CPU time nothing else wants
+# Why a worker could not start (it died before it said it was ready, or could not be spawned)
+_START_ERRORS = (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError)
 _MEMORY_HEADROOM = 512 << 20  # address space a render may add to the worker's, beyond its input
 
 
@@ -67,13 +69,9 @@ class _Worker:
         self.demoted = False  # moved to SCHED_IDLE during a render: not reused
 
     def demote(self) -> None:
-        """Run this worker only on CPU time nothing else wants (Linux's SCHED_IDLE)."""
-        idle = getattr(os, "SCHED_IDLE", None)
-        if idle is None or self.killed is not None:
-            return
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(self.process.pid, idle, os.sched_param(0))
-            self.demoted = True
+        """Run this worker only on CPU time nothing else wants."""
+        if self.killed is None:
+            self.demoted = on_idle_cpu(self.process.pid)
 
     @classmethod
     async def start(cls) -> _Worker:
@@ -97,10 +95,12 @@ class _Worker:
     def kill(self, why: str) -> None:
         if self.killed is None:
             self.killed = why
-        try:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the process, giving no reason (a demoted worker, retired after its render)."""
+        with contextlib.suppress(ProcessLookupError):
             self.process.kill()
-        except ProcessLookupError:
-            pass
 
 
 class _Turns:
@@ -173,7 +173,7 @@ class Renderer:
         async def start() -> None:
             try:
                 worker = await _Worker.start()
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError):
+            except _START_ERRORS:
                 return  # the render that needs it starts one and reports why it could not
             finally:
                 self._spare = None
@@ -219,12 +219,12 @@ class Renderer:
                 raise errors.KinferError(errors.INTERNAL_ERROR, "the server is exiting")
             try:
                 worker = self._idle.pop() if self._idle else await _Worker.start()
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError) as exc:
+            except _START_ERRORS as exc:
                 raise errors.KinferError(errors.INTERNAL_ERROR, f"could not start a render worker: {exc!r}") from exc
             worker.owner = owner
             self._busy.add(worker)
             self._keep_a_spare()
-            demotion = asyncio.get_running_loop().call_later(DEMOTE_SECONDS, worker.demote)
+            demotion = asyncio.get_running_loop().call_later(IDLE_AFTER_SECONDS, worker.demote)
             done = False
             try:
                 with anyio.move_on_after(self.seconds):
@@ -247,11 +247,10 @@ class Renderer:
                 if worker.killed is None and not self._closed and not worker.demoted:
                     self._idle.append(worker)
                 else:
-                    if worker.killed is None and not self._closed:  # demoted: retired, its render stands
-                        with contextlib.suppress(ProcessLookupError):
-                            worker.process.kill()
-                    else:
+                    if self._closed:
                         worker.kill("closed")
+                    else:  # killed already, or demoted: retired, its render stands
+                        worker.stop()
                     with anyio.CancelScope(shield=True):
                         await worker.process.aclose()
             if worker.killed is not None:

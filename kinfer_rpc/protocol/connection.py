@@ -256,7 +256,7 @@ class Connection:
         # when the cancel comes after the response.
         if scope.cancel_called and response is None and ctx.result is not None:
             response = {"jsonrpc": "2.0", "id": ctx.id, "result": ctx.result[0]}
-        if scope.cancel_called and response is None:
+        elif scope.cancel_called and response is None:
             partial = None
             if ctx.partial is not None:
                 try:
